@@ -1,0 +1,395 @@
+// pybind11 module hybridsync._ps: the C++ parameter server, seen from Python through NumPy
+// arrays (torch and TF adapters pass zero-copy views). Collective calls release the GIL.
+// Bad arrays never make a rank skip a collective: they become an `error` the Engine announces
+// to every peer, so all ranks raise instead of leaving one waiting.
+#include <mpi.h>
+#include <mpi4py/mpi4py.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <mutex>
+
+#include "hybridsync/ps.h"
+#include "transport/mpi_transport.h"
+
+namespace py = pybind11;
+using namespace hybridsync;
+
+namespace {
+
+using IdArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using RowArray = py::array_t<float, py::array::c_style>;
+
+// Moves a vector into a NumPy array without copying; the array owns it.
+template <class T>
+py::array_t<T> to_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
+  auto* owned = new std::vector<T>(std::move(v));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>(shape, owned->data(), free_when_done);
+}
+
+std::string shape_text(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// Ids as a flat int64 array; an empty error string means it is usable.
+IdArray ids_of(const py::object& obj, const std::string& table, std::string* error) {
+  py::array a = py::array::ensure(obj);
+  if (!a) {
+    *error = "table '" + table + "': ids must be an array of integers";
+    return IdArray();
+  }
+  const char kind = a.dtype().kind();
+  if (kind != 'i' && kind != 'u') {
+    *error = "table '" + table + "': ids must be integers, got dtype " + std::string(py::str(a.dtype()));
+    return IdArray();
+  }
+  return IdArray::ensure(a.attr("reshape")(-1));
+}
+
+// Gradient rows: float32, shape (n, dim).
+RowArray grads_of(const py::object& obj, const std::string& table, int64_t n, int64_t dim,
+                  std::string* error) {
+  py::array a = py::array::ensure(obj);
+  if (!a || a.dtype().kind() != 'f' || a.itemsize() != 4) {
+    *error = "table '" + table + "': gradients must be float32, got " +
+             (a ? "dtype " + std::string(py::str(a.dtype())) : std::string("a non-array"));
+    return RowArray();
+  }
+  if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != dim) {
+    *error = "table '" + table + "': gradient shape " + shape_text(a) + " does not match (" +
+             std::to_string(n) + ", " + std::to_string(dim) + ") for " + std::to_string(n) +
+             " ids of a table with dim " + std::to_string(dim);
+    return RowArray();
+  }
+  return RowArray::ensure(a);
+}
+
+// Full-table float32 buffer (num_rows, dim) the engine writes into in place.
+float* table_buffer(const py::object& obj, const TableSpec& spec, bool writable, std::string* error) {
+  py::array a = py::array::ensure(obj);
+  const bool ok = a && a.dtype().kind() == 'f' && a.itemsize() == 4 && a.ndim() == 2 &&
+                  a.shape(0) == spec.num_rows && a.shape(1) == spec.dim &&
+                  (a.flags() & py::array::c_style) && (!writable || a.writeable());
+  if (!ok) {
+    *error = "table '" + spec.name + "': expected a " + (writable ? "writable " : "") +
+             "C-contiguous float32 array of shape (" + std::to_string(spec.num_rows) + ", " +
+             std::to_string(spec.dim) + "), got " +
+             (a ? std::string(py::str(a.dtype())) + " " + shape_text(a) : std::string("a non-array"));
+    return nullptr;
+  }
+  return static_cast<float*>(a.mutable_data());
+}
+
+PartitionKind partition_kind(const std::string& name) {
+  if (name == "cyclic") return PartitionKind::kCyclic;
+  if (name == "block") return PartitionKind::kBlock;
+  throw PSError("unknown partition '" + name + "' (known: cyclic, block)");
+}
+
+// The Python object around an Engine: one thread at a time, GIL released while it runs.
+class PyEngine {
+ public:
+  PyEngine(py::object comm, const WaitPolicy& policy) {
+    MPI_Comm* c = PyMPIComm_Get(comm.ptr());
+    if (!c) throw py::error_already_set();
+    engine_ = std::make_unique<Engine>(std::make_unique<MPITransport>(*c, policy));
+  }
+
+  int add_table(const std::string& name, int64_t num_rows, int64_t dim, int num_shards,
+                const std::string& partition, const std::string& optimizer,
+                const std::map<std::string, double>& hparams) {
+    TableSpec spec{name, num_rows, dim, num_shards, partition_kind(partition), optimizer, hparams};
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    return engine_->add_table(spec);
+  }
+
+  py::list pull(const std::vector<int>& tables, const py::list& ids) {
+    std::string error;
+    std::vector<IdArray> keep;
+    std::vector<TableBatch> batches;
+    if (tables.size() != ids.size()) error = "pull: " + std::to_string(tables.size()) + " tables but " + std::to_string(ids.size()) + " id arrays";
+    for (size_t b = 0; b < tables.size() && error.empty(); ++b) {
+      const std::string& name = spec_or_error(tables[b], &error);
+      if (!error.empty()) break;
+      keep.push_back(ids_of(ids[b], name, &error));
+      if (error.empty()) batches.push_back({tables[b], keep.back().data(), keep.back().size(), nullptr});
+    }
+    std::vector<PullResult> results;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      results = engine_->pull(error.empty() ? batches : std::vector<TableBatch>{}, error);
+    }
+    py::list out;
+    for (size_t b = 0; b < results.size(); ++b) {
+      const auto u = static_cast<py::ssize_t>(results[b].unique.size());
+      const auto n = static_cast<py::ssize_t>(results[b].inverse.size());
+      const auto dim = static_cast<py::ssize_t>(engine_->spec(tables[b]).dim);
+      out.append(py::make_tuple(to_numpy(std::move(results[b].unique), {u}),
+                                to_numpy(std::move(results[b].inverse), {n}),
+                                to_numpy(std::move(results[b].rows), {u, dim})));
+    }
+    return out;
+  }
+
+  void push(const std::vector<int>& tables, const py::list& ids, const py::list& grads, float scale,
+            const py::object& replicas) {
+    std::string error;
+    std::vector<IdArray> keep_ids;
+    std::vector<RowArray> keep_grads;
+    std::vector<TableBatch> batches;
+    std::vector<float*> replica_ptrs;
+    if (tables.size() != ids.size() || tables.size() != grads.size()) {
+      error = "push: tables, ids and grads must have the same length";
+    }
+    py::list replica_list = replicas.is_none() ? py::list() : py::list(replicas);
+    if (error.empty() && !replicas.is_none() && replica_list.size() != tables.size()) {
+      error = "push: one replica per table is required";
+    }
+    for (size_t b = 0; b < tables.size() && error.empty(); ++b) {
+      const std::string& name = spec_or_error(tables[b], &error);
+      if (!error.empty()) break;
+      const int64_t dim = engine_->spec(tables[b]).dim;
+      keep_ids.push_back(ids_of(ids[b], name, &error));
+      if (!error.empty()) break;
+      keep_grads.push_back(grads_of(grads[b], name, keep_ids.back().size(), dim, &error));
+      if (!error.empty()) break;
+      batches.push_back({tables[b], keep_ids.back().data(), keep_ids.back().size(), keep_grads.back().data()});
+      if (!replicas.is_none()) {
+        replica_ptrs.push_back(table_buffer(replica_list[b], engine_->spec(tables[b]), true, &error));
+      }
+    }
+    const bool sync = !replicas.is_none();
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error.empty()) {
+      batches.clear();
+      // Keep the operation's shape (synchronous or deferred) so peers stay in step.
+      replica_ptrs.assign(sync ? 1 : 0, nullptr);
+    }
+    engine_->push(batches, scale, replica_ptrs, error);
+  }
+
+  void flush() {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    engine_->flush();
+  }
+
+  void load_from_root(int table, const py::object& values, int root) {
+    std::string error;
+    const TableSpec& spec = engine_->spec(table);
+    const float* data = nullptr;
+    if (engine_->rank() == root) data = table_buffer(values, spec, false, &error);
+    if (!error.empty()) throw PSError(error);  // only the root reads values
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    engine_->load_from_root(table, data, root);
+  }
+
+  void load_local(int table, int slot, const py::object& values) {
+    std::string error;
+    const float* data = table_buffer(values, engine_->spec(table), false, &error);
+    if (!error.empty()) throw PSError(error);
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    engine_->load_local(table, slot, data);
+  }
+
+  py::array_t<float> gather(int table, int slot) {
+    const TableSpec& spec = engine_->spec(table);
+    std::vector<float> full;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      full = engine_->gather(table, slot);
+    }
+    return to_numpy(std::move(full), {static_cast<py::ssize_t>(spec.num_rows), static_cast<py::ssize_t>(spec.dim)});
+  }
+
+  Engine& engine() { return *engine_; }
+
+ private:
+  const std::string& spec_or_error(int table, std::string* error) {
+    static const std::string none;
+    if (table < 0 || table >= engine_->num_tables()) {
+      *error = "unknown PS table handle " + std::to_string(table);
+      return none;
+    }
+    return engine_->spec(table).name;
+  }
+
+  std::unique_ptr<Engine> engine_;
+  std::mutex mu_;
+};
+
+// A single shard on its own, for tests and single-process use: ids are its local rows.
+class PyShard {
+ public:
+  PyShard(const std::string& name, int64_t rows, int64_t dim, const std::string& optimizer,
+          const std::map<std::string, double>& hparams)
+      : shard_(name, rows, dim, make_update_rule(optimizer, hparams)) {}
+
+  RowArray pull(const py::object& ids_obj) {
+    std::string error;
+    IdArray ids = ids_of(ids_obj, shard_.table(), &error);
+    if (!error.empty()) throw PSError(error);
+    Dedup dd = deduplicate(shard_.table(), ids.data(), ids.size(), shard_.rows());
+    RowArray out({static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(shard_.dim())});
+    std::vector<float> rows(dd.unique.size() * shard_.dim());
+    shard_.gather(dd.unique.data(), static_cast<int64_t>(dd.unique.size()), rows.data());
+    float* dst = out.mutable_data();
+    for (py::ssize_t i = 0; i < ids.size(); ++i) {
+      std::memcpy(dst + i * shard_.dim(), rows.data() + dd.inverse[i] * shard_.dim(), sizeof(float) * shard_.dim());
+    }
+    return out;
+  }
+
+  void push(const py::object& ids_obj, const py::object& grads_obj) {
+    std::string error;
+    IdArray ids = ids_of(ids_obj, shard_.table(), &error);
+    RowArray grads;
+    if (error.empty()) grads = grads_of(grads_obj, shard_.table(), ids.size(), shard_.dim(), &error);
+    if (!error.empty()) throw PSError(error);
+    Dedup dd = deduplicate(shard_.table(), ids.data(), ids.size(), shard_.rows());
+    const int64_t dim = shard_.dim();
+    std::vector<float> summed(dd.unique.size() * dim, 0.0f);
+    for (py::ssize_t i = 0; i < ids.size(); ++i) {
+      for (int64_t j = 0; j < dim; ++j) summed[dd.inverse[i] * dim + j] += grads.data()[i * dim + j];
+    }
+    shard_.rule().begin_step();
+    shard_.apply(dd.unique.data(), static_cast<int64_t>(dd.unique.size()), summed.data());
+  }
+
+  py::array_t<float> values(int slot) const {
+    if (slot >= shard_.num_slots()) throw PSError("no optimizer state slot " + std::to_string(slot));
+    const float* src = slot < 0 ? shard_.data() : shard_.slot(slot);
+    std::vector<float> copy(src, src + shard_.rows() * shard_.dim());
+    return to_numpy(std::move(copy), {static_cast<py::ssize_t>(shard_.rows()), static_cast<py::ssize_t>(shard_.dim())});
+  }
+
+  void set_values(int slot, const py::object& values) {
+    std::string error;
+    TableSpec spec{shard_.table(), shard_.rows(), shard_.dim()};
+    const float* data = table_buffer(values, spec, false, &error);
+    if (!error.empty()) throw PSError(error);
+    if (slot >= shard_.num_slots()) throw PSError("no optimizer state slot " + std::to_string(slot));
+    float* dst = slot < 0 ? shard_.data() : shard_.slot(slot);
+    std::memcpy(dst, data, sizeof(float) * shard_.rows() * shard_.dim());
+  }
+
+  Shard& shard() { return shard_; }
+
+ private:
+  Shard shard_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_ps, m) {
+  m.doc() = "hybridsync parameter server core (C++)";
+  if (import_mpi4py() < 0) throw py::error_already_set();
+
+  static py::exception<PSRemoteError> remote_error(m, "RemoteError", PyExc_RuntimeError);
+  static py::exception<PSTransportError> transport_error(m, "TransportError", remote_error.ptr());
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const PSIndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what());
+    } catch (const PSError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const PSTransportError& e) {
+      PyErr_SetString(transport_error.ptr(), e.what());
+    } catch (const PSRemoteError& e) {
+      PyErr_SetString(remote_error.ptr(), e.what());
+    }
+  });
+
+  py::class_<Partitioner>(m, "Partitioner")
+      .def(py::init([](int64_t rows, int shards, const std::string& kind) {
+             return Partitioner(rows, shards, partition_kind(kind));
+           }),
+           py::arg("num_rows"), py::arg("num_shards"), py::arg("kind") = "cyclic")
+      .def("shard_of", &Partitioner::shard_of)
+      .def("local_index", &Partitioner::local_index)
+      .def("global_id", &Partitioner::global_id)
+      .def("shard_rows", &Partitioner::shard_rows);
+
+  m.def("optimizer_slots", [](const std::string& name, const std::map<std::string, double>& hparams) {
+    return make_update_rule(name, hparams)->slot_names();
+  });
+  m.def("optimizer_hyperparameters", [](const std::string& name, const std::map<std::string, double>& hparams) {
+    return make_update_rule(name, hparams)->hyperparameters();
+  });
+
+  py::class_<PyShard>(m, "Shard")
+      .def(py::init<const std::string&, int64_t, int64_t, const std::string&, const std::map<std::string, double>&>(),
+           py::arg("name"), py::arg("rows"), py::arg("dim"), py::arg("optimizer") = "sgd",
+           py::arg("hparams") = std::map<std::string, double>{})
+      .def("pull", &PyShard::pull, py::arg("ids"), "Rows of `ids` (duplicates allowed), shape (len(ids), dim).")
+      .def("push", &PyShard::push, py::arg("ids"), py::arg("grads"),
+           "Sums the gradients of duplicate ids, then applies the optimizer once per row.")
+      .def("values", &PyShard::values, py::arg("slot") = -1)
+      .def("set_values", &PyShard::set_values, py::arg("slot"), py::arg("values"))
+      .def_property_readonly("step", [](PyShard& s) { return s.shard().rule().step(); })
+      .def_property_readonly("rows", [](PyShard& s) { return s.shard().rows(); })
+      .def_property_readonly("dim", [](PyShard& s) { return s.shard().dim(); })
+      .def_property_readonly("slot_names", [](PyShard& s) { return s.shard().rule().slot_names(); });
+
+  py::class_<PyEngine>(m, "Engine")
+      .def(py::init([](py::object comm, double spin_us, double max_sleep_us, double stall_warning_s, double timeout_s) {
+             return std::make_unique<PyEngine>(comm, WaitPolicy{spin_us, max_sleep_us, stall_warning_s, timeout_s});
+           }),
+           py::arg("comm"), py::arg("spin_us") = 50.0, py::arg("max_sleep_us") = 200.0,
+           py::arg("stall_warning_s") = 60.0, py::arg("timeout_s") = 600.0)
+      .def_property_readonly("rank", [](PyEngine& e) { return e.engine().rank(); })
+      .def_property_readonly("size", [](PyEngine& e) { return e.engine().size(); })
+      .def_property_readonly("num_tables", [](PyEngine& e) { return e.engine().num_tables(); })
+      .def("add_table", &PyEngine::add_table, py::arg("name"), py::arg("num_rows"), py::arg("dim"),
+           py::arg("num_shards") = 0, py::arg("partition") = "cyclic", py::arg("optimizer") = "sgd",
+           py::arg("hparams") = std::map<std::string, double>{})
+      .def("pull", &PyEngine::pull, py::arg("tables"), py::arg("ids"))
+      .def("push", &PyEngine::push, py::arg("tables"), py::arg("ids"), py::arg("grads"),
+           py::arg("scale") = 1.0f, py::arg("replicas") = py::none())
+      .def("flush", &PyEngine::flush)
+      .def("load_from_root", &PyEngine::load_from_root, py::arg("table"), py::arg("values"), py::arg("root") = 0)
+      .def("load_local", &PyEngine::load_local, py::arg("table"), py::arg("slot"), py::arg("values"))
+      .def("init_normal", [](PyEngine& e, int t, uint64_t seed, float mean, float std) { e.engine().init_normal(t, seed, mean, std); },
+           py::arg("table"), py::arg("seed"), py::arg("mean") = 0.0f, py::arg("std") = 1.0f)
+      .def("init_uniform", [](PyEngine& e, int t, uint64_t seed, float low, float high) { e.engine().init_uniform(t, seed, low, high); },
+           py::arg("table"), py::arg("seed"), py::arg("low"), py::arg("high"))
+      .def("gather", &PyEngine::gather, py::arg("table"), py::arg("slot") = -1)
+      .def("set_step", [](PyEngine& e, int t, int64_t step) { e.engine().set_step(t, step); })
+      .def("step", [](PyEngine& e, int t) { return e.engine().step(t); })
+      .def("spec", [](PyEngine& e, int t) {
+        const TableSpec& s = e.engine().spec(t);
+        py::dict d;
+        d["name"] = s.name;
+        d["num_rows"] = s.num_rows;
+        d["dim"] = s.dim;
+        d["num_shards"] = s.num_shards;
+        d["partition"] = s.partition == PartitionKind::kCyclic ? "cyclic" : "block";
+        d["optimizer"] = s.rule;
+        d["hparams"] = s.hparams;
+        return d;
+      })
+      .def("slot_names", [](PyEngine& e, int t) { return make_update_rule(e.engine().spec(t).rule, e.engine().spec(t).hparams)->slot_names(); })
+      .def("shard_rows", [](PyEngine& e, int t) { Shard* s = e.engine().local_shard(t); return s ? s->rows() : 0; })
+      .def("row_store_bytes", [](PyEngine& e) { return e.engine().row_store_bytes(); })
+      .def("state_bytes", [](PyEngine& e) { return e.engine().state_bytes(); })
+      .def("traffic", [](PyEngine& e) {
+        TrafficStats t = e.engine().traffic();
+        py::dict d;
+        d["bytes_sent"] = t.bytes_sent;
+        d["bytes_received"] = t.bytes_received;
+        d["messages_sent"] = t.messages_sent;
+        return d;
+      })
+      .def("reset_traffic", [](PyEngine& e) { e.engine().reset_traffic(); });
+}

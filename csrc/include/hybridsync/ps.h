@@ -1,0 +1,242 @@
+// hybridsync parameter server: the public C++ surface.
+//
+// A table (int64 id -> float32 row of `dim` values) is split across shards by a Partitioner.
+// Every rank is both a worker and a server: an Engine on each rank holds that rank's shards
+// and runs collective, lock-step operations (pull, push) over a Transport. Nothing here knows
+// about torch or TensorFlow; adapters hand in contiguous buffers.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace hybridsync {
+
+// Bad input from the caller (unknown hyper-parameter, shape or dtype mismatch); -> ValueError.
+class PSError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// An id outside [0, num_rows) of its table; -> IndexError.
+class PSIndexError : public PSError {
+ public:
+  using PSError::PSError;
+};
+
+// A peer reported bad input in a collective operation (every rank throws); -> RuntimeError.
+class PSRemoteError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The transport failed or ranks disagreed on the protocol (timeout, a dead peer, mismatched
+// operations). The Engine is unusable afterwards; -> RuntimeError.
+class PSTransportError : public PSRemoteError {
+ public:
+  using PSRemoteError::PSRemoteError;
+};
+
+// How ids are spread over shards. kCyclic (id mod shards) keeps hot small ids apart;
+// kBlock gives each shard one contiguous range.
+enum class PartitionKind : int { kBlock = 0, kCyclic = 1 };
+
+// Maps a global row id to (shard, local index) and back. Mirrored by hybridsync/partition.py.
+class Partitioner {
+ public:
+  Partitioner(int64_t num_rows, int num_shards, PartitionKind kind);
+  // Shard that owns `id` (id must be in range).
+  int shard_of(int64_t id) const;
+  // Position of `id` within its shard's row store.
+  int64_t local_index(int64_t id) const;
+  // Inverse of (shard_of, local_index).
+  int64_t global_id(int shard, int64_t local) const;
+  // Number of rows shard `shard` stores.
+  int64_t shard_rows(int shard) const;
+  int64_t num_rows() const { return num_rows_; }
+  int num_shards() const { return num_shards_; }
+  PartitionKind kind() const { return kind_; }
+
+ private:
+  int64_t num_rows_;
+  int num_shards_;
+  PartitionKind kind_;
+  int64_t block_;  // rows per shard for kBlock (last shard may hold fewer)
+};
+
+// A server-side optimizer for one table shard. Rules keep per-row state slots (each `dim`
+// floats, e.g. Adagrad's accumulator) next to the rows; scalar state (the step) lives here.
+class UpdateRule {
+ public:
+  virtual ~UpdateRule() = default;
+  // Canonical name: "sgd", "adagrad" or "adam".
+  virtual std::string name() const = 0;
+  // Names of the per-row state slots, in storage order.
+  virtual std::vector<std::string> slot_names() const = 0;
+  // Initial value of every element of slot `slot`.
+  virtual float slot_init(int slot) const { (void)slot; return 0.0f; }
+  // Called once per push round that includes this table, before any apply().
+  virtual void begin_step() { ++step_; }
+  // Updates one row in place from its aggregated gradient; `slots[k]` points at slot k's row.
+  virtual void apply(float* row, float* const* slots, const float* grad, int64_t dim) const = 0;
+  // Hyper-parameters as given (after defaults), for explain() and checkpoints.
+  virtual std::map<std::string, double> hyperparameters() const = 0;
+  int64_t step() const { return step_; }
+  void set_step(int64_t step) { step_ = step; }
+
+ protected:
+  int64_t step_ = 0;
+};
+
+// Builds "sgd" | "adagrad" | "adam" from hyper-parameters; unknown names or keys throw PSError.
+std::unique_ptr<UpdateRule> make_update_rule(const std::string& name,
+                                             const std::map<std::string, double>& hparams);
+
+// The rows of one table held by this rank, with their optimizer state. Single-threaded.
+class Shard {
+ public:
+  Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<UpdateRule> rule);
+  const std::string& table() const { return table_; }
+  int64_t rows() const { return rows_; }
+  int64_t dim() const { return dim_; }
+  UpdateRule& rule() { return *rule_; }
+  const UpdateRule& rule() const { return *rule_; }
+  // Copies rows `local[i]` into out[i*dim...]; indices must be in range.
+  void gather(const int64_t* local, int64_t n, float* out) const;
+  // Overwrites rows `local[i]` with values[i*dim...].
+  void scatter(const int64_t* local, int64_t n, const float* values);
+  // One optimizer step: rows `local[i]` (unique) get gradient grads[i*dim...].
+  void apply(const int64_t* local, int64_t n, const float* grads);
+  float* data() { return values_.data(); }
+  const float* data() const { return values_.data(); }
+  float* slot(int k) { return slots_[k].data(); }
+  const float* slot(int k) const { return slots_[k].data(); }
+  int num_slots() const { return static_cast<int>(slots_.size()); }
+  // Bytes held by the rows, and by the optimizer state slots.
+  int64_t row_bytes() const;
+  int64_t state_bytes() const;
+
+ private:
+  std::string table_;
+  int64_t rows_, dim_;
+  std::unique_ptr<UpdateRule> rule_;
+  std::vector<float> values_;
+  std::vector<std::vector<float>> slots_;
+};
+
+// Sums the rows of duplicate ids: ids[i] -> unique[inverse[i]], grads summed per unique id in
+// first-seen order. Validates 0 <= id < num_rows, throwing PSIndexError naming `table` and id.
+struct Dedup {
+  std::vector<int64_t> unique;
+  std::vector<int64_t> inverse;
+};
+Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows);
+
+// Point-to-point messaging used by the Engine; one implementation per transport (MPI today).
+class Transport;
+
+// Description of a table registered with an Engine.
+struct TableSpec {
+  std::string name;
+  int64_t num_rows = 0;
+  int64_t dim = 0;
+  int num_shards = 0;  // ranks 0..num_shards-1 hold a shard; 0 means every rank
+  PartitionKind partition = PartitionKind::kCyclic;
+  std::string rule = "sgd";
+  std::map<std::string, double> hparams;
+};
+
+// Per-table input of a pull or push round.
+struct TableBatch {
+  int table = -1;
+  const int64_t* ids = nullptr;
+  int64_t n = 0;
+  const float* grads = nullptr;  // push only: n x dim
+};
+
+// Per-table result of a pull: rows of the unique ids and where each input id went.
+struct PullResult {
+  std::vector<int64_t> unique;
+  std::vector<int64_t> inverse;
+  std::vector<float> rows;  // unique.size() x dim
+};
+
+// Rows changed by a push, for ranks that keep a replica of the table.
+struct RowUpdates {
+  std::vector<int64_t> ids;
+  std::vector<float> rows;  // ids.size() x dim
+};
+
+// Traffic counters of this rank (payload bytes, headers included).
+struct TrafficStats {
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+  int64_t messages_sent = 0;
+};
+
+// One rank's side of the parameter server: its shards of every table, and the collective
+// operations. Every rank calls the collective methods in the same order with the same tables.
+// Local bad input (`error` non-empty, or an id out of range) is announced to every peer inside
+// the operation, so all ranks throw instead of one rank leaving the others waiting.
+class Engine {
+ public:
+  explicit Engine(std::unique_ptr<Transport> transport);
+  ~Engine();
+  int rank() const;
+  int size() const;
+  // Collective. Registers a table (same specs, same order on every rank; a mismatch throws
+  // on every rank naming the table). Returns its handle.
+  int add_table(const TableSpec& spec);
+  int num_tables() const { return static_cast<int>(tables_.size()); }
+  const TableSpec& spec(int table) const;
+  const Partitioner& partitioner(int table) const;
+  // This rank's shard of `table`, or nullptr when it holds none.
+  Shard* local_shard(int table);
+  // Collective. Rows for the ids of each batch, deduplicated per table.
+  std::vector<PullResult> pull(const std::vector<TableBatch>& batches,
+                               const std::string& error = "");
+  // Collective. Sends each batch's (id, gradient) rows to their shards; each shard sums them
+  // over ranks, multiplies by `scale` and applies its rule once per row. When `replicas` is
+  // given (one full table buffer per batch), waits and writes every changed row into it;
+  // otherwise the apply happens at the start of this rank's next operation.
+  void push(const std::vector<TableBatch>& batches, float scale,
+            const std::vector<float*>& replicas = {}, const std::string& error = "");
+  // Collective. Applies any push still pending.
+  void flush();
+  // Collective. Rank `root`'s full table (num_rows x dim) becomes every shard's rows.
+  void load_from_root(int table, const float* values, int root);
+  // Local. Each shard copies its rows (slot < 0) or slot `slot` from a full-table array.
+  void load_local(int table, int slot, const float* values);
+  // Local. Seeded rows that do not depend on the number of shards.
+  void init_normal(int table, uint64_t seed, float mean, float stddev);
+  void init_uniform(int table, uint64_t seed, float low, float high);
+  // Collective. The full table (slot < 0) or optimizer slot on every rank.
+  std::vector<float> gather(int table, int slot);
+  // Local. The step counter of this rank's shard of `table` (-1 when it holds none).
+  void set_step(int table, int64_t step);
+  int64_t step(int table) const;
+  // Bytes of rows, and of optimizer state, held by this rank's shards.
+  int64_t row_store_bytes() const;
+  int64_t state_bytes() const;
+  TrafficStats traffic() const;
+  void reset_traffic();
+
+ private:
+  struct Table;
+  struct Round;
+  // Receives and applies the oldest deferred push (and, with replicas, exchanges updates).
+  void apply_round(const Round& round, const std::vector<float*>& replica_of_table);
+  void drain_pending();
+  void check_usable() const;
+  Table& table_at(int table) const;
+  std::unique_ptr<Transport> transport_;
+  std::vector<std::unique_ptr<Table>> tables_;
+  std::vector<Round> pending_;
+  bool broken_ = false;
+  std::string broken_reason_;
+};
+
+}  // namespace hybridsync

@@ -1,0 +1,52 @@
+// Adagrad as torch.optim.Adagrad applies it to a sparse gradient:
+//   clr = lr / (1 + (step - 1) * lr_decay);  acc += g^2;  row -= clr * g / (sqrt(acc) + eps)
+#include <cmath>
+
+#include "hparams.h"
+#include "rules.h"
+
+namespace hybridsync {
+namespace {
+
+class AdagradRule : public UpdateRule {
+ public:
+  explicit AdagradRule(const std::map<std::string, double>& given)
+      : hp_(resolve_hparams("adagrad", given,
+                            {{"lr", 0.01},
+                             {"lr_decay", 0.0},
+                             {"initial_accumulator_value", 0.0},
+                             {"eps", 1e-10}})) {
+    require_positive("adagrad", "lr", hp_["lr"], /*allow_zero=*/true);
+    require_positive("adagrad", "lr_decay", hp_["lr_decay"], /*allow_zero=*/true);
+    require_positive("adagrad", "initial_accumulator_value", hp_["initial_accumulator_value"],
+                     /*allow_zero=*/true);
+    require_positive("adagrad", "eps", hp_["eps"], /*allow_zero=*/true);
+  }
+  std::string name() const override { return "adagrad"; }
+  std::vector<std::string> slot_names() const override { return {"sum"}; }
+  float slot_init(int) const override {
+    return static_cast<float>(hp_.at("initial_accumulator_value"));
+  }
+  void apply(float* row, float* const* slots, const float* grad, int64_t dim) const override {
+    const float clr = static_cast<float>(hp_.at("lr") /
+                                         (1.0 + static_cast<double>(step_ - 1) * hp_.at("lr_decay")));
+    const float eps = static_cast<float>(hp_.at("eps"));
+    float* acc = slots[0];
+    for (int64_t j = 0; j < dim; ++j) {
+      acc[j] += grad[j] * grad[j];
+      row[j] -= clr * (grad[j] / (std::sqrt(acc[j]) + eps));
+    }
+  }
+  std::map<std::string, double> hyperparameters() const override { return hp_; }
+
+ private:
+  std::map<std::string, double> hp_;
+};
+
+}  // namespace
+
+std::unique_ptr<UpdateRule> make_adagrad(const std::map<std::string, double>& hparams) {
+  return std::make_unique<AdagradRule>(hparams);
+}
+
+}  // namespace hybridsync

@@ -1,0 +1,67 @@
+#include <algorithm>
+#include <cstring>
+#include <unordered_map>
+
+#include "hybridsync/ps.h"
+
+namespace hybridsync {
+
+Shard::Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<UpdateRule> rule)
+    : table_(std::move(table)), rows_(rows), dim_(dim), rule_(std::move(rule)) {
+  if (rows < 0 || dim < 1) {
+    throw PSError("table '" + table_ + "': shape (" + std::to_string(rows) + ", " +
+                  std::to_string(dim) + ") is not a valid (rows, dim)");
+  }
+  values_.assign(static_cast<size_t>(rows * dim), 0.0f);
+  const auto names = rule_->slot_names();
+  for (size_t k = 0; k < names.size(); ++k) {
+    slots_.emplace_back(static_cast<size_t>(rows * dim), rule_->slot_init(static_cast<int>(k)));
+  }
+}
+
+void Shard::gather(const int64_t* local, int64_t n, float* out) const {
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(out + i * dim_, values_.data() + local[i] * dim_, sizeof(float) * dim_);
+  }
+}
+
+void Shard::scatter(const int64_t* local, int64_t n, const float* values) {
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(values_.data() + local[i] * dim_, values + i * dim_, sizeof(float) * dim_);
+  }
+}
+
+void Shard::apply(const int64_t* local, int64_t n, const float* grads) {
+  std::vector<float*> slot_rows(slots_.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t offset = local[i] * dim_;
+    for (size_t k = 0; k < slots_.size(); ++k) slot_rows[k] = slots_[k].data() + offset;
+    rule_->apply(values_.data() + offset, slot_rows.data(), grads + i * dim_, dim_);
+  }
+}
+
+int64_t Shard::row_bytes() const { return static_cast<int64_t>(sizeof(float) * values_.size()); }
+
+int64_t Shard::state_bytes() const {
+  return static_cast<int64_t>(sizeof(float) * values_.size() * slots_.size());
+}
+
+Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows) {
+  Dedup out;
+  out.inverse.resize(static_cast<size_t>(n));
+  std::unordered_map<int64_t, int64_t> slot_of;
+  slot_of.reserve(static_cast<size_t>(n) * 2);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i];
+    if (id < 0 || id >= num_rows) {
+      throw PSIndexError("table '" + table + "': id " + std::to_string(id) +
+                         " is out of range [0, " + std::to_string(num_rows) + ")");
+    }
+    auto [it, inserted] = slot_of.emplace(id, static_cast<int64_t>(out.unique.size()));
+    if (inserted) out.unique.push_back(id);
+    out.inverse[i] = it->second;
+  }
+  return out;
+}
+
+}  // namespace hybridsync

@@ -1,0 +1,40 @@
+// Transport over MPI point-to-point calls on a communicator of the PS's own.
+#pragma once
+
+#include <mpi.h>
+
+#include <deque>
+
+#include "transport.h"
+
+namespace hybridsync {
+
+class MPITransport : public Transport {
+ public:
+  // Duplicates `comm`, so PS traffic never matches messages of Horovod or of the caller.
+  MPITransport(MPI_Comm comm, WaitPolicy policy);
+  ~MPITransport() override;
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void send(int dest, int tag, std::vector<char> payload) override;
+  std::vector<char> recv(int source, int tag) override;
+  void wait_sends() override;
+  int64_t bytes_sent() const override { return bytes_sent_; }
+  int64_t bytes_received() const override { return bytes_received_; }
+  int64_t messages_sent() const override { return messages_sent_; }
+  void reset_counters() override { bytes_sent_ = bytes_received_ = messages_sent_ = 0; }
+
+ private:
+  struct PendingSend {
+    MPI_Request request;
+    std::vector<char> payload;
+  };
+  void reap_completed_sends();
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+  WaitPolicy policy_;
+  std::deque<PendingSend> sends_;
+  int64_t bytes_sent_ = 0, bytes_received_ = 0, messages_sent_ = 0;
+};
+
+}  // namespace hybridsync

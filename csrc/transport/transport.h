@@ -1,0 +1,42 @@
+// Point-to-point messaging for the Engine. A transport delivers messages between ranks in
+// order per (source, tag); adding a transport (e.g. TCP) means implementing this in one file.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace hybridsync {
+
+// Message channels: requests (pulls, pushes) flow worker -> server in operation order,
+// replies server -> worker, updates server -> replicas, control for table setup and state.
+enum Tag : int { kTagRequest = 101, kTagReply = 102, kTagUpdates = 103, kTagControl = 104 };
+
+// How waiting behaves: spin briefly, then sleep with back-off so that an idle or waiting
+// rank does not burn a core another rank (or Horovod's thread) needs.
+struct WaitPolicy {
+  double spin_us = 50.0;          // busy-poll this long first
+  double max_sleep_us = 200.0;    // back-off cap between polls
+  double stall_warning_s = 60.0;  // print a warning naming the peer after this long
+  double timeout_s = 600.0;       // give up (throw) after this long; <= 0 waits forever
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Starts sending `payload` to `dest`; the transport keeps the buffer until it is delivered.
+  virtual void send(int dest, int tag, std::vector<char> payload) = 0;
+  // Waits for the next message from `source` on `tag`, whatever its size.
+  virtual std::vector<char> recv(int source, int tag) = 0;
+  // Waits until every send started so far has completed.
+  virtual void wait_sends() = 0;
+  virtual int64_t bytes_sent() const = 0;
+  virtual int64_t bytes_received() const = 0;
+  virtual int64_t messages_sent() const = 0;
+  virtual void reset_counters() = 0;
+};
+
+}  // namespace hybridsync

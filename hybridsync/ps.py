@@ -1,0 +1,54 @@
+"""Python face of the C++ parameter server (hybridsync._ps): one Engine per process.
+
+The Engine is created on first use, on a duplicate of the job's MPI communicator, and freed
+at shutdown. All of its methods except the local ones are collective: every rank calls them
+in the same order.
+"""
+from __future__ import annotations
+
+import threading
+
+from . import runtime
+from .settings import settings
+
+try:
+    from . import _ps
+except ImportError as exc:  # pragma: no cover - a broken install
+    raise ImportError(
+        "hybridsync's C++ extension (hybridsync._ps) is not built: run `make install` "
+        f"(or `pip install -e .` in the repo) ({exc})"
+    ) from exc
+
+Shard = _ps.Shard
+Partitioner = _ps.Partitioner
+RemoteError = _ps.RemoteError
+TransportError = _ps.TransportError
+
+_engine = None
+_lock = threading.Lock()
+
+
+def engine():
+    """This process's PS engine (collective on first call)."""
+    global _engine
+    with _lock:
+        if _engine is None:
+            comm = runtime.mpi_comm()
+            s = settings()
+            _engine = _ps.Engine(comm, spin_us=s.spin_us, max_sleep_us=s.max_sleep_us, timeout_s=s.timeout_s)
+            runtime.on_shutdown(_release)
+        return _engine
+
+
+def has_engine() -> bool:
+    return _engine is not None
+
+
+def _release() -> None:
+    global _engine
+    with _lock:
+        if _engine is not None:
+            try:
+                _engine.flush()
+            finally:
+                _engine = None

@@ -1,0 +1,129 @@
+"""This process's place in the job: the MPI world, rank and size, and a clean shutdown.
+
+MPI comes from mpi4py (initialised with MPI_THREAD_MULTIPLE, which the PS needs because
+Horovod's background thread talks MPI at the same time). Horovod, when used, is initialised
+on the same communicator by hybridsync.comm.horovod.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+
+_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
+
+
+class LaunchError(RuntimeError):
+    """hybridsync was started in a way that cannot run what was asked."""
+
+
+def launched_by_mpi() -> bool:
+    return any(v in os.environ for v in _MPI_LAUNCH_VARS)
+
+
+def launched_by_gloo() -> bool:
+    """`horovodrun --gloo`: ranks exist, but not as an MPI job."""
+    return "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ and not launched_by_mpi()
+
+
+class World:
+    """Rank, size and communicators of this job."""
+
+    def __init__(self, comm):
+        self.comm = comm  # mpi4py communicator, or None under a Gloo-only launch
+        if comm is not None:
+            from mpi4py import MPI
+
+            self.rank = comm.Get_rank()
+            self.size = comm.Get_size()
+            self.local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            self.local_rank = self.local_comm.Get_rank()
+            self.local_size = self.local_comm.Get_size()
+        else:
+            self.rank = int(os.environ.get("HOROVOD_RANK", 0))
+            self.size = int(os.environ.get("HOROVOD_SIZE", 1))
+            self.local_rank = int(os.environ.get("HOROVOD_LOCAL_RANK", 0))
+            self.local_size = int(os.environ.get("HOROVOD_LOCAL_SIZE", 1))
+            self.local_comm = None
+
+
+_world: World | None = None
+_lock = threading.RLock()
+_shutdown_hooks: list = []
+
+
+def init(comm=None) -> World:
+    """Joins the job (idempotent). `comm`: an mpi4py communicator to use instead of COMM_WORLD."""
+    global _world
+    with _lock:
+        if _world is not None:
+            return _world
+        if launched_by_gloo():
+            _world = World(None)
+        else:
+            from mpi4py import MPI
+
+            _world = World(comm if comm is not None else MPI.COMM_WORLD)
+            if _world.size > 1:
+                _abort_job_on_uncaught_exception(_world.comm)
+        atexit.register(shutdown)
+        return _world
+
+
+def world() -> World:
+    """The joined world; joins it on first use."""
+    return _world if _world is not None else init()
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def mpi_comm():
+    """The mpi4py communicator of the job; an error under a Gloo-only launch."""
+    w = world()
+    if w.comm is None:
+        raise LaunchError(
+            "this needs an MPI launch, but the job was started with `horovodrun --gloo`: "
+            "launch with `mpirun -np N python ...` or `horovodrun -np N python ...` (without --gloo)"
+        )
+    return w.comm
+
+
+def on_shutdown(hook) -> None:
+    """Registers `hook()` to run at shutdown(), newest first (e.g. to free the PS)."""
+    _shutdown_hooks.append(hook)
+
+
+def shutdown() -> None:
+    """Releases the PS and Horovod. MPI itself is finalised by mpi4py at exit."""
+    global _world
+    with _lock:
+        while _shutdown_hooks:
+            hook = _shutdown_hooks.pop()
+            try:
+                hook()
+            except Exception as exc:  # shutting down: report, keep releasing the rest
+                print(f"hybridsync: error during shutdown: {exc}", file=sys.stderr)
+        if _world is not None and _world.local_comm is not None:
+            try:
+                _world.local_comm.Free()
+            except Exception:
+                pass
+        _world = None
+
+
+def _abort_job_on_uncaught_exception(comm) -> None:
+    """A rank that dies must end the job: without this, MPI_Finalize at exit waits for peers
+    that wait for us, and the job hangs instead of failing."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        sys.stderr.write(f"hybridsync: rank {comm.Get_rank()} failed; aborting the job\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        comm.Abort(1)
+
+    sys.excepthook = hook

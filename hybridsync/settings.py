@@ -1,0 +1,57 @@
+"""Environment variables, parsed once (the first time they are needed).
+
+HYBRIDSYNC_BACKEND       dense all-reduce backend: horovod | mpi (default: horovod when importable)
+HYBRIDSYNC_CONFIG        path of a YAML config used when none is passed in code
+HYBRIDSYNC_TIMEOUT_S     a PS operation waiting longer than this raises (default 600; 0 = never)
+HYBRIDSYNC_SPIN_US       busy-poll this long before sleeping while waiting for peers (default 50)
+HYBRIDSYNC_MAX_SLEEP_US  cap of the sleep back-off while waiting (default 200)
+HYBRIDSYNC_TIMELINE      write a Chrome trace of each step's phases to this file
+"""
+import dataclasses
+import functools
+import os
+
+
+class SettingsError(ValueError):
+    """An environment variable has a value hybridsync cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    backend: str | None
+    config_path: str | None
+    timeout_s: float
+    spin_us: float
+    max_sleep_us: float
+    timeline: str | None
+
+
+BACKENDS = ("horovod", "mpi")
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number") from None
+    if value < 0:
+        raise SettingsError(f"{name}={raw!r} must be >= 0")
+    return value
+
+
+@functools.lru_cache(maxsize=1)
+def settings() -> Settings:
+    backend = os.environ.get("HYBRIDSYNC_BACKEND") or None
+    if backend is not None and backend not in BACKENDS:
+        raise SettingsError(f"HYBRIDSYNC_BACKEND={backend!r}: expected one of {', '.join(BACKENDS)}")
+    return Settings(
+        backend=backend,
+        config_path=os.environ.get("HYBRIDSYNC_CONFIG") or None,
+        timeout_s=_float("HYBRIDSYNC_TIMEOUT_S", 600.0),
+        spin_us=_float("HYBRIDSYNC_SPIN_US", 50.0),
+        max_sleep_us=_float("HYBRIDSYNC_MAX_SLEEP_US", 200.0),
+        timeline=os.environ.get("HYBRIDSYNC_TIMELINE") or None,
+    )

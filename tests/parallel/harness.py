@@ -1,0 +1,67 @@
+"""Runs a scenario on N real MPI ranks (`mpirun -np N`) and checks that every rank passed it.
+
+A parallel test file is both the pytest module and the program each rank runs:
+
+    def rank_allreduce():          # runs on every rank; asserts raise, and a raise aborts the job
+        ...
+    @pytest.mark.parametrize("np_", [2, 3])
+    def test_allreduce(np_):
+        run_ranks(__file__, "rank_allreduce", np_)
+    if __name__ == "__main__":
+        rank_main(globals())
+
+A rank that fails aborts the whole job (hybridsync's excepthook calls MPI_Abort), a job that
+runs past its timeout is killed, and the test passes only if every rank printed its OK line.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OK_MARK = "HYBRIDSYNC-RANK-OK"
+
+
+def mpirun_prefix(np_: int) -> list[str]:
+    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none", "--tag-output"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd
+
+
+def run_ranks(script: str, scenario: str, np_: int, *args: str, timeout: float = 180,
+              env: dict | None = None, launcher: list[str] | None = None) -> str:
+    """Runs `python script scenario args...` on np_ ranks; returns the combined output."""
+    import pytest
+
+    cmd = (launcher or mpirun_prefix(np_)) + [sys.executable, "-u", script, scenario, *args]
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{scenario} on {np_} ranks hung: killed after {timeout:.0f} s\n{out}")
+    passed = {int(m) for m in re.findall(rf"{OK_MARK} rank=(\d+)", out)}
+    if proc.returncode != 0 or passed != set(range(np_)):
+        missing = sorted(set(range(np_)) - passed)
+        pytest.fail(f"{scenario} on {np_} ranks failed (exit {proc.returncode}; "
+                    f"ranks without OK: {missing})\n{out}")
+    return out
+
+
+def rank_main(namespace: dict) -> None:
+    """The rank side: runs the scenario named by argv[1] with the remaining argv."""
+    import hybridsync
+
+    hybridsync.init()
+    scenario = namespace[sys.argv[1]]
+    scenario(*sys.argv[2:])
+    print(f"{OK_MARK} rank={hybridsync.rank()}", flush=True)
