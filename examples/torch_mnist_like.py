@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import horovod.torch as hvd  # noqa: E402  (the one line a port changes)
+import hybridsync.torch as hvd  # was: import horovod.torch as hvd  (the one line a port changes)
 
 
 class Net(nn.Module):

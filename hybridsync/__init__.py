@@ -11,12 +11,19 @@ from .runtime import is_initialized, shutdown
 __version__ = "0.1.0"
 
 
-def init(comm=None) -> None:
+def init(comm=None, backend: str | None = None) -> None:
     """Joins the job: MPI through mpi4py (`comm` replaces COMM_WORLD), and Horovod on the same
     communicator when torch is already imported and Horovod is installed (otherwise Horovod
-    starts when the PyTorch frontend first needs it). Idempotent."""
+    starts when the PyTorch frontend first needs it). Idempotent.
+
+    backend: default dense backend of this process, 'horovod' or 'mpi' (overrides
+    HYBRIDSYNC_BACKEND; a DistributedOptimizer's own `backend=` overrides it)."""
     runtime.init(comm)
-    if "torch" in sys.modules:
+    if backend is not None:
+        from .comm import choose
+
+        runtime.set_default_backend(choose(backend))
+    if "torch" in sys.modules and runtime.default_backend() != "mpi":
         from .comm import horovod
 
         if horovod.available():
@@ -51,4 +58,29 @@ def local_size() -> int:
     return world().local_size
 
 
-__all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size"]
+def DistributedOptimizer(optimizer, *args, **kwargs):
+    """Wraps a PyTorch or Keras optimizer for hybrid synchronization (framework detected from
+    the optimizer). See hybridsync.torch.DistributedOptimizer and
+    hybridsync.tensorflow.DistributedOptimizer for the arguments."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(optimizer, torch.optim.Optimizer):
+        from .torch import DistributedOptimizer as frontend
+    elif type(optimizer).__module__.split(".")[0] in ("keras", "tensorflow", "tf_keras"):
+        from .tensorflow import DistributedOptimizer as frontend
+    else:
+        raise TypeError(
+            "hybridsync.DistributedOptimizer wraps a torch.optim.Optimizer or a Keras optimizer "
+            f"(keras.optimizers.SGD/Adam/Adagrad); got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    return frontend(optimizer, *args, **kwargs)
+
+
+def explain(file=None, as_json: bool = False) -> str:
+    """Prints the plan (one row per variable: route, placement, shards, server optimizer,
+    bytes per step, and why) of every live DistributedOptimizer; returns the text."""
+    from .plan import explain as _explain
+
+    return _explain(file=file, as_json=as_json)
+
+
+__all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
+           "DistributedOptimizer", "explain"]

@@ -51,6 +51,17 @@ class World:
 _world: World | None = None
 _lock = threading.RLock()
 _shutdown_hooks: list = []
+_default_backend: str | None = None
+
+
+def set_default_backend(name: str | None) -> None:
+    """The dense backend used where none is named (set by hybridsync.init(backend=...))."""
+    global _default_backend
+    _default_backend = name
+
+
+def default_backend() -> str | None:
+    return _default_backend
 
 
 def init(comm=None) -> World:

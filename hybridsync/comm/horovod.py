@@ -6,6 +6,7 @@ import importlib.util
 import threading
 
 from .. import runtime
+from ..types import ReduceOp
 
 _lock = threading.Lock()
 
@@ -32,3 +33,45 @@ def module():
             runtime.on_shutdown(hvd.shutdown)
     return hvd
 
+
+
+class HorovodCollectives:
+    """Dense collectives on torch tensors through Horovod (async; fused by Horovod's thread)."""
+
+    name = "horovod"
+
+    def __init__(self):
+        self.hvd = module()
+        self.size = self.hvd.size()
+        self.rank = self.hvd.rank()
+
+    def _op(self, op):
+        return self.hvd.Average if op is ReduceOp.AVERAGE else self.hvd.Sum
+
+    def allreduce_async_(self, tensor, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
+        return self.hvd.allreduce_async_(tensor, name=name, op=self._op(op),
+                                         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+    def poll(self, handle) -> bool:
+        return self.hvd.poll(handle)
+
+    def synchronize(self, handle):
+        return self.hvd.synchronize(handle)
+
+    def allreduce(self, tensor, name=None, op=ReduceOp.AVERAGE):
+        return self.hvd.allreduce(tensor, name=name, op=self._op(op))
+
+    def broadcast_(self, tensor, root_rank, name=None):
+        return self.hvd.broadcast_(tensor, root_rank, name=name)
+
+    def allgather(self, tensor, name=None):
+        return self.hvd.allgather(tensor, name=name)
+
+    def broadcast_object(self, obj, root_rank=0, name=None):
+        return self.hvd.broadcast_object(obj, root_rank, name=name)
+
+    def allgather_object(self, obj, name=None):
+        return self.hvd.allgather_object(obj, name=name)
+
+    def barrier(self):
+        self.hvd.barrier()

@@ -33,12 +33,14 @@ def mpirun_prefix(np_: int) -> list[str]:
     return cmd
 
 
-def run_ranks(script: str, scenario: str, np_: int, *args: str, timeout: float = 180,
-              env: dict | None = None, launcher: list[str] | None = None) -> str:
-    """Runs `python script scenario args...` on np_ ranks; returns the combined output."""
+def launch(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """Runs a launcher command in its own process group; kills the group if it hangs.
+
+    The environment is passed explicitly: a test process that has initialised MPI itself
+    (importing hybridsync._ps does) carries PMIx variables in its C-level environment that
+    make a child mpirun exit silently."""
     import pytest
 
-    cmd = (launcher or mpirun_prefix(np_)) + [sys.executable, "-u", script, scenario, *args]
     full_env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -48,11 +50,31 @@ def run_ranks(script: str, scenario: str, np_: int, *args: str, timeout: float =
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{scenario} on {np_} ranks hung: killed after {timeout:.0f} s\n{out}")
+        pytest.fail(f"{' '.join(cmd)} hung: killed after {timeout:.0f} s\n{out}")
+    return proc.returncode, out
+
+
+def run_program(np_: int, *argv: str, timeout: float = 240, env: dict | None = None) -> str:
+    """Runs `python argv...` on np_ ranks; fails the test unless it exits 0. Returns the output."""
+    import pytest
+
+    rc, out = launch(mpirun_prefix(np_) + [sys.executable, "-u", *argv], timeout, env)
+    if rc != 0:
+        pytest.fail(f"{' '.join(argv)} on {np_} ranks exited {rc}\n{out}")
+    return out
+
+
+def run_ranks(script: str, scenario: str, np_: int, *args: str, timeout: float = 180,
+              env: dict | None = None, launcher: list[str] | None = None) -> str:
+    """Runs `python script scenario args...` on np_ ranks; returns the combined output."""
+    import pytest
+
+    cmd = (launcher or mpirun_prefix(np_)) + [sys.executable, "-u", script, scenario, *args]
+    proc_returncode, out = launch(cmd, timeout, env)
     passed = {int(m) for m in re.findall(rf"{OK_MARK} rank=(\d+)", out)}
-    if proc.returncode != 0 or passed != set(range(np_)):
+    if proc_returncode != 0 or passed != set(range(np_)):
         missing = sorted(set(range(np_)) - passed)
-        pytest.fail(f"{scenario} on {np_} ranks failed (exit {proc.returncode}; "
+        pytest.fail(f"{scenario} on {np_} ranks failed (exit {proc_returncode}; "
                     f"ranks without OK: {missing})\n{out}")
     return out
 

@@ -1,0 +1,163 @@
+"""Dense collectives over MPI (mpi4py) on any CPU buffer: NumPy arrays, or CPU torch tensors
+(np.asarray gives a view, so in-place results land in the tensor).
+
+All-reduces are queued by allreduce_async_() and run, fused into buckets, at the first
+synchronize(): sorted by name so every rank issues the same collectives in the same order
+whatever order its gradients became ready in, and checked by a fingerprint so ranks that
+submitted different tensors get an error instead of a hang or garbage.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from ..types import ReduceOp
+
+FUSION_BYTES = int(float(os.environ.get("HYBRIDSYNC_FUSION_MB", "64")) * 2**20)
+
+
+def _fp16_sum(invec, inoutvec, datatype):
+    a = np.frombuffer(invec, dtype=np.float16)
+    b = np.frombuffer(inoutvec, dtype=np.float16)
+    b += a
+
+
+_FP16_SUM = None
+
+
+def _fp16_sum_op():
+    # MPI has no half-precision type: carry float16 as uint16 with our own sum.
+    global _FP16_SUM
+    if _FP16_SUM is None:
+        _FP16_SUM = MPI.Op.Create(_fp16_sum, commute=True)
+    return _FP16_SUM
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks submitted different tensors to one synchronize()."""
+
+
+class Handle:
+    __slots__ = ("array", "name", "op", "prescale", "postscale", "done")
+
+    def __init__(self, array, name, op, prescale, postscale):
+        self.array, self.name, self.op = array, name, op
+        self.prescale, self.postscale = prescale, postscale
+        self.done = False
+
+
+class MPICollectives:
+    name = "mpi"
+
+    def __init__(self, comm):
+        self.comm = comm.Dup()  # our own channel: never matches the user's or the PS's messages
+        self.size = self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
+        self._pending: list[Handle] = []
+        self._unnamed = itertools.count()
+
+    # -- all-reduce -------------------------------------------------------------------------
+    def allreduce_async_(self, buf, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
+        array = np.asarray(buf)
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            raise ValueError(f"all-reduce of {name or 'a tensor'}: needs a writable C-contiguous CPU buffer")
+        handle = Handle(array, name or f"allreduce.noname.{next(self._unnamed)}", op,
+                        float(prescale_factor), float(postscale_factor))
+        self._pending.append(handle)
+        return handle
+
+    def poll(self, handle) -> bool:
+        return handle.done
+
+    def synchronize(self, handle):
+        if not handle.done:
+            self._flush()
+        return handle.array
+
+    def allreduce(self, buf, name=None, op=ReduceOp.AVERAGE):
+        out = np.array(np.asarray(buf), copy=True, order="C")
+        return self.synchronize(self.allreduce_async_(out, name=name, op=op))
+
+    def _flush(self):
+        pending = sorted(self._pending, key=lambda h: h.name)
+        self._pending = []
+        self._check_same_everywhere(pending)
+        buckets: dict[tuple, list[list[Handle]]] = {}
+        for h in pending:
+            key = (h.array.dtype.str, h.op, h.prescale, h.postscale)
+            chains = buckets.setdefault(key, [[]])
+            if chains[-1] and sum(x.array.nbytes for x in chains[-1]) + h.array.nbytes > FUSION_BYTES:
+                chains.append([])
+            chains[-1].append(h)
+        launched = []
+        for (dtype, op, prescale, postscale), chains in buckets.items():
+            for bucket in chains:
+                flat = np.concatenate([h.array.reshape(-1) for h in bucket])
+                if prescale != 1.0:
+                    flat *= flat.dtype.type(prescale)
+                if flat.dtype == np.float16:
+                    request = self.comm.Iallreduce(MPI.IN_PLACE, [flat.view(np.uint16), MPI.UINT16_T], op=_fp16_sum_op())
+                else:
+                    request = self.comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+                launched.append((request, bucket, flat, op, postscale))
+        MPI.Request.Waitall([r for r, *_ in launched])
+        for _, bucket, flat, op, postscale in launched:
+            if np.issubdtype(flat.dtype, np.integer):
+                if op is ReduceOp.AVERAGE:
+                    flat //= self.size  # integer average rounds down, as Horovod's does
+            else:
+                scale = postscale / self.size if op is ReduceOp.AVERAGE else postscale
+                if scale != 1.0:
+                    flat *= flat.dtype.type(scale)
+            offset = 0
+            for h in bucket:
+                n = h.array.size
+                h.array.reshape(-1)[...] = flat[offset:offset + n]
+                offset += n
+                h.done = True
+
+    def _check_same_everywhere(self, pending):
+        text = ";".join(f"{h.name}:{h.array.dtype.str}:{h.array.size}:{h.op.value}" for h in pending)
+        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+        both = np.array([digest, -digest], dtype=np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+        if both[0] != -both[1]:
+            raise CollectiveMismatchError(
+                "ranks submitted different tensors to all-reduce in one step (names, dtypes or sizes "
+                f"differ); this rank submitted: {', '.join(h.name for h in pending[:10])}"
+                f"{' ...' if len(pending) > 10 else ''}")
+
+    # -- the rest ---------------------------------------------------------------------------
+    def broadcast_(self, buf, root_rank, name=None):
+        array = np.asarray(buf)
+        if array.dtype == np.float16:
+            self.comm.Bcast([array.view(np.uint16), MPI.UINT16_T], root=root_rank)
+        else:
+            self.comm.Bcast(array, root=root_rank)
+        return buf
+
+    def allgather(self, buf, name=None):
+        """Concatenates every rank's array along dim 0 (first dims may differ)."""
+        array = np.ascontiguousarray(np.asarray(buf))
+        counts = self.comm.allgather(array.shape[0] if array.ndim else 1)
+        row = int(np.prod(array.shape[1:])) if array.ndim > 1 else 1
+        out = np.empty((sum(counts), *array.shape[1:]), dtype=array.dtype)
+        sizes = [c * row for c in counts]
+        if array.dtype == np.float16:
+            self.comm.Allgatherv([array.view(np.uint16), MPI.UINT16_T], [out.view(np.uint16), sizes, MPI.UINT16_T])
+        else:
+            self.comm.Allgatherv(array, [out, sizes])
+        return out
+
+    def broadcast_object(self, obj, root_rank=0, name=None):
+        return self.comm.bcast(obj, root=root_rank)
+
+    def allgather_object(self, obj, name=None):
+        return self.comm.allgather(obj)
+
+    def barrier(self):
+        self.comm.Barrier()

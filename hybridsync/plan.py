@@ -1,0 +1,148 @@
+"""The plan: one route per variable, as plain data. It prints as a table (explain()),
+serialises to JSON, and a plan written as JSON loads back as a config."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import threading
+
+from .types import GradKind, Placement, Route
+
+
+@dataclasses.dataclass
+class VariablePlan:
+    name: str
+    shape: tuple
+    dtype: str
+    kind: GradKind | None  # None: decided by the first backward pass
+    route: Route | None
+    placement: Placement = Placement.NONE
+    shards: int = 0  # PS shards holding the table (0: not on the PS)
+    partition: str = "cyclic"
+    compression: str = "none"
+    optimizer: dict | None = None  # server-side rule, e.g. {"name": "adagrad", "lr": 0.1}
+    reason: str = ""
+    bytes_per_step: int | None = None  # measured after the first steps
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n * _itemsize(self.dtype)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        d["kind"] = self.kind.value if self.kind else None
+        d["route"] = self.route.value if self.route else None
+        d["placement"] = self.placement.value
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "VariablePlan":
+        d = dict(d)
+        d["shape"] = tuple(d["shape"])
+        d["kind"] = GradKind(d["kind"]) if d.get("kind") else None
+        d["route"] = Route(d["route"]) if d.get("route") else None
+        d["placement"] = Placement(d.get("placement", "-"))
+        return cls(**d)
+
+
+def _itemsize(dtype: str) -> int:
+    for token, size in (("float64", 8), ("int64", 8), ("float16", 2), ("bfloat16", 2), ("int8", 1), ("uint8", 1), ("bool", 1)):
+        if token in dtype:
+            return size
+    return 4
+
+
+@dataclasses.dataclass
+class Plan:
+    variables: list[VariablePlan]
+    framework: str = "torch"
+    backend: str = ""
+    world_size: int = 1
+
+    def by_name(self) -> dict[str, VariablePlan]:
+        return {v.name: v for v in self.variables}
+
+    def table(self) -> str:
+        """The plan as a fixed-width text table, one row per variable."""
+        headers = ["variable", "shape", "kind", "route", "placement", "shards", "server optimizer",
+                   "compression", "bytes/step", "why"]
+        rows = []
+        for v in self.variables:
+            opt = "-"
+            if v.optimizer:
+                extra = ", ".join(f"{k}={_short(x)}" for k, x in v.optimizer.items() if k != "name")
+                opt = f"{v.optimizer['name']}({extra})" if extra else v.optimizer["name"]
+            rows.append([
+                v.name, "x".join(str(d) for d in v.shape) or "scalar",
+                v.kind.value if v.kind else "(first backward)",
+                v.route.value if v.route else "(first backward)", v.placement.value,
+                str(v.shards) if v.shards else "-", opt, v.compression,
+                _human_bytes(v.bytes_per_step) if v.bytes_per_step is not None else "(after step 1)",
+                v.reason,
+            ])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+        title = f"hybridsync plan ({self.framework}, {self.world_size} rank{'s' if self.world_size != 1 else ''}, dense backend: {self.backend or '-'})"
+        return "\n".join([title, line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+    def to_json(self) -> dict:
+        return {"framework": self.framework, "backend": self.backend, "world_size": self.world_size,
+                "variables": [v.to_json() for v in self.variables]}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        return cls([VariablePlan.from_json(v) for v in d["variables"]], d.get("framework", "torch"),
+                   d.get("backend", ""), d.get("world_size", 1))
+
+
+def _short(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+# The plans of live distributed optimizers, newest last, for explain().
+_registry: list = []
+_lock = threading.Lock()
+
+
+def register(plan_source) -> None:
+    """Registers an object with a `.plan` property (a distributed optimizer)."""
+    import weakref
+
+    with _lock:
+        _registry.append(weakref.ref(plan_source))
+
+
+def current_plans() -> list[Plan]:
+    with _lock:
+        live = [r() for r in _registry]
+        _registry[:] = [r for r, obj in zip(list(_registry), live) if obj is not None]
+        return [obj.plan for obj in live if obj is not None]
+
+
+def explain(file=None, as_json: bool = False) -> str:
+    """Prints (and returns) the plan of every live DistributedOptimizer."""
+    plans = current_plans()
+    if as_json:
+        text = json.dumps([p.to_json() for p in plans], indent=2)
+    elif not plans:
+        text = "hybridsync: no DistributedOptimizer has been created yet"
+    else:
+        text = "\n\n".join(p.table() for p in plans)
+    print(text, file=file or sys.stdout, flush=True)
+    return text

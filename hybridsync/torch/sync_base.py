@@ -1,0 +1,60 @@
+"""What every synchronizer (one per route) shares: the variables it owns and the settings of
+the optimizer it serves. The optimizer calls grad_ready() from the gradient hooks and
+synchronize() before the wrapped optimizer's step()."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..plan import VariablePlan
+from ..types import ReduceOp
+
+
+@dataclasses.dataclass(eq=False)
+class Variable:
+    """One parameter under a distributed optimizer."""
+
+    name: str
+    param: torch.nn.Parameter
+    plan: VariablePlan
+    passes: int = 0  # backward passes accumulated since the last synchronize()
+
+
+@dataclasses.dataclass
+class SyncSettings:
+    backend: object  # torch-facing dense collectives (ops.backend())
+    op: ReduceOp
+    compression: type
+    gradient_predivide_factor: float
+    world_size: int
+    wrapped: torch.optim.Optimizer  # the user's optimizer (for hyper-parameters)
+
+
+class Synchronizer:
+    """Base class: subclasses override grad_ready() and/or synchronize()."""
+
+    def __init__(self, settings: SyncSettings, variables: list[Variable], model=None):
+        self.settings = settings
+        self.variables = list(variables)
+        self.model = model
+
+    def add(self, var: Variable) -> None:
+        self.variables.append(var)
+
+    def grad_ready(self, var: Variable) -> None:
+        """var's gradient is final for this step (all backward passes done)."""
+
+    def synchronize(self) -> None:
+        """Completes the exchange for every variable; afterwards each p.grad holds the global
+        gradient, or is None when the update was already applied (server-side)."""
+        raise NotImplementedError
+
+    def in_flight(self) -> bool:
+        return False
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -1,0 +1,37 @@
+"""Enums and plain-data types shared by the plan, the config and the frontends."""
+from __future__ import annotations
+
+import enum
+
+
+class GradKind(enum.Enum):
+    """What a variable's gradient looks like."""
+
+    DENSE = "dense"
+    SPARSE = "sparse"  # row-sparse: torch sparse COO from sparse embeddings, tf.IndexedSlices
+
+
+class Route(enum.Enum):
+    """How a variable's gradient is synchronized."""
+
+    ALLREDUCE = "allreduce"  # dense all-reduce (Horovod ring / MPI)
+    PS = "ps"  # rows to the C++ parameter server, optimizer applied server-side
+    ALLGATHER = "allgather"  # Horovod-style: every rank gathers every sparse gradient
+    SPARSE_AS_DENSE = "allreduce-as-dense"  # densify the sparse gradient, then all-reduce
+
+
+class Placement(enum.Enum):
+    """Where the rows of a PS-routed table live."""
+
+    NONE = "-"  # not on the PS
+    SHARDED = "sharded"  # only on the PS shards (memory per rank ~ table / N)
+    REPLICATED = "replicated"  # every rank keeps a replica; the PS keeps them identical
+
+
+class ReduceOp(enum.Enum):
+    AVERAGE = "average"
+    SUM = "sum"
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
