@@ -11,7 +11,7 @@ install:
 	@bash scripts/install.sh
 
 demo: install
-	$(VENV)/bin/horovodrun -np 2 $(PY) examples/torch_mnist_like.py
+	$(VENV)/bin/horovodrun -np 2 $(PY) examples/torch_dlrm.py
 
 test: install
 	$(PY) -m pytest tests

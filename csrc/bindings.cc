@@ -52,15 +52,15 @@ IdArray ids_of(const py::object& obj, const std::string& table, std::string* err
 
 // Gradient rows: float32, shape (n, dim).
 RowArray grads_of(const py::object& obj, const std::string& table, int64_t n, int64_t dim,
-                  std::string* error) {
+                  std::string* error, const char* what = "gradients") {
   py::array a = py::array::ensure(obj);
   if (!a || a.dtype().kind() != 'f' || a.itemsize() != 4) {
-    *error = "table '" + table + "': gradients must be float32, got " +
+    *error = "table '" + table + "': " + what + " must be float32, got " +
              (a ? "dtype " + std::string(py::str(a.dtype())) : std::string("a non-array"));
     return RowArray();
   }
   if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != dim) {
-    *error = "table '" + table + "': gradient shape " + shape_text(a) + " does not match (" +
+    *error = "table '" + table + "': " + what + " shape " + shape_text(a) + " does not match (" +
              std::to_string(n) + ", " + std::to_string(dim) + ") for " + std::to_string(n) +
              " ids of a table with dim " + std::to_string(dim);
     return RowArray();
@@ -137,19 +137,19 @@ class PyEngine {
     return out;
   }
 
-  void push(const std::vector<int>& tables, const py::list& ids, const py::list& grads, float scale,
-            const py::object& replicas) {
+  // Returns, with return_updates, one (ids, rows) pair per table: every row any shard changed.
+  py::object push(const std::vector<int>& tables, const py::list& ids, const py::list& grads, float scale,
+                  bool return_updates, const py::object& lrs) {
     std::string error;
     std::vector<IdArray> keep_ids;
     std::vector<RowArray> keep_grads;
     std::vector<TableBatch> batches;
-    std::vector<float*> replica_ptrs;
+    std::vector<double> lr_values;
     if (tables.size() != ids.size() || tables.size() != grads.size()) {
       error = "push: tables, ids and grads must have the same length";
-    }
-    py::list replica_list = replicas.is_none() ? py::list() : py::list(replicas);
-    if (error.empty() && !replicas.is_none() && replica_list.size() != tables.size()) {
-      error = "push: one replica per table is required";
+    } else if (!lrs.is_none()) {
+      lr_values = lrs.cast<std::vector<double>>();
+      if (lr_values.size() != tables.size()) error = "push: one learning rate per table is required";
     }
     for (size_t b = 0; b < tables.size() && error.empty(); ++b) {
       const std::string& name = spec_or_error(tables[b], &error);
@@ -159,20 +159,28 @@ class PyEngine {
       if (!error.empty()) break;
       keep_grads.push_back(grads_of(grads[b], name, keep_ids.back().size(), dim, &error));
       if (!error.empty()) break;
-      batches.push_back({tables[b], keep_ids.back().data(), keep_ids.back().size(), keep_grads.back().data()});
-      if (!replicas.is_none()) {
-        replica_ptrs.push_back(table_buffer(replica_list[b], engine_->spec(tables[b]), true, &error));
+      const double lr = lr_values.empty() ? -1.0 : lr_values[b];
+      if (!lr_values.empty() && !(lr >= 0)) {
+        error = "table '" + name + "': learning rate must be >= 0, got " + std::to_string(lr);
+        break;
       }
+      batches.push_back({tables[b], keep_ids.back().data(), keep_ids.back().size(), keep_grads.back().data(), lr});
     }
-    const bool sync = !replicas.is_none();
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!error.empty()) {
-      batches.clear();
-      // Keep the operation's shape (synchronous or deferred) so peers stay in step.
-      replica_ptrs.assign(sync ? 1 : 0, nullptr);
+    std::vector<RowUpdates> updates;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error.empty()) batches.clear();  // the operation still runs, so peers stay in step
+      updates = engine_->push(batches, scale, return_updates, error);
     }
-    engine_->push(batches, scale, replica_ptrs, error);
+    if (!return_updates) return py::none();
+    py::list out;
+    for (size_t b = 0; b < updates.size(); ++b) {
+      const auto n = static_cast<py::ssize_t>(updates[b].ids.size());
+      const auto dim = static_cast<py::ssize_t>(engine_->spec(tables[b]).dim);
+      out.append(py::make_tuple(to_numpy(std::move(updates[b].ids), {n}), to_numpy(std::move(updates[b].rows), {n, dim})));
+    }
+    return out;
   }
 
   void flush() {
@@ -199,6 +207,30 @@ class PyEngine {
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     engine_->load_local(table, slot, data);
+  }
+
+  // The shard's rows alias `replica` (kept alive by the caller, who re-attaches if its memory
+  // moves: see attached_address); None detaches.
+  void attach_replica(int table, const py::object& replica) {
+    float* data = nullptr;
+    if (!replica.is_none()) {
+      std::string error;
+      data = table_buffer(replica, engine_->spec(table), true, &error);
+      if (!error.empty()) throw PSError(error);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    engine_->attach_replica(table, data);
+  }
+
+  void write_local(int table, const py::object& ids_obj, const py::object& rows_obj) {
+    std::string error;
+    const TableSpec& spec = engine_->spec(table);
+    IdArray ids = ids_of(ids_obj, spec.name, &error);
+    RowArray rows;
+    if (error.empty()) rows = grads_of(rows_obj, spec.name, ids.size(), spec.dim, &error, "rows");
+    if (!error.empty()) throw PSError(error);
+    std::lock_guard<std::mutex> lock(mu_);
+    engine_->write_local(table, ids.data(), ids.size(), rows.data());
   }
 
   py::array_t<float> gather(int table, int slot) {
@@ -268,8 +300,11 @@ class PyShard {
 
   py::array_t<float> values(int slot) const {
     if (slot >= shard_.num_slots()) throw PSError("no optimizer state slot " + std::to_string(slot));
-    const float* src = slot < 0 ? shard_.data() : shard_.slot(slot);
-    std::vector<float> copy(src, src + shard_.rows() * shard_.dim());
+    std::vector<float> copy(static_cast<size_t>(shard_.rows() * shard_.dim()));
+    for (int64_t l = 0; l < shard_.rows(); ++l) {
+      const float* src = slot < 0 ? shard_.row(l) : shard_.slot(slot) + l * shard_.dim();
+      std::memcpy(copy.data() + l * shard_.dim(), src, sizeof(float) * shard_.dim());
+    }
     return to_numpy(std::move(copy), {static_cast<py::ssize_t>(shard_.rows()), static_cast<py::ssize_t>(shard_.dim())});
   }
 
@@ -279,8 +314,10 @@ class PyShard {
     const float* data = table_buffer(values, spec, false, &error);
     if (!error.empty()) throw PSError(error);
     if (slot >= shard_.num_slots()) throw PSError("no optimizer state slot " + std::to_string(slot));
-    float* dst = slot < 0 ? shard_.data() : shard_.slot(slot);
-    std::memcpy(dst, data, sizeof(float) * shard_.rows() * shard_.dim());
+    for (int64_t l = 0; l < shard_.rows(); ++l) {
+      float* dst = slot < 0 ? shard_.row(l) : shard_.slot(slot) + l * shard_.dim();
+      std::memcpy(dst, data + l * shard_.dim(), sizeof(float) * shard_.dim());
+    }
   }
 
   Shard& shard() { return shard_; }
@@ -325,7 +362,7 @@ PYBIND11_MODULE(_ps, m) {
     return make_update_rule(name, hparams)->slot_names();
   });
   m.def("optimizer_hyperparameters", [](const std::string& name, const std::map<std::string, double>& hparams) {
-    return make_update_rule(name, hparams)->hyperparameters();
+    return std::map<std::string, double>(make_update_rule(name, hparams)->hyperparameters());
   });
 
   py::class_<PyShard>(m, "Shard")
@@ -356,8 +393,15 @@ PYBIND11_MODULE(_ps, m) {
            py::arg("hparams") = std::map<std::string, double>{})
       .def("pull", &PyEngine::pull, py::arg("tables"), py::arg("ids"))
       .def("push", &PyEngine::push, py::arg("tables"), py::arg("ids"), py::arg("grads"),
-           py::arg("scale") = 1.0f, py::arg("replicas") = py::none())
+           py::arg("scale") = 1.0f, py::arg("return_updates") = false, py::arg("lrs") = py::none())
+      .def("set_rule", [](PyEngine& e, int t, const std::string& rule, const std::map<std::string, double>& hparams) {
+             e.engine().set_rule(t, rule, hparams);
+           }, py::arg("table"), py::arg("optimizer"), py::arg("hparams") = std::map<std::string, double>{})
       .def("flush", &PyEngine::flush)
+      .def("attach_replica", &PyEngine::attach_replica, py::arg("table"), py::arg("replica"))
+      .def("attached_address", [](PyEngine& e, int t) { return reinterpret_cast<uintptr_t>(e.engine().attached_replica(t)); })
+      .def("write_local", &PyEngine::write_local, py::arg("table"), py::arg("ids"), py::arg("rows"))
+      .def("rename_table", [](PyEngine& e, int t, const std::string& name) { e.engine().rename_table(t, name); })
       .def("load_from_root", &PyEngine::load_from_root, py::arg("table"), py::arg("values"), py::arg("root") = 0)
       .def("load_local", &PyEngine::load_local, py::arg("table"), py::arg("slot"), py::arg("values"))
       .def("init_normal", [](PyEngine& e, int t, uint64_t seed, float mean, float std) { e.engine().init_normal(t, seed, mean, std); },
@@ -380,6 +424,10 @@ PYBIND11_MODULE(_ps, m) {
         return d;
       })
       .def("slot_names", [](PyEngine& e, int t) { return make_update_rule(e.engine().spec(t).rule, e.engine().spec(t).hparams)->slot_names(); })
+      .def("hyperparameters", [](PyEngine& e, int t) {
+        Shard* s = e.engine().local_shard(t);
+        return s ? std::map<std::string, double>(s->rule().hyperparameters()) : e.engine().spec(t).hparams;
+      })
       .def("shard_rows", [](PyEngine& e, int t) { Shard* s = e.engine().local_shard(t); return s ? s->rows() : 0; })
       .def("row_store_bytes", [](PyEngine& e) { return e.engine().row_store_bytes(); })
       .def("state_bytes", [](PyEngine& e) { return e.engine().state_bytes(); })

@@ -22,6 +22,7 @@ class VariablePlan:
     partition: str = "cyclic"
     compression: str = "none"
     optimizer: dict | None = None  # server-side rule, e.g. {"name": "adagrad", "lr": 0.1}
+    optimizer_source: str = "-"  # "wrapped" (follows the optimizer, LR schedules too) | "config"
     reason: str = ""
     bytes_per_step: int | None = None  # measured after the first steps
 

@@ -26,6 +26,7 @@ struct Engine::Table {
 // A push whose requests were sent but not yet received and applied by this rank's shards.
 struct Engine::Round {
   float scale = 1.0f;
+  std::map<int, double> lr;          // table -> learning rate for this round
   bool self_error_reported = false;  // this rank already threw for its own bad input
 };
 
@@ -78,6 +79,11 @@ void check_rows(const Shard* shard, const std::string& table, const std::vector<
   for (int64_t l : local) {
     if (l < 0 || l >= shard->rows()) throw PSTransportError(std::string(op) + " for table '" + table + "': bad row index");
   }
+}
+
+// Local row l of the rows (slot < 0) or of optimizer slot `slot`.
+float* row_of(Shard& shard, int slot, int64_t l) {
+  return slot < 0 ? shard.row(l) : shard.slot(slot) + l * shard.dim();
 }
 
 double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) / 9007199254740992.0; }
@@ -269,8 +275,8 @@ std::vector<PullResult> Engine::pull(const std::vector<TableBatch>& batches, con
   });
 }
 
-void Engine::push(const std::vector<TableBatch>& batches, float scale,
-                  const std::vector<float*>& replicas, const std::string& error) {
+std::vector<RowUpdates> Engine::push(const std::vector<TableBatch>& batches, float scale,
+                                     bool return_updates, const std::string& error) {
   return guarded(broken_, broken_reason_, [&] {
     check_usable();
     drain_pending();
@@ -280,9 +286,6 @@ void Engine::push(const std::vector<TableBatch>& batches, float scale,
     std::vector<std::vector<Slice>> to(P);
     try {
       if (local_error.empty()) {
-        if (!replicas.empty() && replicas.size() != batches.size()) {
-          throw PSError("push: one replica buffer per batch is required");
-        }
         for (int d = 0; d < P; ++d) to[d].resize(batches.size());
         for (size_t b = 0; b < batches.size(); ++b) {
           const Table& t = table_at(batches[b].table);
@@ -328,19 +331,26 @@ void Engine::push(const std::vector<TableBatch>& batches, float scale,
     Round round;
     round.scale = scale;
     round.self_error_reported = !local_error.empty();
-    if (replicas.empty()) {
+    if (local_error.empty()) {
+      for (const TableBatch& b : batches) {
+        if (b.lr >= 0) round.lr[b.table] = b.lr;
+      }
+    }
+    std::vector<RowUpdates> out;
+    if (!return_updates) {
       pending_.push_back(round);  // applied at the start of the next operation
     } else {
-      std::vector<float*> replica_of_table(tables_.size(), nullptr);
+      std::map<int, RowUpdates> updates;
+      apply_round(round, &updates);
       if (local_error.empty()) {
-        for (size_t b = 0; b < batches.size(); ++b) replica_of_table[batches[b].table] = replicas[b];
+        for (const TableBatch& b : batches) out.push_back(std::move(updates[b.table]));
       }
-      apply_round(round, replica_of_table);
     }
     if (!local_error.empty()) {
       if (index_error) throw PSIndexError(local_error);
       throw PSError(local_error);
     }
+    return out;
   });
 }
 
@@ -355,13 +365,12 @@ void Engine::drain_pending() {
   while (!pending_.empty()) {
     Round round = pending_.front();
     pending_.erase(pending_.begin());
-    apply_round(round, {});
+    apply_round(round, nullptr);
   }
 }
 
-void Engine::apply_round(const Round& round, const std::vector<float*>& replica_of_table) {
+void Engine::apply_round(const Round& round, std::map<int, RowUpdates>* updates) {
   const int P = size();
-  const bool with_replicas = !replica_of_table.empty();
   // Per table: the sum over workers of each row's gradient, rows in first-seen order.
   struct Accumulator {
     std::unordered_map<int64_t, int64_t> slot_of;
@@ -413,11 +422,13 @@ void Engine::apply_round(const Round& round, const std::vector<float*>& replica_
       Table& t = *tables_[table];
       if (!t.shard) continue;
       for (float& v : a.sum) v *= round.scale;
+      auto lr = round.lr.find(table);
+      if (lr != round.lr.end()) t.shard->rule().set_hyperparameter("lr", lr->second);
       t.shard->rule().begin_step();
       t.shard->apply(a.local.data(), static_cast<int64_t>(a.local.size()), a.sum.data());
     }
   }
-  if (with_replicas) {
+  if (updates) {
     // Every shard tells every rank which rows changed, so all replicas stay identical.
     Writer w;
     int64_t n_tables = 0;
@@ -446,11 +457,9 @@ void Engine::apply_round(const Round& round, const std::vector<float*>& replica_
         const int64_t dim = table_at(table).spec.dim;
         const std::vector<int64_t> ids = r.i64s(static_cast<size_t>(count));
         const float* rows = r.f32s(count * dim);
-        float* replica = table < static_cast<int>(replica_of_table.size()) ? replica_of_table[table] : nullptr;
-        if (!replica) continue;
-        for (int64_t i = 0; i < count; ++i) {
-          std::memcpy(replica + ids[i] * dim, rows + i * dim, dim * sizeof(float));
-        }
+        RowUpdates& u = (*updates)[table];
+        u.ids.insert(u.ids.end(), ids.begin(), ids.end());
+        u.rows.insert(u.rows.end(), rows, rows + count * dim);
       }
     }
   }
@@ -479,7 +488,8 @@ void Engine::load_from_root(int table, const float* values, int root) {
       if (msg.size() != static_cast<size_t>(t.shard->rows() * dim) * sizeof(float)) {
         throw PSTransportError("table '" + t.spec.name + "': initial rows from rank " + std::to_string(root) + " have the wrong size");
       }
-      std::memcpy(t.shard->data(), msg.data(), msg.size());
+      const float* rows = reinterpret_cast<const float*>(msg.data());
+      for (int64_t l = 0; l < t.shard->rows(); ++l) std::memcpy(t.shard->row(l), rows + l * dim, dim * sizeof(float));
     }
     transport_->wait_sends();
   });
@@ -491,11 +501,53 @@ void Engine::load_local(int table, int slot, const float* values) {
   if (slot >= t.shard->num_slots()) {
     throw PSError("table '" + t.spec.name + "': optimizer '" + t.spec.rule + "' has no state slot " + std::to_string(slot));
   }
-  float* dst = slot < 0 ? t.shard->data() : t.shard->slot(slot);
   const int64_t dim = t.spec.dim;
   for (int64_t l = 0; l < t.shard->rows(); ++l) {
-    std::memcpy(dst + l * dim, values + t.part.global_id(rank(), l) * dim, dim * sizeof(float));
+    std::memcpy(row_of(*t.shard, slot, l), values + t.part.global_id(rank(), l) * dim, dim * sizeof(float));
   }
+}
+
+void Engine::attach_replica(int table, float* full_table) {
+  Table& t = table_at(table);
+  if (!t.shard) return;
+  if (!full_table) {
+    t.shard->detach();
+    return;
+  }
+  // Local row l is global row global_id(rank, l) = l * stride + offset.
+  if (t.spec.partition == PartitionKind::kCyclic) {
+    t.shard->attach(full_table, t.spec.num_shards, rank());
+  } else {
+    t.shard->attach(full_table, 1, t.part.global_id(rank(), 0));
+  }
+}
+
+const float* Engine::attached_replica(int table) {
+  Table& t = table_at(table);
+  return t.shard ? t.shard->attached_base() : nullptr;
+}
+
+void Engine::write_local(int table, const int64_t* ids, int64_t n, const float* rows) {
+  Table& t = table_at(table);
+  if (!t.shard) return;
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= t.spec.num_rows) {
+      throw PSIndexError("table '" + t.spec.name + "': id " + std::to_string(ids[i]) + " is out of range [0, " +
+                         std::to_string(t.spec.num_rows) + ")");
+    }
+    if (t.part.shard_of(ids[i]) != rank()) continue;
+    std::memcpy(t.shard->row(t.part.local_index(ids[i])), rows + i * t.spec.dim, t.spec.dim * sizeof(float));
+  }
+}
+
+void Engine::rename_table(int table, const std::string& name) { table_at(table).spec.name = name; }
+
+void Engine::set_rule(int table, const std::string& rule, const std::map<std::string, double>& hparams) {
+  Table& t = table_at(table);
+  auto made = make_update_rule(rule, hparams);  // validates on every rank, shard or not
+  t.spec.rule = rule;
+  t.spec.hparams = hparams;
+  if (t.shard) t.shard->set_rule(std::move(made));
 }
 
 void Engine::init_normal(int table, uint64_t seed, float mean, float stddev) {
@@ -505,7 +557,7 @@ void Engine::init_normal(int table, uint64_t seed, float mean, float stddev) {
   const double two_pi = 6.283185307179586;
   for (int64_t l = 0; l < t.shard->rows(); ++l) {
     const uint64_t id = static_cast<uint64_t>(t.part.global_id(rank(), l));
-    float* row = t.shard->data() + l * dim;
+    float* row = t.shard->row(l);
     for (int64_t j = 0; j < dim; ++j) {
       const uint64_t key = mix64(seed ^ mix64(id * static_cast<uint64_t>(dim) + static_cast<uint64_t>(j)));
       const double u1 = uniform01(key), u2 = uniform01(mix64(key));
@@ -520,7 +572,7 @@ void Engine::init_uniform(int table, uint64_t seed, float low, float high) {
   const int64_t dim = t.spec.dim;
   for (int64_t l = 0; l < t.shard->rows(); ++l) {
     const uint64_t id = static_cast<uint64_t>(t.part.global_id(rank(), l));
-    float* row = t.shard->data() + l * dim;
+    float* row = t.shard->row(l);
     for (int64_t j = 0; j < dim; ++j) {
       const uint64_t key = mix64(seed ^ mix64(id * static_cast<uint64_t>(dim) + static_cast<uint64_t>(j)));
       row[j] = low + (high - low) * static_cast<float>(uniform01(key));
@@ -541,7 +593,10 @@ std::vector<float> Engine::gather(int table, int slot) {
     if (t.shard) {
       Writer w;
       w.text(error);
-      if (error.empty()) w.f32s(slot < 0 ? t.shard->data() : t.shard->slot(slot), t.shard->rows() * dim);
+      if (error.empty()) {
+        float* out = w.f32_slot(t.shard->rows() * dim);
+        for (int64_t l = 0; l < t.shard->rows(); ++l) std::memcpy(out + l * dim, row_of(*t.shard, slot, l), dim * sizeof(float));
+      }
       std::vector<char> payload = w.take();
       for (int d = 0; d < size(); ++d) transport_->send(d, kTagControl, payload);
     }

@@ -12,23 +12,45 @@ Shard::Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<Updat
     throw PSError("table '" + table_ + "': shape (" + std::to_string(rows) + ", " +
                   std::to_string(dim) + ") is not a valid (rows, dim)");
   }
-  values_.assign(static_cast<size_t>(rows * dim), 0.0f);
+  owned_.assign(static_cast<size_t>(rows * dim), 0.0f);
+  base_ = owned_.data();
+  set_rule(std::move(rule_));
+}
+
+void Shard::attach(float* base, int64_t stride, int64_t offset) {
+  base_ = base;
+  stride_ = stride;
+  offset_ = offset;
+  owned_.clear();
+  owned_.shrink_to_fit();
+}
+
+void Shard::detach() {
+  if (!attached()) return;
+  std::vector<float> copy(static_cast<size_t>(rows_ * dim_));
+  for (int64_t l = 0; l < rows_; ++l) std::memcpy(copy.data() + l * dim_, row(l), sizeof(float) * dim_);
+  owned_ = std::move(copy);
+  base_ = owned_.data();
+  stride_ = 1;
+  offset_ = 0;
+}
+
+void Shard::set_rule(std::unique_ptr<UpdateRule> rule) {
+  rule_ = std::move(rule);
+  slots_.clear();
+  slots_.shrink_to_fit();
   const auto names = rule_->slot_names();
   for (size_t k = 0; k < names.size(); ++k) {
-    slots_.emplace_back(static_cast<size_t>(rows * dim), rule_->slot_init(static_cast<int>(k)));
+    slots_.emplace_back(static_cast<size_t>(rows_ * dim_), rule_->slot_init(static_cast<int>(k)));
   }
 }
 
 void Shard::gather(const int64_t* local, int64_t n, float* out) const {
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(out + i * dim_, values_.data() + local[i] * dim_, sizeof(float) * dim_);
-  }
+  for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * dim_, row(local[i]), sizeof(float) * dim_);
 }
 
 void Shard::scatter(const int64_t* local, int64_t n, const float* values) {
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(values_.data() + local[i] * dim_, values + i * dim_, sizeof(float) * dim_);
-  }
+  for (int64_t i = 0; i < n; ++i) std::memcpy(row(local[i]), values + i * dim_, sizeof(float) * dim_);
 }
 
 void Shard::apply(const int64_t* local, int64_t n, const float* grads) {
@@ -36,14 +58,14 @@ void Shard::apply(const int64_t* local, int64_t n, const float* grads) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t offset = local[i] * dim_;
     for (size_t k = 0; k < slots_.size(); ++k) slot_rows[k] = slots_[k].data() + offset;
-    rule_->apply(values_.data() + offset, slot_rows.data(), grads + i * dim_, dim_);
+    rule_->apply(row(local[i]), slot_rows.data(), grads + i * dim_, dim_);
   }
 }
 
-int64_t Shard::row_bytes() const { return static_cast<int64_t>(sizeof(float) * values_.size()); }
+int64_t Shard::row_bytes() const { return static_cast<int64_t>(sizeof(float) * owned_.size()); }
 
 int64_t Shard::state_bytes() const {
-  return static_cast<int64_t>(sizeof(float) * values_.size() * slots_.size());
+  return static_cast<int64_t>(sizeof(float) * rows_ * dim_ * slots_.size());
 }
 
 Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows) {

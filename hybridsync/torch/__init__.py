@@ -7,6 +7,7 @@ from .. import init as _init
 from ..plan import explain
 from ..types import Average, ReduceOp, Sum
 from .compression import Compression
+from .embedding import Embedding, EmbeddingBag
 from .functions import (allgather, allgather_object, allreduce, allreduce_, allreduce_async_, barrier, broadcast,
                         broadcast_, broadcast_object, broadcast_optimizer_state, broadcast_parameters, poll,
                         synchronize)
@@ -26,7 +27,7 @@ def is_initialized() -> bool:
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "DistributedOptimizer", "Compression", "Average", "Sum", "ReduceOp",
+    "DistributedOptimizer", "Compression", "Average", "Sum", "ReduceOp", "Embedding", "EmbeddingBag",
     "allreduce", "allreduce_", "allreduce_async_", "synchronize", "poll", "broadcast", "broadcast_",
     "allgather", "broadcast_object", "allgather_object", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "explain",

@@ -15,15 +15,16 @@ import torch
 
 from .. import plan as plan_mod
 from .. import runtime
-from ..types import GradKind, ReduceOp, Route
-from . import ops
+from ..types import GradKind, Placement, ReduceOp, Route
+from . import ops, sync_ps
 from .compression import Compression, NoneCompressor
-from .planner import plan_for
+from .planner import plan_for, ps_modules, route_for_observed
 from .sync_base import SyncSettings, Variable
 from .sync_dense import DenseAllreduce
 
-# Route -> synchronizer class. The PS routes register themselves (see sync_ps.py).
-SYNCHRONIZERS: dict = {Route.ALLREDUCE: DenseAllreduce}
+# (route, placement) -> synchronizer class: one registry, no if/elif on routes.
+SYNCHRONIZERS: dict = {(Route.ALLREDUCE, Placement.NONE): DenseAllreduce}
+sync_ps.register(SYNCHRONIZERS)
 
 
 def _reduce_op(op) -> ReduceOp:
@@ -85,32 +86,37 @@ class _DistributedOptimizer:
                                 self._hs_backend.size, self)
         self._hs_plan = plan_for(self, named, model, config, compression, self._hs_backend)
         by_name = self._hs_plan.by_name()
-        self._hs_vars = [Variable(name, p, by_name[name]) for name, p in named]
+        self._hs_vars = [Variable(name, p, by_name[name], index=i) for i, (name, p) in enumerate(named)]
+        for name, module in ps_modules(model):
+            self._hs_vars.append(Variable(name, None, by_name[name], index=len(self._hs_vars), module=module))
         self._hs_settings = settings
         self._hs_syncs: dict = {}
         self._hs_route_of: dict = {}
         self._hs_model = model
         self._hs_plan_confirmed = False
+        self._hs_pending_state: dict = {}  # server state loaded before its route existed
         for var in self._hs_vars:
             if var.plan.route is not None:
-                self._hs_assign(var, var.plan.route)
+                self._hs_assign(var)
         self._hs_synchronized = False
         self._hs_unsynced_grads = False
         self._hs_should_sync = True
         self._hs_hooks = [var.param.register_post_accumulate_grad_hook(self._hs_make_hook(var))
-                          for var in self._hs_vars if var.param.requires_grad]
+                          for var in self._hs_vars if var.param is not None and var.param.requires_grad]
         for sync in self._hs_syncs.values():
-            getattr(sync, "on_wrap", lambda: None)()
+            sync.on_wrap()
         plan_mod.register(self)
 
     # -- routing ------------------------------------------------------------------------------
-    def _hs_assign(self, var, route):
-        if route not in SYNCHRONIZERS:
-            raise NotImplementedError(f"route {route.value!r} (variable '{var.name}') is not available")
-        if route not in self._hs_syncs:
-            self._hs_syncs[route] = SYNCHRONIZERS[route](self._hs_settings, [], model=self._hs_model)
-        self._hs_syncs[route].add(var)
-        self._hs_route_of[var] = route
+    def _hs_assign(self, var):
+        key = (var.plan.route, var.plan.placement)
+        if key not in SYNCHRONIZERS:
+            raise NotImplementedError(f"variable '{var.name}': route {key[0].value} with placement "
+                                      f"{key[1].value} is not available")
+        if key not in self._hs_syncs:
+            self._hs_syncs[key] = SYNCHRONIZERS[key](self._hs_settings, [], model=self._hs_model)
+        self._hs_syncs[key].add(var)
+        self._hs_route_of[var] = key
 
     def _hs_make_hook(self, var):
         def hook(param):
@@ -135,28 +141,28 @@ class _DistributedOptimizer:
 
     def _hs_decide(self, var):
         """First backward of a variable planned without its module: its gradient decides."""
-        from .planner import route_for_observed
-
         kind = GradKind.SPARSE if var.param.grad is not None and var.param.grad.is_sparse else GradKind.DENSE
-        route_for_observed(var.plan, kind, self._hs_plan)
-        self._hs_assign(var, var.plan.route)
+        route_for_observed(var.plan, kind, self, var.param, self._hs_settings.world_size)
+        self._hs_assign(var)
 
     def _hs_confirm_plan(self):
         """Once, at the first synchronize: every rank must have decided the same routes."""
         for var in self._hs_vars:
             if var not in self._hs_route_of:
                 self._hs_decide(var)
-        mine = [(v.name, tuple(v.plan.shape), v.plan.route.value) for v in self._hs_vars]
+        mine = [(v.name, tuple(v.plan.shape), v.plan.route.value, v.plan.placement.value) for v in self._hs_vars]
         if self._hs_settings.world_size > 1:
             reference = self._hs_backend.broadcast_object(mine, 0)
             for a, b in zip(mine, reference):
                 if a != b:
                     raise RuntimeError(
                         f"rank {self._hs_backend.rank} disagrees with rank 0 on variable '{a[0]}': "
-                        f"{a[1]} via {a[2]} here, {b[1]} via {b[2]} on rank 0 (every rank must build the same model)")
+                        f"{a[1]} via {a[2]}/{a[3]} here, {b[0]} {b[1]} via {b[2]}/{b[3]} on rank 0 "
+                        "(every rank must build the same model)")
             if len(mine) != len(reference):
                 raise RuntimeError(f"rank {self._hs_backend.rank} has {len(mine)} variables, rank 0 has {len(reference)}")
         self._hs_plan_confirmed = True
+        self._hs_load_route_state(self._hs_pending_state)
 
     # -- Horovod's optimizer API --------------------------------------------------------------
     @property
@@ -212,22 +218,35 @@ class _DistributedOptimizer:
                                "or optimizer.synchronize(): gradients are still being exchanged")
         return super().zero_grad(set_to_none=set_to_none)
 
+    @staticmethod
+    def _hs_key(route, placement) -> str:
+        return f"{route.value}/{placement.value}"
+
     def state_dict(self):
+        """The wrapped optimizer's state, plus (key 'hybridsync') the server-side state of
+        PS tables, gathered whole from the shards (collective: call it on every rank)."""
         state = super().state_dict()
-        extra = {route.value: sync.state_dict() for route, sync in self._hs_syncs.items()}
+        extra = {self._hs_key(*key): sync.state_dict() for key, sync in self._hs_syncs.items()}
         extra = {k: v for k, v in extra.items() if v}
-        if extra:
-            state["hybridsync"] = extra
+        if extra or self._hs_pending_state:
+            state["hybridsync"] = {**self._hs_pending_state, **extra}
         return state
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         extra = state_dict.pop("hybridsync", {})
         super().load_state_dict(state_dict)
-        for route, sync in self._hs_syncs.items():
-            if route.value in extra:
-                sync.load_state_dict(extra[route.value])
         self._hs_synchronized = False
+        if self._hs_plan_confirmed:
+            self._hs_load_route_state(extra)
+        else:  # routes of variables recognised at the first backward do not exist yet
+            self._hs_pending_state = dict(extra)
+
+    def _hs_load_route_state(self, extra: dict) -> None:
+        for key, sync in self._hs_syncs.items():
+            if self._hs_key(*key) in extra:
+                sync.load_state_dict(extra[self._hs_key(*key)])
+        self._hs_pending_state = {}
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=None, compression=None,

@@ -16,8 +16,10 @@ class Variable:
     """One parameter under a distributed optimizer."""
 
     name: str
-    param: torch.nn.Parameter
+    param: torch.nn.Parameter | None  # None for tables that only exist on the PS
     plan: VariablePlan
+    index: int = 0  # position in the plan: the order every rank handles variables in
+    module: torch.nn.Module | None = None  # a user-built PS-backed module, for PS-only tables
     passes: int = 0  # backward passes accumulated since the last synchronize()
 
 
@@ -41,6 +43,9 @@ class Synchronizer:
 
     def add(self, var: Variable) -> None:
         self.variables.append(var)
+
+    def on_wrap(self) -> None:
+        """Called once, when the optimizer has been wrapped (e.g. to swap in PS modules)."""
 
     def grad_ready(self, var: Variable) -> None:
         """var's gradient is final for this step (all backward passes done)."""

@@ -28,6 +28,7 @@ class DenseAllreduce(Synchronizer):
         if p.grad.is_sparse:
             raise RuntimeError(f"variable '{var.name}' is planned for dense all-reduce but produced a sparse gradient")
         compressed, ctx = self.settings.compression.compress(p.grad)
+        var.plan.bytes_per_step = compressed.numel() * compressed.element_size()
         pre, post = self._scale_factors()
         handle = self.settings.backend.allreduce_async_(compressed, name=f"hybridsync.{var.name}", op=self.settings.op,
                                                         prescale_factor=pre, postscale_factor=post)
@@ -39,6 +40,8 @@ class DenseAllreduce(Synchronizer):
 
     def synchronize(self) -> None:
         if self.settings.world_size == 1:
+            for var in self.variables:
+                var.plan.bytes_per_step = 0  # nothing to exchange
             return
         for var in self.variables:
             if var not in self._handles:

@@ -103,7 +103,7 @@ def test_float64_gradients_are_rejected_not_cast():
 
 def test_gradient_shape_must_match_table():
     shard, _ = make_shard()
-    with pytest.raises(ValueError, match=r"gradient shape \(2, 7\) does not match \(2, 8\)"):
+    with pytest.raises(ValueError, match=r"gradients shape \(2, 7\) does not match \(2, 8\)"):
         shard.push(np.array([1, 2]), np.zeros((2, 7), np.float32))
 
 

@@ -68,9 +68,11 @@ class Partitioner {
 };
 
 // A server-side optimizer for one table shard. Rules keep per-row state slots (each `dim`
-// floats, e.g. Adagrad's accumulator) next to the rows; scalar state (the step) lives here.
+// floats, e.g. Adagrad's accumulator) next to the rows; scalars (hyper-parameters, the step)
+// live here. begin_step() runs once per push round and precomputes what apply() needs.
 class UpdateRule {
  public:
+  explicit UpdateRule(std::map<std::string, double> hparams) : hp_(std::move(hparams)) {}
   virtual ~UpdateRule() = default;
   // Canonical name: "sgd", "adagrad" or "adam".
   virtual std::string name() const = 0;
@@ -78,16 +80,20 @@ class UpdateRule {
   virtual std::vector<std::string> slot_names() const = 0;
   // Initial value of every element of slot `slot`.
   virtual float slot_init(int slot) const { (void)slot; return 0.0f; }
-  // Called once per push round that includes this table, before any apply().
+  // Advances the step counter and refreshes per-step constants.
   virtual void begin_step() { ++step_; }
   // Updates one row in place from its aggregated gradient; `slots[k]` points at slot k's row.
   virtual void apply(float* row, float* const* slots, const float* grad, int64_t dim) const = 0;
-  // Hyper-parameters as given (after defaults), for explain() and checkpoints.
-  virtual std::map<std::string, double> hyperparameters() const = 0;
+  // Throws PSError naming the first out-of-range hyper-parameter.
+  virtual void validate() const = 0;
+  const std::map<std::string, double>& hyperparameters() const { return hp_; }
+  // Changes one hyper-parameter (e.g. "lr" from an LR schedule); unknown names throw.
+  void set_hyperparameter(const std::string& key, double value);
   int64_t step() const { return step_; }
   void set_step(int64_t step) { step_ = step; }
 
  protected:
+  std::map<std::string, double> hp_;
   int64_t step_ = 0;
 };
 
@@ -96,6 +102,8 @@ std::unique_ptr<UpdateRule> make_update_rule(const std::string& name,
                                              const std::map<std::string, double>& hparams);
 
 // The rows of one table held by this rank, with their optimizer state. Single-threaded.
+// Rows are owned, or alias rows of a caller's full-table buffer (replicated placement:
+// local row l lives at base + (l * stride + offset) * dim).
 class Shard {
  public:
   Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<UpdateRule> rule);
@@ -104,18 +112,27 @@ class Shard {
   int64_t dim() const { return dim_; }
   UpdateRule& rule() { return *rule_; }
   const UpdateRule& rule() const { return *rule_; }
+  // Address of local row l.
+  float* row(int64_t l) { return base_ + (l * stride_ + offset_) * dim_; }
+  const float* row(int64_t l) const { return base_ + (l * stride_ + offset_) * dim_; }
   // Copies rows `local[i]` into out[i*dim...]; indices must be in range.
   void gather(const int64_t* local, int64_t n, float* out) const;
   // Overwrites rows `local[i]` with values[i*dim...].
   void scatter(const int64_t* local, int64_t n, const float* values);
   // One optimizer step: rows `local[i]` (unique) get gradient grads[i*dim...].
   void apply(const int64_t* local, int64_t n, const float* grads);
-  float* data() { return values_.data(); }
-  const float* data() const { return values_.data(); }
+  // Replaces the optimizer; its state slots start fresh.
+  void set_rule(std::unique_ptr<UpdateRule> rule);
+  // Uses the caller's memory for the rows (which must outlive the attachment); detach()
+  // copies them back into owned memory.
+  void attach(float* base, int64_t stride, int64_t offset);
+  void detach();
+  bool attached() const { return owned_.empty() && rows_ > 0; }
+  const float* attached_base() const { return attached() ? base_ : nullptr; }
   float* slot(int k) { return slots_[k].data(); }
   const float* slot(int k) const { return slots_[k].data(); }
   int num_slots() const { return static_cast<int>(slots_.size()); }
-  // Bytes held by the rows, and by the optimizer state slots.
+  // Bytes held by the rows (0 when attached), and by the optimizer state slots.
   int64_t row_bytes() const;
   int64_t state_bytes() const;
 
@@ -123,7 +140,9 @@ class Shard {
   std::string table_;
   int64_t rows_, dim_;
   std::unique_ptr<UpdateRule> rule_;
-  std::vector<float> values_;
+  std::vector<float> owned_;
+  float* base_ = nullptr;
+  int64_t stride_ = 1, offset_ = 0;
   std::vector<std::vector<float>> slots_;
 };
 
@@ -155,6 +174,7 @@ struct TableBatch {
   const int64_t* ids = nullptr;
   int64_t n = 0;
   const float* grads = nullptr;  // push only: n x dim
+  double lr = -1.0;              // push only: learning rate for this round (< 0: unchanged)
 };
 
 // Per-table result of a pull: rows of the unique ids and where each input id went.
@@ -199,17 +219,29 @@ class Engine {
   std::vector<PullResult> pull(const std::vector<TableBatch>& batches,
                                const std::string& error = "");
   // Collective. Sends each batch's (id, gradient) rows to their shards; each shard sums them
-  // over ranks, multiplies by `scale` and applies its rule once per row. When `replicas` is
-  // given (one full table buffer per batch), waits and writes every changed row into it;
-  // otherwise the apply happens at the start of this rank's next operation.
-  void push(const std::vector<TableBatch>& batches, float scale,
-            const std::vector<float*>& replicas = {}, const std::string& error = "");
+  // over ranks, multiplies by `scale` and applies its rule once per row. With
+  // `return_updates`, waits for the apply and returns, per batch, every row any shard
+  // changed (for ranks that keep replicas); otherwise the apply happens at the start of this
+  // rank's next operation and the result is empty.
+  std::vector<RowUpdates> push(const std::vector<TableBatch>& batches, float scale,
+                               bool return_updates = false, const std::string& error = "");
   // Collective. Applies any push still pending.
   void flush();
   // Collective. Rank `root`'s full table (num_rows x dim) becomes every shard's rows.
   void load_from_root(int table, const float* values, int root);
   // Local. Each shard copies its rows (slot < 0) or slot `slot` from a full-table array.
   void load_local(int table, int slot, const float* values);
+  // Local. The shard's rows alias `full_table` (num_rows x dim, identical on every rank) from
+  // now on; nullptr copies them back into memory the shard owns.
+  void attach_replica(int table, float* full_table);
+  // Local. The address the shard's rows alias, or nullptr when it owns them.
+  const float* attached_replica(int table);
+  // Local. Writes the rows among `ids` that this rank's shard holds; other ids are skipped.
+  void write_local(int table, const int64_t* ids, int64_t n, const float* rows);
+  // Local. The name errors use for `table` (e.g. its path in the model, known after creation).
+  void rename_table(int table, const std::string& name);
+  // Local. Replaces the server optimizer of this rank's shard of `table` (state restarts).
+  void set_rule(int table, const std::string& rule, const std::map<std::string, double>& hparams);
   // Local. Seeded rows that do not depend on the number of shards.
   void init_normal(int table, uint64_t seed, float mean, float stddev);
   void init_uniform(int table, uint64_t seed, float low, float high);
@@ -227,8 +259,8 @@ class Engine {
  private:
   struct Table;
   struct Round;
-  // Receives and applies the oldest deferred push (and, with replicas, exchanges updates).
-  void apply_round(const Round& round, const std::vector<float*>& replica_of_table);
+  // Receives and applies one push round; with `updates`, also exchanges the changed rows.
+  void apply_round(const Round& round, std::map<int, RowUpdates>* updates);
   void drain_pending();
   void check_usable() const;
   Table& table_at(int table) const;

@@ -11,36 +11,33 @@ namespace {
 class AdagradRule : public UpdateRule {
  public:
   explicit AdagradRule(const std::map<std::string, double>& given)
-      : hp_(resolve_hparams("adagrad", given,
-                            {{"lr", 0.01},
-                             {"lr_decay", 0.0},
-                             {"initial_accumulator_value", 0.0},
-                             {"eps", 1e-10}})) {
-    require_positive("adagrad", "lr", hp_["lr"], /*allow_zero=*/true);
-    require_positive("adagrad", "lr_decay", hp_["lr_decay"], /*allow_zero=*/true);
-    require_positive("adagrad", "initial_accumulator_value", hp_["initial_accumulator_value"],
-                     /*allow_zero=*/true);
-    require_positive("adagrad", "eps", hp_["eps"], /*allow_zero=*/true);
+      : UpdateRule(resolve_hparams("adagrad", given,
+                                   {{"lr", 0.01}, {"lr_decay", 0.0}, {"initial_accumulator_value", 0.0}, {"eps", 1e-10}})) {
+    validate();
   }
   std::string name() const override { return "adagrad"; }
   std::vector<std::string> slot_names() const override { return {"sum"}; }
-  float slot_init(int) const override {
-    return static_cast<float>(hp_.at("initial_accumulator_value"));
+  float slot_init(int) const override { return static_cast<float>(hp_.at("initial_accumulator_value")); }
+  void validate() const override {
+    for (const char* key : {"lr", "lr_decay", "initial_accumulator_value", "eps"}) {
+      require_positive("adagrad", key, hp_.at(key), /*allow_zero=*/true);
+    }
+  }
+  void begin_step() override {
+    UpdateRule::begin_step();
+    clr_ = static_cast<float>(hp_.at("lr") / (1.0 + static_cast<double>(step_ - 1) * hp_.at("lr_decay")));
+    eps_ = static_cast<float>(hp_.at("eps"));
   }
   void apply(float* row, float* const* slots, const float* grad, int64_t dim) const override {
-    const float clr = static_cast<float>(hp_.at("lr") /
-                                         (1.0 + static_cast<double>(step_ - 1) * hp_.at("lr_decay")));
-    const float eps = static_cast<float>(hp_.at("eps"));
     float* acc = slots[0];
     for (int64_t j = 0; j < dim; ++j) {
       acc[j] += grad[j] * grad[j];
-      row[j] -= clr * (grad[j] / (std::sqrt(acc[j]) + eps));
+      row[j] -= clr_ * (grad[j] / (std::sqrt(acc[j]) + eps_));
     }
   }
-  std::map<std::string, double> hyperparameters() const override { return hp_; }
 
  private:
-  std::map<std::string, double> hp_;
+  float clr_ = 0.0f, eps_ = 0.0f;
 };
 
 }  // namespace

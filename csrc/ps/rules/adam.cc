@@ -13,38 +13,41 @@ namespace {
 class AdamRule : public UpdateRule {
  public:
   explicit AdamRule(const std::map<std::string, double>& given)
-      : hp_(resolve_hparams("adam", given,
-                            {{"lr", 0.001}, {"beta1", 0.9}, {"beta2", 0.999}, {"eps", 1e-8}})) {
-    require_positive("adam", "lr", hp_["lr"], /*allow_zero=*/true);
-    require_positive("adam", "eps", hp_["eps"], /*allow_zero=*/true);
-    for (const char* beta : {"beta1", "beta2"}) {
-      if (!(hp_[beta] >= 0.0 && hp_[beta] < 1.0)) {
-        throw PSError(std::string("server optimizer 'adam': ") + beta + " must be in [0, 1), got " +
-                      std::to_string(hp_[beta]));
-      }
-    }
+      : UpdateRule(resolve_hparams("adam", given, {{"lr", 0.001}, {"beta1", 0.9}, {"beta2", 0.999}, {"eps", 1e-8}})) {
+    validate();
   }
   std::string name() const override { return "adam"; }
   std::vector<std::string> slot_names() const override { return {"exp_avg", "exp_avg_sq"}; }
+  void validate() const override {
+    require_positive("adam", "lr", hp_.at("lr"), /*allow_zero=*/true);
+    require_positive("adam", "eps", hp_.at("eps"), /*allow_zero=*/true);
+    for (const char* beta : {"beta1", "beta2"}) {
+      if (!(hp_.at(beta) >= 0.0 && hp_.at(beta) < 1.0)) {
+        throw PSError(std::string("server optimizer 'adam': ") + beta + " must be in [0, 1), got " +
+                      std::to_string(hp_.at(beta)));
+      }
+    }
+  }
+  void begin_step() override {
+    UpdateRule::begin_step();
+    const double b1 = hp_.at("beta1"), b2 = hp_.at("beta2"), t = static_cast<double>(step_);
+    step_size_ = static_cast<float>(hp_.at("lr") * std::sqrt(1.0 - std::pow(b2, t)) / (1.0 - std::pow(b1, t)));
+    b1_ = static_cast<float>(b1);
+    b2_ = static_cast<float>(b2);
+    eps_ = static_cast<float>(hp_.at("eps"));
+  }
   void apply(float* row, float* const* slots, const float* grad, int64_t dim) const override {
-    const double b1 = hp_.at("beta1"), b2 = hp_.at("beta2");
-    const double t = static_cast<double>(step_);
-    const float step_size =
-        static_cast<float>(hp_.at("lr") * std::sqrt(1.0 - std::pow(b2, t)) / (1.0 - std::pow(b1, t)));
-    const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
-    const float eps = static_cast<float>(hp_.at("eps"));
     float* m = slots[0];
     float* v = slots[1];
     for (int64_t j = 0; j < dim; ++j) {
-      m[j] += (grad[j] - m[j]) * (1.0f - fb1);
-      v[j] += (grad[j] * grad[j] - v[j]) * (1.0f - fb2);
-      row[j] -= step_size * (m[j] / (std::sqrt(v[j]) + eps));
+      m[j] += (grad[j] - m[j]) * (1.0f - b1_);
+      v[j] += (grad[j] * grad[j] - v[j]) * (1.0f - b2_);
+      row[j] -= step_size_ * (m[j] / (std::sqrt(v[j]) + eps_));
     }
   }
-  std::map<std::string, double> hyperparameters() const override { return hp_; }
 
  private:
-  std::map<std::string, double> hp_;
+  float step_size_ = 0.0f, b1_ = 0.0f, b2_ = 0.0f, eps_ = 0.0f;
 };
 
 }  // namespace

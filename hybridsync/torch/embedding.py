@@ -1,0 +1,180 @@
+"""Embedding modules whose rows live on the parameter server (sharded placement).
+
+forward() pulls the batch's unique rows from their shards into a small local weight and
+looks up into it; backward turns that weight's gradient into per-row gradients, which the
+DistributedOptimizer pushes to the shards at step(). The whole table never exists on one rank
+(except when state_dict() gathers it on request).
+
+Every rank must call forward on a PS-backed module the same number of times per step, since
+a pull is collective.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import ps, runtime
+
+_unnamed = itertools.count()
+
+
+def _shared_seed() -> int:
+    """A seed drawn from rank 0's torch RNG, the same on every rank."""
+    seed = int(torch.randint(0, 2**62, (1,)).item())
+    world = runtime.world()
+    if world.size > 1:
+        seed = runtime.mpi_comm().bcast(seed, root=0)
+    return seed
+
+
+class _PSTableModule(torch.nn.Module):
+    """What PS-backed Embedding and EmbeddingBag share: the table handle, pulls, state."""
+
+    def _setup(self, num_embeddings, embedding_dim, padding_idx, name, partitions, partition,
+               initial_weight, seed):
+        if num_embeddings < 1 or embedding_dim < 1:
+            raise ValueError(f"PS embedding needs num_embeddings >= 1 and embedding_dim >= 1, got "
+                             f"({num_embeddings}, {embedding_dim})")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx {padding_idx} is out of range for {num_embeddings} embeddings")
+            padding_idx = padding_idx % num_embeddings
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.table_name = name or f"ps_embedding_{next(_unnamed)}"
+        self._engine = ps.engine()
+        # The rule is a placeholder until a DistributedOptimizer sets the real one.
+        self.table = self._engine.add_table(self.table_name, num_embeddings, embedding_dim, partitions or 0,
+                                            partition, "sgd", {"lr": 0.0})
+        if initial_weight is not None:
+            # Rank 0's weights become the shards' rows (pretrained / custom-initialised tables).
+            values = None
+            if runtime.world().rank == 0:
+                values = initial_weight.detach().to("cpu", torch.float32).contiguous().numpy()
+            self._engine.load_from_root(self.table, values, 0)
+        else:
+            self._engine.init_normal(self.table, _shared_seed() if seed is None else int(seed), 0.0, 1.0)
+            if padding_idx is not None:
+                self._engine.write_local(self.table, np.array([padding_idx]), np.zeros((1, embedding_dim), np.float32))
+        self._sink = None  # set by the DistributedOptimizer that owns the table
+        self._warned_no_sink = False
+        self.pulled_rows = 0  # unique rows pulled since the last reset (for bytes/step)
+
+    @property
+    def shape(self):
+        return (self.num_embeddings, self.embedding_dim)
+
+    def _lookup(self, input):
+        """(compact weight of the batch's unique rows, input mapped into it, compact padding idx)."""
+        ids = input.detach()
+        host = ids if ids.device.type == "cpu" else ids.cpu()
+        (unique, inverse, rows), = self._engine.pull([self.table], [host.contiguous().numpy()])
+        weight = torch.from_numpy(rows)
+        index = torch.from_numpy(inverse).view(ids.shape)
+        if ids.device.type != "cpu":
+            weight, index = weight.to(ids.device), index.to(ids.device)
+        if torch.is_grad_enabled():
+            weight.requires_grad_(True)
+            weight.register_hook(lambda grad, unique=unique: self._on_grad(unique, grad))
+        self.pulled_rows += len(unique)
+        padding = None
+        if self.padding_idx is not None:
+            where = np.flatnonzero(unique == self.padding_idx)
+            padding = int(where[0]) if len(where) else None
+        return weight, index, padding
+
+    def _on_grad(self, unique, grad):
+        if self._sink is not None:
+            self._sink.stage(self, unique, grad)
+        elif not self._warned_no_sink:
+            self._warned_no_sink = True
+            warnings.warn(f"PS embedding '{self.table_name}' received gradients, but no DistributedOptimizer "
+                          "owns it (pass model=... to hybridsync.DistributedOptimizer): they are dropped")
+
+    # -- state: the whole table under '<prefix>weight', gathered from the shards on demand ------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        full = torch.from_numpy(self._engine.gather(self.table, -1))
+        full._hybridsync_ps_table = True  # broadcast_parameters skips it: shards are the truth
+        destination[prefix + "weight"] = full
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "weight"
+        if key not in state_dict:
+            if strict:
+                missing_keys.append(key)
+            return
+        value = state_dict[key]
+        if tuple(value.shape) != self.shape:
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                              f"the PS table has shape {self.shape}")
+            return
+        self._engine.load_local(self.table, -1, value.detach().to("cpu", torch.float32).contiguous().numpy())
+
+    def weight_numpy(self) -> np.ndarray:
+        """The whole table (collective: every rank must call it)."""
+        return self._engine.gather(self.table, -1)
+
+    def extra_repr(self):
+        s = f"{self.num_embeddings}, {self.embedding_dim}, table='{self.table_name}'"
+        return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+
+
+class Embedding(_PSTableModule):
+    """nn.Embedding with its rows on the parameter server. Rows start N(0, 1) from a seed that
+    rank 0's torch RNG draws (reproducible, and independent of the number of shards).
+
+    partitions: shards holding the table (default: every rank); partition: 'cyclic' | 'block'.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, scale_grad_by_freq=False, *,
+                 name=None, partitions=None, partition="cyclic", seed=None, _initial_weight=None):
+        super().__init__()
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self._setup(num_embeddings, embedding_dim, padding_idx, name, partitions, partition, _initial_weight, seed)
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Embedding, name: str, partitions=None, partition="cyclic"):
+        """A PS-backed copy of `module` whose shards start from rank 0's weights."""
+        if module.max_norm is not None:
+            raise ValueError(f"embedding '{name}': max_norm renormalises rows in place during forward, which "
+                             "a sharded table cannot do; use the replicated placement for it")
+        return cls(module.num_embeddings, module.embedding_dim, module.padding_idx, module.scale_grad_by_freq,
+                   name=name, partitions=partitions, partition=partition, _initial_weight=module.weight)
+
+    def forward(self, input):
+        weight, index, padding = self._lookup(input)
+        return F.embedding(index, weight, padding, None, 2.0, self.scale_grad_by_freq, False)
+
+
+class EmbeddingBag(_PSTableModule):
+    """nn.EmbeddingBag with its rows on the parameter server (see Embedding)."""
+
+    def __init__(self, num_embeddings, embedding_dim, mode="mean", scale_grad_by_freq=False,
+                 include_last_offset=False, padding_idx=None, *, name=None, partitions=None,
+                 partition="cyclic", seed=None, _initial_weight=None):
+        super().__init__()
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        self.mode, self.scale_grad_by_freq, self.include_last_offset = mode, scale_grad_by_freq, include_last_offset
+        self._setup(num_embeddings, embedding_dim, padding_idx, name, partitions, partition, _initial_weight, seed)
+
+    @classmethod
+    def from_module(cls, module: torch.nn.EmbeddingBag, name: str, partitions=None, partition="cyclic"):
+        if module.max_norm is not None:
+            raise ValueError(f"embedding '{name}': max_norm renormalises rows in place during forward, which "
+                             "a sharded table cannot do; use the replicated placement for it")
+        return cls(module.num_embeddings, module.embedding_dim, module.mode, module.scale_grad_by_freq,
+                   module.include_last_offset, module.padding_idx, name=name, partitions=partitions,
+                   partition=partition, _initial_weight=module.weight)
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        weight, index, padding = self._lookup(input)
+        return F.embedding_bag(index, weight, offsets, None, 2.0, self.scale_grad_by_freq, self.mode, False,
+                               per_sample_weights, self.include_last_offset, padding)
+
+
+PS_MODULES = (Embedding, EmbeddingBag)

@@ -1,0 +1,208 @@
+"""The C++ parameter server across real ranks: a fuzz test against a NumPy reference (heavy
+duplication, empty batches, ids only one rank touches, uneven and partial shards), errors on
+one rank raised on every rank without a hang, and the memory each rank holds."""
+import re
+
+import pytest
+
+from tests.parallel.harness import rank_main, run_ranks
+
+
+def _numpy_adagrad(table, acc, ids, grads, lr, eps, clr):
+    for i in np.unique(ids):
+        g = grads[ids == i].sum(0)
+        acc[i] += g * g
+        table[i] -= clr * g / (np.sqrt(acc[i]) + eps)
+
+
+def rank_fuzz(seed):
+    global np
+    import numpy as np
+
+    from hybridsync import ps
+
+    engine = ps.engine()
+    rank, size = engine.rank, engine.size
+    rng = np.random.default_rng(int(seed))  # same stream on every rank: all know every batch
+    A_ROWS, A_DIM, B_ROWS, B_DIM = 37, 3, 20, 5
+    lr, decay, eps = 0.3, 0.05, 1e-10
+    a = engine.add_table("a", A_ROWS, A_DIM, 0, "cyclic", "adagrad",
+                         {"lr": lr, "lr_decay": decay, "initial_accumulator_value": 0.1, "eps": eps})
+    b = engine.add_table("b", B_ROWS, B_DIM, min(2, size), "block", "sgd", {"lr": 0.5})
+    ref_a = rng.standard_normal((A_ROWS, A_DIM)).astype(np.float32)
+    ref_b = rng.standard_normal((B_ROWS, B_DIM)).astype(np.float32)
+    acc_a = np.full_like(ref_a, 0.1)
+    engine.load_from_root(a, ref_a if rank == 0 else None, 0)
+    engine.load_from_root(b, ref_b if rank == 1 % size else None, 1 % size)
+    steps_a = 0
+    for step in range(40):
+        batches = []
+        for r in range(size):
+            n = int(rng.integers(0, 12)) if step % 7 else 0  # every 7th step: all batches empty
+            hot = rng.integers(0, 4, size=n)  # a few ids everyone hits, many times
+            own = 30 + r + size * rng.integers(0, 2, size=n)  # ids only rank r touches
+            ids_a = np.where(rng.random(n) < 0.6, hot, own % A_ROWS)
+            ids_b = rng.integers(0, B_ROWS, size=int(rng.integers(0, 6)))
+            batches.append((ids_a, rng.standard_normal((n, A_DIM)).astype(np.float32),
+                            ids_b, rng.standard_normal((len(ids_b), B_DIM)).astype(np.float32)))
+        ids_a, g_a, ids_b, g_b = batches[rank]
+        # Pull: the rows of this rank's ids, and where each id went.
+        (ua, inv_a, rows_a), (ub, inv_b, rows_b) = engine.pull([a, b], [ids_a, ids_b])
+        np.testing.assert_allclose(rows_a[inv_a], ref_a[ids_a], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rows_b[inv_b], ref_b[ids_b], rtol=1e-5, atol=1e-6)
+        assert len(ua) == len(np.unique(ids_a)) and len(ub) == len(np.unique(ids_b))
+        # Push, applied lazily; the reference sums over ranks and scales by 1/size.
+        engine.push([a, b], [ids_a, ids_b], [g_a, g_b], scale=1.0 / size)
+        steps_a += 1
+        all_a = np.concatenate([x[0] for x in batches]).astype(np.int64)
+        all_ga = np.concatenate([x[1] for x in batches]) / size
+        _numpy_adagrad(ref_a, acc_a, all_a, all_ga, lr, eps, lr / (1 + (steps_a - 1) * decay))
+        all_b = np.concatenate([x[2] for x in batches]).astype(np.int64)
+        all_gb = np.concatenate([x[3] for x in batches]) / size
+        np.add.at(ref_b, all_b, -0.5 * all_gb)
+        if step % 10 == 9:
+            np.testing.assert_allclose(engine.gather(a, -1), ref_a, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(engine.gather(a, 0), acc_a, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(engine.gather(b, -1), ref_b, rtol=1e-5, atol=1e-6)
+    assert engine.step(a) == steps_a
+    assert engine.step(b) == (steps_a if rank < min(2, size) else -1)  # ranks without a shard have no step
+    print(f"rank {rank}: 40 fuzzed steps match NumPy", flush=True)
+
+
+def rank_errors():
+    import numpy as np
+    import pytest
+
+    from hybridsync import ps
+
+    engine = ps.engine()
+    rank, size = engine.rank, engine.size
+    t = engine.add_table("clicks", 10, 2, 0, "cyclic", "sgd", {"lr": 1.0})
+    before = engine.gather(t, -1)
+
+    def expect(call, local_type, local_msg, bad_rank=1):
+        if rank == bad_rank:
+            with pytest.raises(local_type, match=local_msg):
+                call(True)
+        else:
+            with pytest.raises(RuntimeError, match=rf"failed on rank {bad_rank}: .*{local_msg}"):
+                call(False)
+
+    for bad in (10, 99, -1):
+        expect(lambda me: engine.pull([t], [np.array([1, bad if me else 2])]), IndexError,
+               rf"table 'clicks': id {bad} is out of range \[0, 10\)")
+    # A synchronous push with float64 gradients: rejected, not cast, and nothing is applied.
+    expect(lambda me: engine.push([t], [np.array([1])], [np.ones((1, 2), np.float64 if me else np.float32)], 1.0, True),
+           ValueError, "table 'clicks': gradients must be float32, got dtype float64", bad_rank=0)
+    expect(lambda me: engine.push([t], [np.array([1, 2])], [np.ones((2, 3 if me else 2), np.float32)], 1.0, True),
+           ValueError, r"gradients shape \(2, 3\) does not match \(2, 2\)")
+    # A deferred push: the bad rank raises now, the others at their next operation.
+    if rank == 0:
+        with pytest.raises(IndexError, match="id 10 is out of range"):
+            engine.push([t], [np.array([10])], [np.ones((1, 2), np.float32)], 1.0)
+        engine.flush()
+    else:
+        engine.push([t], [np.array([3])], [np.ones((1, 2), np.float32)], 1.0)
+        with pytest.raises(RuntimeError, match="push failed on rank 0: table 'clicks': id 10"):
+            engine.flush()
+    np.testing.assert_array_equal(engine.gather(t, -1), before)  # all-or-nothing rounds
+    # The engine is still usable, and a rank that registers a different table is named.
+    (_, _, rows), = engine.pull([t], [np.array([4])])
+    np.testing.assert_array_equal(rows, before[[4]])
+    with pytest.raises((ValueError, RuntimeError), match="differs between ranks|registration failed"):
+        engine.add_table("clicks2", 10 + (rank == 1), 2, 0, "cyclic", "sgd", {})
+    print(f"rank {rank}: errors raised on every rank", flush=True)
+
+
+def rank_module_errors():
+    import pytest
+    import torch
+
+    import hybridsync.torch as hvd
+
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 3, sparse=True))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    ids = torch.tensor([1, 25 if hvd.rank() == 1 else 2])
+    if hvd.rank() == 1:
+        with pytest.raises(IndexError, match=r"table '0.weight': id 25 is out of range \[0, 20\)"):
+            model(ids)
+    else:
+        with pytest.raises(RuntimeError, match=r"failed on rank 1: table '0.weight': id 25"):
+            model(ids)
+    with pytest.raises((ValueError, RuntimeError), match="ids must be integers"):
+        model(torch.tensor([1.0, 2.0]))
+    model(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+
+
+def rank_memory():
+    import torch
+
+    import hybridsync.torch as hvd
+    from hybridsync import ps
+
+    rows, dim = 40_000, 16
+    table_bytes = rows * dim * 4
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(rows, dim, sparse=True), torch.nn.Linear(dim, 1))
+    original = model[0].weight
+    opt = hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model=model)
+    model(torch.randint(0, rows, (64, 4))).sum().backward()
+    opt.step()
+    held = ps.engine().row_store_bytes()
+    assert held <= 0.6 * table_bytes, (held, table_bytes)
+    assert original.numel() == 0, "the full nn.EmbeddingBag weight must be freed after the swap"
+    assert not any(p.numel() >= rows for p in model.parameters())
+    print(f"MEMORY rank={hvd.rank()} rows_bytes={held} table_bytes={table_bytes} "
+          f"ratio={held / table_bytes:.3f} state_bytes={ps.engine().state_bytes()}", flush=True)
+
+
+def rank_seeded_tables():
+    import hashlib
+
+    import numpy as np
+    import torch
+
+    import hybridsync.torch as hvd
+    from hybridsync import ps
+
+    torch.manual_seed(11)
+    everywhere = hvd.Embedding(5000, 8)
+    torch.manual_seed(11)
+    one_shard = hvd.Embedding(5000, 8, partitions=1, partition="block")
+    full = everywhere.weight_numpy()
+    np.testing.assert_array_equal(full, one_shard.weight_numpy())
+    assert abs(full.mean()) < 0.02 and abs(full.std() - 1) < 0.02  # N(0, 1), like nn.Embedding
+    # Created on the shards: no rank ever held the whole table.
+    assert ps.engine().row_store_bytes() <= (5000 // hvd.size() + 1) * 8 * 4 + 5000 * 8 * 4
+    print(f"TABLE-DIGEST {hashlib.sha256(full.tobytes()).hexdigest()}", flush=True)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_fuzz_against_numpy(np_):
+    run_ranks(__file__, "rank_fuzz", np_, "12345")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_bad_input_on_one_rank_raises_on_every_rank(np_):
+    run_ranks(__file__, "rank_errors", np_)
+
+
+def test_bad_ids_through_a_ps_embedding():
+    run_ranks(__file__, "rank_module_errors", 2)
+
+
+def test_sharded_placement_holds_half_the_rows_per_rank_at_two_ranks():
+    out = run_ranks(__file__, "rank_memory", 2)
+    ratios = [float(x) for x in re.findall(r"ratio=([0-9.]+)", out)]
+    assert len(ratios) == 2 and all(r <= 0.6 for r in ratios), out
+
+
+def test_seeded_tables_do_not_depend_on_the_number_of_shards():
+    digests = set()
+    for np_ in (2, 3):
+        digests |= set(re.findall(r"TABLE-DIGEST ([0-9a-f]+)", run_ranks(__file__, "rank_seeded_tables", np_)))
+    assert len(digests) == 1, digests
+
+
+if __name__ == "__main__":
+    rank_main(globals())
