@@ -18,16 +18,15 @@ def init(comm=None, backend: str | None = None) -> None:
 
     backend: default dense backend of this process, 'horovod' or 'mpi' (overrides
     HYBRIDSYNC_BACKEND; a DistributedOptimizer's own `backend=` overrides it)."""
+    from .comm import choose
+
     runtime.init(comm)
     if backend is not None:
-        from .comm import choose
-
         runtime.set_default_backend(choose(backend))
-    if "torch" in sys.modules and runtime.default_backend() != "mpi":
+    if "torch" in sys.modules and choose() == "horovod":
         from .comm import horovod
 
-        if horovod.available():
-            horovod.module()
+        horovod.module()
 
 
 def rank() -> int:

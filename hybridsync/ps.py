@@ -28,6 +28,16 @@ _engine = None
 _lock = threading.Lock()
 
 
+def wait_spin_us() -> float:
+    """How long a waiting rank polls before it sleeps: long when every rank on this host has a
+    core of its own (a peer's answer arrives within microseconds and nobody needs our core),
+    zero when ranks outnumber cores (polling would steal the CPU the peer needs to answer)."""
+    s = settings()
+    if s.spin_us is not None:
+        return s.spin_us
+    return 0.0 if runtime.oversubscribed() else 2000.0
+
+
 def engine():
     """This process's PS engine (collective on first call)."""
     global _engine
@@ -35,7 +45,7 @@ def engine():
         if _engine is None:
             comm = runtime.mpi_comm()
             s = settings()
-            _engine = _ps.Engine(comm, spin_us=s.spin_us, max_sleep_us=s.max_sleep_us, timeout_s=s.timeout_s)
+            _engine = _ps.Engine(comm, spin_us=wait_spin_us(), max_sleep_us=s.max_sleep_us, timeout_s=s.timeout_s)
             runtime.on_shutdown(_release)
         return _engine
 

@@ -102,6 +102,15 @@ def mpi_comm():
     return w.comm
 
 
+def oversubscribed() -> bool:
+    """More ranks on this host than cores this process may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return world().local_size > cores
+
+
 def on_shutdown(hook) -> None:
     """Registers `hook()` to run at shutdown(), newest first (e.g. to free the PS)."""
     _shutdown_hooks.append(hook)

@@ -3,7 +3,8 @@
 HYBRIDSYNC_BACKEND       dense all-reduce backend: horovod | mpi (default: horovod when importable)
 HYBRIDSYNC_CONFIG        path of a YAML config used when none is passed in code
 HYBRIDSYNC_TIMEOUT_S     a PS operation waiting longer than this raises (default 600; 0 = never)
-HYBRIDSYNC_SPIN_US       busy-poll this long before sleeping while waiting for peers (default 50)
+HYBRIDSYNC_SPIN_US       poll this long before sleeping while waiting for peers (default: 2000 when
+                         every local rank has a core, 0 when ranks outnumber cores)
 HYBRIDSYNC_MAX_SLEEP_US  cap of the sleep back-off while waiting (default 200)
 HYBRIDSYNC_TIMELINE      write a Chrome trace of each step's phases to this file
 """
@@ -21,7 +22,7 @@ class Settings:
     backend: str | None
     config_path: str | None
     timeout_s: float
-    spin_us: float
+    spin_us: float | None
     max_sleep_us: float
     timeline: str | None
 
@@ -29,7 +30,7 @@ class Settings:
 BACKENDS = ("horovod", "mpi")
 
 
-def _float(name: str, default: float) -> float:
+def _float(name: str, default: float | None) -> float | None:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -51,7 +52,7 @@ def settings() -> Settings:
         backend=backend,
         config_path=os.environ.get("HYBRIDSYNC_CONFIG") or None,
         timeout_s=_float("HYBRIDSYNC_TIMEOUT_S", 600.0),
-        spin_us=_float("HYBRIDSYNC_SPIN_US", 50.0),
+        spin_us=_float("HYBRIDSYNC_SPIN_US", None),
         max_sleep_us=_float("HYBRIDSYNC_MAX_SLEEP_US", 200.0),
         timeline=os.environ.get("HYBRIDSYNC_TIMELINE") or None,
     )

@@ -1,8 +1,8 @@
 #include <algorithm>
 #include <cstring>
-#include <unordered_map>
 
 #include "hybridsync/ps.h"
+#include "id_index.h"
 
 namespace hybridsync {
 
@@ -71,17 +71,17 @@ int64_t Shard::state_bytes() const {
 Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows) {
   Dedup out;
   out.inverse.resize(static_cast<size_t>(n));
-  std::unordered_map<int64_t, int64_t> slot_of;
-  slot_of.reserve(static_cast<size_t>(n) * 2);
+  thread_local IdIndex index;
+  index.reset(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = ids[i];
     if (id < 0 || id >= num_rows) {
       throw PSIndexError("table '" + table + "': id " + std::to_string(id) +
                          " is out of range [0, " + std::to_string(num_rows) + ")");
     }
-    auto [it, inserted] = slot_of.emplace(id, static_cast<int64_t>(out.unique.size()));
+    auto [slot, inserted] = index.insert(id);
     if (inserted) out.unique.push_back(id);
-    out.inverse[i] = it->second;
+    out.inverse[i] = slot;
   }
   return out;
 }

@@ -29,6 +29,7 @@ class Writer {
     buf_.resize(at + n * sizeof(float));
     return reinterpret_cast<float*>(buf_.data() + at);
   }
+  void reserve(size_t bytes) { buf_.reserve(bytes); }
   std::vector<char> take() { return std::move(buf_); }
 
  private:
@@ -53,6 +54,12 @@ class Reader {
     std::vector<int64_t> out(n);
     if (n) std::memcpy(out.data(), take(n * sizeof(int64_t)), n * sizeof(int64_t));
     return out;
+  }
+  // Reads n int64 values in place; requests put every int64 field first, so they are aligned.
+  const int64_t* i64_view(size_t n) {
+    const char* p = take(n * sizeof(int64_t));
+    if (reinterpret_cast<uintptr_t>(p) % alignof(int64_t) != 0) fail();
+    return reinterpret_cast<const int64_t*>(p);
   }
   // Float arrays are read in place: every field is a multiple of 4 bytes and buffers come
   // from the heap, so they are always 4-byte aligned.

@@ -51,6 +51,10 @@ void MPITransport::send(int dest, int tag, std::vector<char> payload) {
     throw PSError("hybridsync: a single PS message of " + std::to_string(payload.size()) +
                   " bytes exceeds MPI's 2 GiB limit; use more partitions or smaller batches");
   }
+  if (dest == rank_) {
+    to_self_[tag].push_back(std::move(payload));
+    return;
+  }
   reap_completed_sends();
   sends_.push_back(PendingSend{MPI_REQUEST_NULL, std::move(payload)});
   PendingSend& s = sends_.back();
@@ -62,6 +66,13 @@ void MPITransport::send(int dest, int tag, std::vector<char> payload) {
 }
 
 std::vector<char> MPITransport::recv(int source, int tag) {
+  if (source == rank_) {
+    auto& queue = to_self_[tag];
+    if (queue.empty()) throw PSTransportError("hybridsync: expected a message from this rank to itself");
+    std::vector<char> data = std::move(queue.front());
+    queue.pop_front();
+    return data;
+  }
   MPI_Message message;
   MPI_Status status;
   int found = 0;

@@ -4,6 +4,7 @@
 #include <mpi.h>
 
 #include <deque>
+#include <map>
 
 #include "transport.h"
 
@@ -30,6 +31,8 @@ class MPITransport : public Transport {
     std::vector<char> payload;
   };
   void reap_completed_sends();
+  // Messages a rank sends itself skip MPI (and are not counted as traffic).
+  std::map<int, std::deque<std::vector<char>>> to_self_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   WaitPolicy policy_;

@@ -13,10 +13,11 @@ namespace hybridsync {
 // replies server -> worker, updates server -> replicas, control for table setup and state.
 enum Tag : int { kTagRequest = 101, kTagReply = 102, kTagUpdates = 103, kTagControl = 104 };
 
-// How waiting behaves: spin briefly, then sleep with back-off so that an idle or waiting
-// rank does not burn a core another rank (or Horovod's thread) needs.
+// How waiting behaves: poll (yielding the core) for a while, then sleep with back-off, so an
+// idle or waiting rank does not burn a core another rank needs. Spinning pays off when every
+// rank has a core of its own; oversubscribed ranks should sleep at once (see hybridsync/ps.py).
 struct WaitPolicy {
-  double spin_us = 50.0;          // busy-poll this long first
+  double spin_us = 50.0;          // poll this long first
   double max_sleep_us = 200.0;    // back-off cap between polls
   double stall_warning_s = 60.0;  // print a warning naming the peer after this long
   double timeout_s = 600.0;       // give up (throw) after this long; <= 0 waits forever

@@ -2,6 +2,8 @@
 // stalls and give up after the policy's timeout instead of hanging forever.
 #pragma once
 
+#include <sched.h>
+
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -23,7 +25,10 @@ void wait_until(Ready ready, const WaitPolicy& policy, const std::string& what) 
   while (!ready()) {
     const double waited_us =
         std::chrono::duration<double, std::micro>(clock::now() - start).count();
-    if (waited_us < policy.spin_us) continue;
+    if (waited_us < policy.spin_us) {
+      sched_yield();  // anything else runnable on this core goes first
+      continue;
+    }
     if (policy.timeout_s > 0 && waited_us > policy.timeout_s * 1e6) {
       throw PSTransportError("hybridsync: timed out after " + std::to_string(policy.timeout_s) +
                           " s waiting for " + what +
