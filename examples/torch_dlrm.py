@@ -21,12 +21,20 @@ import torch.nn.functional as F
 DENSE_FEATURES, TABLES, ROWS, DIM = 13, 8, 250_000, 32
 
 
+def torch_embedding(rows, dim):
+    """A sparse nn.Embedding with DLRM's small uniform initial rows."""
+    emb = nn.Embedding(rows, dim, sparse=True)
+    nn.init.uniform_(emb.weight, -1.0 / np.sqrt(rows), 1.0 / np.sqrt(rows))
+    return emb
+
+
 class DLRM(nn.Module):
-    def __init__(self, tables=TABLES, rows=ROWS, dim=DIM, dense=DENSE_FEATURES):
+    """embedding(rows, dim) builds each table: torch_embedding by default, or e.g. a
+    hybridsync.torch.Embedding factory so the rows are created on the PS shards directly."""
+
+    def __init__(self, tables=TABLES, rows=ROWS, dim=DIM, dense=DENSE_FEATURES, embedding=torch_embedding):
         super().__init__()
-        self.embeddings = nn.ModuleList(nn.Embedding(rows, dim, sparse=True) for _ in range(tables))
-        for emb in self.embeddings:  # small initial rows, as DLRM does
-            nn.init.uniform_(emb.weight, -1.0 / np.sqrt(rows), 1.0 / np.sqrt(rows))
+        self.embeddings = nn.ModuleList(embedding(rows, dim) for _ in range(tables))
         self.mlp = nn.Sequential(nn.Linear(dense + tables * dim, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(),
                                  nn.Linear(64, 1))
 
@@ -63,6 +71,8 @@ def main():
     parser.add_argument("--dim", type=int, default=DIM)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--placement", choices=["sharded", "replicated"], default="sharded")
+    parser.add_argument("--ps-embeddings", action="store_true",
+                        help="build the tables directly on the PS shards (no rank ever holds a whole table)")
     parser.add_argument("--config", default=None, help="YAML config with per-variable overrides")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
@@ -75,7 +85,11 @@ def main():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(args.seed)
-    model = DLRM(args.tables, args.rows, args.dim)
+    embedding = torch_embedding
+    if args.ps_embeddings:
+        bound = 1.0 / np.sqrt(args.rows)
+        embedding = lambda rows, dim: hvd.Embedding(rows, dim, initializer=("uniform", -bound, bound))
+    model = DLRM(args.tables, args.rows, args.dim, embedding=embedding)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=args.lr)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     if args.placement == "sharded":  # embedding rows live only on the PS shards

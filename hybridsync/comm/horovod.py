@@ -3,6 +3,7 @@ background thread, on the job's MPI communicator (or Gloo under `horovodrun --gl
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 
 from .. import runtime
@@ -19,6 +20,15 @@ def available() -> bool:
         return False
 
 
+def _quiet_controller_defaults() -> None:
+    """Under an MPI launch, Horovod's MPI controller busy-waits in MPI calls on every rank but
+    the root, burning a core that training needs (measured: 33 ms/step vs 11 ms with Gloo at 2
+    ranks on 2 cores). Gloo bootstrapped from MPI waits in the kernel instead. Settings the user
+    made win."""
+    os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
+    os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+
+
 def module():
     """horovod.torch, initialised on the job's communicator (once)."""
     import horovod.torch as hvd
@@ -27,6 +37,7 @@ def module():
         if not hvd.is_initialized():
             world = runtime.world()
             if world.comm is not None:
+                _quiet_controller_defaults()
                 hvd.init(comm=world.comm)
             else:
                 hvd.init()

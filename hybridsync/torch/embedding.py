@@ -35,7 +35,7 @@ class _PSTableModule(torch.nn.Module):
     """What PS-backed Embedding and EmbeddingBag share: the table handle, pulls, state."""
 
     def _setup(self, num_embeddings, embedding_dim, padding_idx, name, partitions, partition,
-               initial_weight, seed):
+               initial_weight, seed, initializer):
         if num_embeddings < 1 or embedding_dim < 1:
             raise ValueError(f"PS embedding needs num_embeddings >= 1 and embedding_dim >= 1, got "
                              f"({num_embeddings}, {embedding_dim})")
@@ -56,7 +56,14 @@ class _PSTableModule(torch.nn.Module):
                 values = initial_weight.detach().to("cpu", torch.float32).contiguous().numpy()
             self._engine.load_from_root(self.table, values, 0)
         else:
-            self._engine.init_normal(self.table, _shared_seed() if seed is None else int(seed), 0.0, 1.0)
+            seed = _shared_seed() if seed is None else int(seed)
+            kind, a, b = initializer
+            if kind == "normal":
+                self._engine.init_normal(self.table, seed, float(a), float(b))
+            elif kind == "uniform":
+                self._engine.init_uniform(self.table, seed, float(a), float(b))
+            else:
+                raise ValueError(f"initializer must be ('normal', mean, std) or ('uniform', low, high), got {initializer!r}")
             if padding_idx is not None:
                 self._engine.write_local(self.table, np.array([padding_idx]), np.zeros((1, embedding_dim), np.float32))
         self._sink = None  # set by the DistributedOptimizer that owns the table
@@ -124,17 +131,20 @@ class _PSTableModule(torch.nn.Module):
 
 
 class Embedding(_PSTableModule):
-    """nn.Embedding with its rows on the parameter server. Rows start N(0, 1) from a seed that
-    rank 0's torch RNG draws (reproducible, and independent of the number of shards).
+    """nn.Embedding with its rows on the parameter server. Rows start from `initializer`
+    (('normal', mean, std), default N(0, 1) like nn.Embedding, or ('uniform', low, high)) with
+    a seed that rank 0's torch RNG draws: reproducible, and independent of the number of shards.
 
     partitions: shards holding the table (default: every rank); partition: 'cyclic' | 'block'.
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, scale_grad_by_freq=False, *,
-                 name=None, partitions=None, partition="cyclic", seed=None, _initial_weight=None):
+                 name=None, partitions=None, partition="cyclic", seed=None, initializer=("normal", 0.0, 1.0),
+                 _initial_weight=None):
         super().__init__()
         self.scale_grad_by_freq = scale_grad_by_freq
-        self._setup(num_embeddings, embedding_dim, padding_idx, name, partitions, partition, _initial_weight, seed)
+        self._setup(num_embeddings, embedding_dim, padding_idx, name, partitions, partition, _initial_weight, seed,
+                    initializer)
 
     @classmethod
     def from_module(cls, module: torch.nn.Embedding, name: str, partitions=None, partition="cyclic"):
@@ -155,12 +165,13 @@ class EmbeddingBag(_PSTableModule):
 
     def __init__(self, num_embeddings, embedding_dim, mode="mean", scale_grad_by_freq=False,
                  include_last_offset=False, padding_idx=None, *, name=None, partitions=None,
-                 partition="cyclic", seed=None, _initial_weight=None):
+                 partition="cyclic", seed=None, initializer=("normal", 0.0, 1.0), _initial_weight=None):
         super().__init__()
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         self.mode, self.scale_grad_by_freq, self.include_last_offset = mode, scale_grad_by_freq, include_last_offset
-        self._setup(num_embeddings, embedding_dim, padding_idx, name, partitions, partition, _initial_weight, seed)
+        self._setup(num_embeddings, embedding_dim, padding_idx, name, partitions, partition, _initial_weight, seed,
+                    initializer)
 
     @classmethod
     def from_module(cls, module: torch.nn.EmbeddingBag, name: str, partitions=None, partition="cyclic"):

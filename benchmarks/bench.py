@@ -1,0 +1,251 @@
+"""Side-by-side benchmark: hybridsync vs Horovod vs torch DDP on the Criteo-shaped workload.
+
+    python benchmarks/bench.py              # `make bench`: 1, 2, 4 ranks, 3 repeats each
+    python benchmarks/bench.py --quick      # a smoke run: fewer steps, 1 repeat
+
+Each configuration runs under its own `mpirun` (benchmarks/run_one.py), repeated; medians are
+reported. Writes benchmarks/results/latest.{json,md,png} (and a timestamped JSON copy), prints
+the table and the targets, and updates README's Performance section.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SYSTEMS = ["hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "ddp-gloo"]
+BASELINE = "horovod-allgather"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpirun(ranks: int) -> list[str]:
+    cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none"]
+    return cmd + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+
+
+def run(system, ranks, steps, warmup, global_ranks=0, timeout=900):
+    cmd = mpirun(ranks) + [sys.executable, str(ROOT / "benchmarks" / "run_one.py"), "--system", system,
+                           "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port())]
+    if global_ranks:
+        cmd += ["--global-ranks", str(global_ranks)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return {"system": system, "ranks": ranks, "error": f"timed out after {timeout} s"}
+    found = re.search(r"BENCH-RESULT (\{.*\})", out.stdout)
+    if out.returncode != 0 or not found:
+        return {"system": system, "ranks": ranks, "error": (out.stdout + out.stderr)[-2000:]}
+    return json.loads(found.group(1))
+
+
+def plan_runs(args):
+    runs = []
+    for ranks in args.ranks:
+        for system in args.systems:
+            runs += [("main", system, ranks, args.steps, args.warmup, 0)] * args.repeats
+    if 2 in args.ranks and "horovod-sparse-as-dense" not in args.skip:
+        runs += [("main", "horovod-sparse-as-dense", 2, args.dense_steps, 3, 0)] * args.repeats
+    for ranks in args.ranks:  # single-process references on the same global batches
+        if ranks > 1:
+            for system in args.systems:
+                runs.append(("reference", system, 1, args.steps, args.warmup, ranks))
+    return runs
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarise(raw):
+    main = [r for r in raw if r.get("kind") == "main" and "error" not in r]
+    refs = {(r["system"], r["global_ranks"]): r for r in raw if r.get("kind") == "reference" and "error" not in r}
+    rows = {}
+    for r in main:
+        rows.setdefault((r["system"], r["ranks"]), []).append(r)
+    summary = []
+    for (system, ranks), rs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        s = {
+            "system": system, "ranks": ranks, "repeats": len(rs),
+            "samples_per_s": median([r["samples_per_s"] for r in rs]),
+            "ms_per_step": median([r["ms_per_step"] for r in rs]),
+            "peak_rss_per_rank": median([max(r["rss_per_rank"]) for r in rs]),
+            "loss": median([r["loss"] for r in rs]),
+            "ps_bytes_sent": median([r["ps_bytes_sent_per_rank_step"] for r in rs]),
+            "ps_bytes_received": median([r["ps_bytes_received_per_rank_step"] for r in rs]),
+            "unique_row_min": median([r["unique_row_min_bytes_per_rank_step"] for r in rs]),
+            "table_bytes": rs[0]["table_bytes"],
+        }
+        ref = refs.get((system, ranks))
+        s["reference_loss"] = ref["loss"] if ref else None
+        summary.append(s)
+    by = {(s["system"], s["ranks"]): s for s in summary}
+    for s in summary:
+        one = by.get((s["system"], 1))
+        s["scaling"] = s["samples_per_s"] / one["samples_per_s"] if one else None
+        base = by.get((BASELINE, s["ranks"]))
+        s["vs_horovod"] = s["samples_per_s"] / base["samples_per_s"] if base else None
+        s["rss_saved_vs_horovod"] = ((base["peak_rss_per_rank"] - s["peak_rss_per_rank"]) / s["table_bytes"]
+                                     if base else None)
+        s["bytes_over_min"] = (s["ps_bytes_sent"] / s["unique_row_min"]
+                               if s["ps_bytes_sent"] and s["unique_row_min"] else None)
+        s["loss_vs_reference"] = (s["loss"] / s["reference_loss"] - 1 if s["reference_loss"] else None)
+    return summary
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(summary, meta) -> str:
+    lines = [
+        f"Measured {meta['date']} on {meta['machine']}; medians of {meta['repeats']} runs, {meta['steps']} timed steps each "
+        f"(DLRM: 8 tables x 250k x 32, batch 512/rank, SGD). Scaling is vs the same system at 1 rank; "
+        "RSS saved is vs Horovod allgather, in table sizes; PS bytes are sent per rank per step.",
+        "",
+        "| system | ranks | samples/s | ms/step | scaling | vs Horovod | peak RSS/rank | RSS saved | PS bytes | / unique-row min | loss | vs 1-process |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in summary:
+        lines.append(
+            f"| {s['system']} | {s['ranks']} | {fmt(s['samples_per_s'], ',.0f')} | {fmt(s['ms_per_step'], '.1f')} | "
+            f"{fmt(s['scaling'], '.2f')}x | {fmt(s['vs_horovod'], '.2f')}x | {fmt(s['peak_rss_per_rank'] / 2**20, '.0f')} MiB | "
+            f"{fmt(s['rss_saved_vs_horovod'], '.2f')} | {fmt(s['ps_bytes_sent'] and s['ps_bytes_sent'] / 1024, '.1f')} KiB | "
+            f"{fmt(s['bytes_over_min'], '.2f')} | {fmt(s['loss'], '.4f')} | "
+            f"{fmt(s['loss_vs_reference'] and 100 * s['loss_vs_reference'], '+.2f')}% |")
+    return "\n".join(lines)
+
+
+def targets(summary) -> list[tuple[str, bool | None, str]]:
+    by = {(s["system"], s["ranks"]): s for s in summary}
+    hs, hvd = "hybridsync-sharded", BASELINE
+    out = []
+
+    def check(name, ok, detail):
+        out.append((name, ok, detail))
+
+    one, base_one = by.get((hs, 1)), by.get((hvd, 1))
+    if one and base_one:
+        r = one["samples_per_s"] / base_one["samples_per_s"]
+        check("1 rank within 10% of Horovod", r >= 0.9, f"{r:.2f}x Horovod's samples/s")
+    two = by.get((hs, 2))
+    if two and two["scaling"]:
+        check("2 ranks >= 1.6x own 1 rank", two["scaling"] >= 1.6, f"{two['scaling']:.2f}x")
+    if two and two["vs_horovod"]:
+        check("2 ranks >= 1.5x Horovod allgather", two["vs_horovod"] >= 1.5, f"{two['vs_horovod']:.2f}x")
+    four = by.get((hs, 4))
+    if four and four["vs_horovod"]:
+        check("4 ranks >= 1.5x Horovod allgather", four["vs_horovod"] >= 1.5, f"{four['vs_horovod']:.2f}x")
+    for n, need in ((2, 0.45), (4, 0.7)):
+        s = by.get((hs, n))
+        if s and s["rss_saved_vs_horovod"] is not None:
+            check(f"RSS {n} ranks below Horovod by >= {need} tables", s["rss_saved_vs_horovod"] >= need,
+                  f"{s['rss_saved_vs_horovod']:.2f} tables")
+    for n in (2, 4):
+        s = by.get((hs, n))
+        if s and s["bytes_over_min"]:
+            check(f"PS bytes {n} ranks <= 1.2x unique-row minimum", s["bytes_over_min"] <= 1.2, f"{s['bytes_over_min']:.3f}x")
+        if s and s["loss_vs_reference"] is not None:
+            check(f"loss {n} ranks within 1% of single process", abs(s["loss_vs_reference"]) <= 0.01,
+                  f"{100 * s['loss_vs_reference']:+.3f}%")
+    return out
+
+
+def plot(summary, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    systems = sorted({s["system"] for s in summary})
+    for system in systems:
+        rows = sorted((s for s in summary if s["system"] == system), key=lambda s: s["ranks"])
+        ranks = [s["ranks"] for s in rows]
+        ax1.plot(ranks, [s["samples_per_s"] for s in rows], marker="o", label=system)
+        ax2.plot(ranks, [s["peak_rss_per_rank"] / 2**20 for s in rows], marker="o", label=system)
+    ax1.set(title="Throughput (higher is better)", xlabel="ranks", ylabel="samples/s")
+    ax2.set(title="Peak RSS per rank (lower is better)", xlabel="ranks", ylabel="MiB")
+    for ax in (ax1, ax2):
+        ax.set_xticks(sorted({s["ranks"] for s in summary}))
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def update_readme(table: str) -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", default="1,2,4")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--dense-steps", type=int, default=15, help="steps of horovod-sparse-as-dense (slow)")
+    p.add_argument("--skip", default="", help="comma-separated extra systems to skip")
+    p.add_argument("--quick", action="store_true", help="1 repeat, 60 steps: a smoke run")
+    p.add_argument("--no-readme", action="store_true")
+    args = p.parse_args()
+    args.ranks = [int(x) for x in args.ranks.split(",")]
+    args.systems = args.systems.split(",")
+    args.skip = args.skip.split(",")
+    if args.quick:
+        args.repeats, args.steps, args.warmup, args.dense_steps = 1, 60, 10, 5
+
+    runs = plan_runs(args)
+    raw = []
+    for kind, system, ranks, steps, warmup, global_ranks in tqdm(runs, desc="benchmark runs", unit="run"):
+        result = run(system, ranks, steps, warmup, global_ranks)
+        result["kind"] = kind
+        raw.append(result)
+        if "error" in result:
+            tqdm.write(f"FAILED {system} x{ranks}: {result['error'][-500:]}")
+    summary = summarise(raw)
+    meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} cores",
+            "repeats": args.repeats, "steps": args.steps}
+    table = markdown(summary, meta)
+    checks = targets(summary)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta, "summary": summary, "targets": [{"target": n, "met": ok, "measured": d} for n, ok, d in checks],
+               "runs": raw}
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for name in (f"bench-{stamp}.json", "latest.json"):
+        (RESULTS / name).write_text(json.dumps(payload, indent=2))
+    target_lines = "\n".join(f"- {'met' if ok else 'MISSED'}: {n} ({d})" for n, ok, d in checks)
+    (RESULTS / "latest.md").write_text(table + "\n\nTargets:\n\n" + target_lines + "\n")
+    plot(summary, RESULTS / "latest.png")
+    print(table)
+    print("\nTargets:\n" + target_lines)
+    print(f"\nwrote {RESULTS / 'latest.json'}, latest.md, latest.png")
+    if not args.no_readme and not args.quick:
+        update_readme(table + "\n\n" + target_lines + "\n\n![throughput and memory](benchmarks/results/latest.png)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""One benchmark configuration on the ranks of one `mpirun` (run by benchmarks/bench.py).
+
+Every system trains the same DLRM (examples/torch_dlrm.py) with SGD on the same global
+batches: step s uses a global batch of ranks x batch samples from a shared seed, and rank r
+trains on its slice, so runs at any rank count (and the single-process reference with the
+whole global batch) see the same data. Batches are generated before the timed loop.
+Rank 0 prints one line `BENCH-RESULT {json}`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+SYSTEMS = ("hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "horovod-sparse-as-dense", "ddp-gloo")
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", choices=SYSTEMS, required=True)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--batch", type=int, default=512, help="per rank")
+    p.add_argument("--global-ranks", type=int, default=0,
+                   help="single-process reference: train on the whole global batch of this many ranks")
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=250_000)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=29500)
+    return p.parse_args()
+
+
+def global_batches(args, ranks, rank, share):
+    """This rank's slices of the global batches (dense, ids, labels) for every step."""
+    from torch_dlrm import SyntheticCriteo
+
+    import torch
+
+    data = SyntheticCriteo(args.batch * ranks, args.tables, args.rows, seed=args.seed)
+    out, ids_all = [], []
+    for _ in range(args.warmup + args.steps):
+        dense, sparse, label = data.batch()
+        part = slice(rank * share, (rank + 1) * share)
+        out.append((dense[part].contiguous(), sparse[part].contiguous(), label[part].contiguous()))
+        ids_all.append(sparse.numpy())
+    return out, ids_all
+
+
+def build(args, rank, size):
+    """(model, optimizer, engine or None) for the system under test."""
+    import torch
+    from torch_dlrm import DLRM
+
+    torch.manual_seed(args.seed)
+    sgd = lambda model: torch.optim.SGD(model.parameters(), lr=args.lr)
+    if args.system.startswith("hybridsync"):
+        import hybridsync
+        import hybridsync.torch as hvd
+        from hybridsync import ps
+
+        hvd.init()
+        if args.system == "hybridsync-sharded":
+            # Tables created on the shards directly: no rank ever holds a whole table.
+            bound = 1.0 / np.sqrt(args.rows)
+            model = DLRM(args.tables, args.rows, args.dim,
+                         embedding=lambda r, d: hvd.Embedding(r, d, initializer=("uniform", -bound, bound)))
+            opt = hybridsync.DistributedOptimizer(sgd(model), model=model)
+        else:
+            model = DLRM(args.tables, args.rows, args.dim)
+            hvd.broadcast_parameters(model.state_dict(), 0)
+            opt = hybridsync.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+        return model, opt, ps.engine()
+    if args.system.startswith("horovod"):
+        import horovod.torch as hvd
+
+        hvd.init()
+        model = DLRM(args.tables, args.rows, args.dim)
+        hvd.broadcast_parameters(model.state_dict(), 0)
+        opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                       sparse_as_dense=args.system == "horovod-sparse-as-dense")
+        return model, opt, None
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=size)
+    model = torch.nn.parallel.DistributedDataParallel(DLRM(args.tables, args.rows, args.dim))
+    return model, sgd(model), None
+
+
+def unique_row_minimum(ids_all, args, size, steps):
+    """Per rank and step, the fewest PS bytes a rank must send: gradients of the unique rows it
+    needs from other shards, plus the rows other ranks need from its shard (cyclic shards)."""
+    if size == 1:
+        return 0.0
+    row = args.dim * 4
+    total = np.zeros(size)
+    for step in steps:
+        ids = ids_all[step]
+        for t in range(args.tables):
+            uniques = [np.unique(ids[r * args.batch:(r + 1) * args.batch, t]) for r in range(size)]
+            for r in range(size):
+                remote = int(np.count_nonzero(uniques[r] % size != r))
+                served = sum(int(np.count_nonzero(uniques[q] % size == r)) for q in range(size) if q != r)
+                total[r] += (remote + served) * row
+    return float(total.mean() / len(steps))
+
+
+def main():
+    args = parse_args()
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ranks = args.global_ranks or size
+    share = args.batch * ranks if args.global_ranks else args.batch
+    batches, ids_all = global_batches(args, ranks, rank, share)
+    model, opt, engine = build(args, rank, size)
+
+    losses = []
+
+    def step(dense, sparse, label):
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(model(dense, sparse), label)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+
+    for b in batches[:args.warmup]:
+        step(*b)
+    if engine is not None:
+        engine.flush()
+        engine.reset_traffic()
+    comm.Barrier()
+    start = time.perf_counter()
+    for b in batches[args.warmup:]:
+        step(*b)
+    if engine is not None:
+        engine.flush()
+    comm.Barrier()
+    elapsed = time.perf_counter() - start
+
+    traffic = engine.traffic() if engine is not None else None
+    mine = {
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "loss": float(np.mean(losses[-20:])),
+        "sent": traffic["bytes_sent"] / args.steps if traffic else None,
+        "received": traffic["bytes_received"] / args.steps if traffic else None,
+    }
+    everyone = comm.gather(mine, root=0)
+    if rank == 0:
+        sample = list(range(args.warmup, args.warmup + args.steps, max(1, args.steps // 20)))
+        result = {
+            "system": args.system, "ranks": size, "global_ranks": ranks, "batch": args.batch,
+            "steps": args.steps, "elapsed_s": elapsed,
+            "samples_per_s": args.steps * share * size / elapsed,
+            "ms_per_step": elapsed / args.steps * 1e3,
+            "rss_per_rank": [e["rss"] for e in everyone],
+            "loss": float(np.mean([e["loss"] for e in everyone])),
+            "ps_bytes_sent_per_rank_step": (float(np.mean([e["sent"] for e in everyone]))
+                                            if traffic else None),
+            "ps_bytes_received_per_rank_step": (float(np.mean([e["received"] for e in everyone]))
+                                                if traffic else None),
+            "unique_row_min_bytes_per_rank_step": (unique_row_minimum(ids_all, args, size, sample)
+                                                   if traffic and not args.global_ranks else None),
+            "table_bytes": args.tables * args.rows * args.dim * 4,
+        }
+        print("BENCH-RESULT " + json.dumps(result), flush=True)
+    if args.system == "ddp-gloo":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
