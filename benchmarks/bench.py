@@ -24,8 +24,9 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SYSTEMS = ["hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "ddp-gloo"]
-BASELINE = "horovod-allgather"
+SYSTEMS = ["hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "horovod-allgather-yield", "ddp-gloo"]
+BASELINE = "horovod-allgather"  # Horovod as users run it: the baseline the targets are set against
+TUNED = "horovod-allgather-yield"  # Horovod with OMPI_MCA_mpi_yield_when_idle=1, its best setting here
 
 
 def free_port() -> int:
@@ -44,8 +45,14 @@ def run(system, ranks, steps, warmup, global_ranks=0, timeout=900):
                            "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port())]
     if global_ranks:
         cmd += ["--global-ranks", str(global_ranks)]
+    # '-yield': Horovod with waiting MPI calls yielding the core (its MPI controller thread
+    # busy-waits otherwise). hybridsync sets this for itself; plain Horovod does not.
+    env = dict(os.environ)
+    env.pop("OMPI_MCA_mpi_yield_when_idle", None)
+    if system.endswith("-yield"):
+        env["OMPI_MCA_mpi_yield_when_idle"] = "1"
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ))
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return {"system": system, "ranks": ranks, "error": f"timed out after {timeout} s"}
     found = re.search(r"BENCH-RESULT (\{.*\})", out.stdout)
@@ -101,6 +108,8 @@ def summarise(raw):
         s["scaling"] = s["samples_per_s"] / one["samples_per_s"] if one else None
         base = by.get((BASELINE, s["ranks"]))
         s["vs_horovod"] = s["samples_per_s"] / base["samples_per_s"] if base else None
+        tuned = by.get((TUNED, s["ranks"]))
+        s["vs_horovod_tuned"] = s["samples_per_s"] / tuned["samples_per_s"] if tuned else None
         s["rss_saved_vs_horovod"] = ((base["peak_rss_per_rank"] - s["peak_rss_per_rank"]) / s["table_bytes"]
                                      if base else None)
         s["bytes_over_min"] = (s["ps_bytes_sent"] / s["unique_row_min"]
@@ -117,15 +126,18 @@ def markdown(summary, meta) -> str:
     lines = [
         f"Measured {meta['date']} on {meta['machine']}; medians of {meta['repeats']} runs, {meta['steps']} timed steps each "
         f"(DLRM: 8 tables x 250k x 32, batch 512/rank, SGD). Scaling is vs the same system at 1 rank; "
-        "RSS saved is vs Horovod allgather, in table sizes; PS bytes are sent per rank per step.",
+        "'vs Horovod' is vs Horovod allgather as users run it, 'yield' vs Horovod with "
+        "OMPI_MCA_mpi_yield_when_idle=1 (its best setting on this machine); RSS saved is vs Horovod "
+        "allgather, in table sizes; PS bytes are sent per rank per step.",
         "",
-        "| system | ranks | samples/s | ms/step | scaling | vs Horovod | peak RSS/rank | RSS saved | PS bytes | / unique-row min | loss | vs 1-process |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| system | ranks | samples/s | ms/step | scaling | vs Horovod | vs Horovod (yield) | peak RSS/rank | RSS saved | PS bytes | / unique-row min | loss | vs 1-process |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for s in summary:
         lines.append(
             f"| {s['system']} | {s['ranks']} | {fmt(s['samples_per_s'], ',.0f')} | {fmt(s['ms_per_step'], '.1f')} | "
-            f"{fmt(s['scaling'], '.2f')}x | {fmt(s['vs_horovod'], '.2f')}x | {fmt(s['peak_rss_per_rank'] / 2**20, '.0f')} MiB | "
+            f"{fmt(s['scaling'], '.2f')}x | {fmt(s['vs_horovod'], '.2f')}x | {fmt(s['vs_horovod_tuned'], '.2f')}x | "
+            f"{fmt(s['peak_rss_per_rank'] / 2**20, '.0f')} MiB | "
             f"{fmt(s['rss_saved_vs_horovod'], '.2f')} | {fmt(s['ps_bytes_sent'] and s['ps_bytes_sent'] / 1024, '.1f')} KiB | "
             f"{fmt(s['bytes_over_min'], '.2f')} | {fmt(s['loss'], '.4f')} | "
             f"{fmt(s['loss_vs_reference'] and 100 * s['loss_vs_reference'], '+.2f')}% |")
@@ -144,6 +156,10 @@ def targets(summary) -> list[tuple[str, bool | None, str]]:
     if one and base_one:
         r = one["samples_per_s"] / base_one["samples_per_s"]
         check("1 rank within 10% of Horovod", r >= 0.9, f"{r:.2f}x Horovod's samples/s")
+    for n in (2, 4):
+        s = by.get((hs, n))
+        if s and s["vs_horovod_tuned"]:
+            check(f"{n} ranks vs Horovod with yield_when_idle", None, f"{s['vs_horovod_tuned']:.2f}x")
     two = by.get((hs, 2))
     if two and two["scaling"]:
         check("2 ranks >= 1.6x own 1 rank", two["scaling"] >= 1.6, f"{two['scaling']:.2f}x")
@@ -205,8 +221,8 @@ def main():
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--dense-steps", type=int, default=15, help="steps of horovod-sparse-as-dense (slow)")
     p.add_argument("--skip", default="", help="comma-separated extra systems to skip")
     p.add_argument("--quick", action="store_true", help="1 repeat, 60 steps: a smoke run")
@@ -237,7 +253,8 @@ def main():
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for name in (f"bench-{stamp}.json", "latest.json"):
         (RESULTS / name).write_text(json.dumps(payload, indent=2))
-    target_lines = "\n".join(f"- {'met' if ok else 'MISSED'}: {n} ({d})" for n, ok, d in checks)
+    target_lines = "\n".join(f"- {'met' if ok else ('MISSED' if ok is False else 'info')}: {n} ({d})"
+                             for n, ok, d in checks)
     (RESULTS / "latest.md").write_text(table + "\n\nTargets:\n\n" + target_lines + "\n")
     plot(summary, RESULTS / "latest.png")
     print(table)

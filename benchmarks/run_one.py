@@ -20,7 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-SYSTEMS = ("hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "horovod-sparse-as-dense", "ddp-gloo")
+SYSTEMS = ("hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "horovod-allgather-yield",
+           "horovod-sparse-as-dense", "ddp-gloo")
 
 
 def parse_args():

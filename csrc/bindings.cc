@@ -137,6 +137,30 @@ class PyEngine {
     return out;
   }
 
+  // Pull for one table, returned in input order: (unique ids, out) with out[i] the row of
+  // ids[i], shaped ids.shape + (dim,). What an nn.Embedding forward needs, in one call.
+  py::tuple lookup(int table, const py::object& ids) {
+    py::list one;
+    one.append(ids);
+    py::list results = pull({table}, one);
+    auto result = results[0].cast<py::tuple>();
+    auto inverse = result[1].cast<py::array_t<int64_t>>();
+    auto rows = result[2].cast<py::array_t<float>>();
+    const int64_t dim = engine_->spec(table).dim;
+    std::vector<py::ssize_t> shape;
+    py::array given = py::array::ensure(ids);
+    for (py::ssize_t i = 0; i < given.ndim(); ++i) shape.push_back(given.shape(i));
+    shape.push_back(static_cast<py::ssize_t>(dim));
+    py::array_t<float> out(shape);
+    float* dst = out.mutable_data();
+    const float* src = rows.data();
+    const int64_t* inv = inverse.data();
+    for (py::ssize_t i = 0; i < inverse.size(); ++i) {
+      std::memcpy(dst + i * dim, src + inv[i] * dim, sizeof(float) * dim);
+    }
+    return py::make_tuple(result[0], out);
+  }
+
   // Returns, with return_updates, one (ids, rows) pair per table: every row any shard changed.
   py::object push(const std::vector<int>& tables, const py::list& ids, const py::list& grads, float scale,
                   bool return_updates, const py::object& lrs) {
@@ -392,6 +416,7 @@ PYBIND11_MODULE(_ps, m) {
            py::arg("num_shards") = 0, py::arg("partition") = "cyclic", py::arg("optimizer") = "sgd",
            py::arg("hparams") = std::map<std::string, double>{})
       .def("pull", &PyEngine::pull, py::arg("tables"), py::arg("ids"))
+      .def("lookup", &PyEngine::lookup, py::arg("table"), py::arg("ids"))
       .def("push", &PyEngine::push, py::arg("tables"), py::arg("ids"), py::arg("grads"),
            py::arg("scale") = 1.0f, py::arg("return_updates") = false, py::arg("lrs") = py::none())
       .def("set_rule", [](PyEngine& e, int t, const std::string& rule, const std::map<std::string, double>& hparams) {

@@ -64,6 +64,7 @@ class Plan:
     framework: str = "torch"
     backend: str = ""
     world_size: int = 1
+    backend_reason: str = ""
 
     def by_name(self) -> dict[str, VariablePlan]:
         return {v.name: v for v in self.variables}
@@ -88,12 +89,14 @@ class Plan:
             ])
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
         line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
-        title = f"hybridsync plan ({self.framework}, {self.world_size} rank{'s' if self.world_size != 1 else ''}, dense backend: {self.backend or '-'})"
+        reason = f" - {self.backend_reason}" if self.backend_reason and self.backend_reason != "default" else ""
+        title = (f"hybridsync plan ({self.framework}, {self.world_size} rank{'s' if self.world_size != 1 else ''}, "
+                 f"dense backend: {self.backend or '-'}{reason})")
         return "\n".join([title, line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
     def to_json(self) -> dict:
-        return {"framework": self.framework, "backend": self.backend, "world_size": self.world_size,
-                "variables": [v.to_json() for v in self.variables]}
+        return {"framework": self.framework, "backend": self.backend, "backend_reason": self.backend_reason,
+                "world_size": self.world_size, "variables": [v.to_json() for v in self.variables]}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
@@ -101,7 +104,7 @@ class Plan:
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
         return cls([VariablePlan.from_json(v) for v in d["variables"]], d.get("framework", "torch"),
-                   d.get("backend", ""), d.get("world_size", 1))
+                   d.get("backend", ""), d.get("world_size", 1), d.get("backend_reason", ""))
 
 
 def _short(x) -> str:

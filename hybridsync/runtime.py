@@ -73,6 +73,9 @@ def init(comm=None) -> World:
         if launched_by_gloo():
             _world = World(None)
         else:
+            # Waiting MPI calls yield the core (OpenMPI turns this on only when oversubscribed):
+            # Horovod's MPI controller thread otherwise spins on a core training needs.
+            os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
             from mpi4py import MPI
 
             _world = World(comm if comm is not None else MPI.COMM_WORLD)

@@ -7,6 +7,7 @@ HYBRIDSYNC_SPIN_US       poll this long before sleeping while waiting for peers 
                          every local rank has a core, 0 when ranks outnumber cores)
 HYBRIDSYNC_MAX_SLEEP_US  cap of the sleep back-off while waiting (default 200)
 HYBRIDSYNC_TIMELINE      write a Chrome trace of each step's phases to this file
+HYBRIDSYNC_BATCH_LOOKUPS 0 turns off batching all PS embedding pulls of a forward into one
 """
 import dataclasses
 import functools
@@ -25,6 +26,7 @@ class Settings:
     spin_us: float | None
     max_sleep_us: float
     timeline: str | None
+    batch_lookups: bool
 
 
 BACKENDS = ("horovod", "mpi")
@@ -55,4 +57,5 @@ def settings() -> Settings:
         spin_us=_float("HYBRIDSYNC_SPIN_US", None),
         max_sleep_us=_float("HYBRIDSYNC_MAX_SLEEP_US", 200.0),
         timeline=os.environ.get("HYBRIDSYNC_TIMELINE") or None,
+        batch_lookups=os.environ.get("HYBRIDSYNC_BATCH_LOOKUPS", "1") not in ("0", "false", "no"),
     )

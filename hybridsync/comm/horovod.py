@@ -3,7 +3,6 @@ background thread, on the job's MPI communicator (or Gloo under `horovodrun --gl
 from __future__ import annotations
 
 import importlib.util
-import os
 import threading
 
 from .. import runtime
@@ -20,15 +19,6 @@ def available() -> bool:
         return False
 
 
-def _quiet_controller_defaults() -> None:
-    """Under an MPI launch, Horovod's MPI controller busy-waits in MPI calls on every rank but
-    the root, burning a core that training needs (measured: 33 ms/step vs 11 ms with Gloo at 2
-    ranks on 2 cores). Gloo bootstrapped from MPI waits in the kernel instead. Settings the user
-    made win."""
-    os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
-    os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
-
-
 def module():
     """horovod.torch, initialised on the job's communicator (once)."""
     import horovod.torch as hvd
@@ -37,7 +27,6 @@ def module():
         if not hvd.is_initialized():
             world = runtime.world()
             if world.comm is not None:
-                _quiet_controller_defaults()
                 hvd.init(comm=world.comm)
             else:
                 hvd.init()
@@ -59,7 +48,9 @@ class HorovodCollectives:
     def _op(self, op):
         return self.hvd.Average if op is ReduceOp.AVERAGE else self.hvd.Sum
 
-    def allreduce_async_(self, tensor, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
+    def allreduce_async_(self, tensor, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                         verified_layout=False):
+        # Horovod negotiates every tensor by name anyway; verified_layout changes nothing here.
         return self.hvd.allreduce_async_(tensor, name=name, op=self._op(op),
                                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 

@@ -22,6 +22,42 @@ from .. import ps, runtime
 _unnamed = itertools.count()
 
 
+class _Lookup(torch.autograd.Function):
+    """Embedding forward in one C++ call (rows written in input order); backward hands the
+    per-position gradient rows to the owning optimizer, whose push sums duplicate ids in C++.
+    `anchor` is a tensor that requires grad, so autograd calls backward at all."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, ids):
+        prefetched = module._batcher.take(module, ids) if module._batcher is not None else None
+        if prefetched is not None:  # pulled with every other table by the model's pre-hook
+            flat, unique, inverse, rows = prefetched
+            rows = np.take(rows, inverse, axis=0).reshape(*ids.shape, module.embedding_dim)
+        else:
+            host = ids if ids.device.type == "cpu" else ids.cpu()
+            flat = host.contiguous().numpy()
+            unique, rows = module._engine.lookup(module.table, flat)
+        module.pulled_rows += len(unique)
+        ctx.module, ctx.ids = module, flat.reshape(-1)
+        out = torch.from_numpy(rows)
+        return out if ids.device.type == "cpu" else out.to(ids.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        module = ctx.module
+        rows = grad.detach().reshape(-1, module.embedding_dim)
+        ids = ctx.ids
+        if module.padding_idx is not None or module.scale_grad_by_freq:
+            rows = rows.clone()
+            if module.padding_idx is not None:
+                rows[torch.from_numpy(ids == module.padding_idx)] = 0
+            if module.scale_grad_by_freq:
+                _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+                rows /= torch.from_numpy(counts[inverse].astype(np.float32)).to(rows.device)[:, None]
+        module._on_grad(ids, rows)
+        return None, None, None
+
+
 def _shared_seed() -> int:
     """A seed drawn from rank 0's torch RNG, the same on every rank."""
     seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -68,6 +104,8 @@ class _PSTableModule(torch.nn.Module):
                 self._engine.write_local(self.table, np.array([padding_idx]), np.zeros((1, embedding_dim), np.float32))
         self._sink = None  # set by the DistributedOptimizer that owns the table
         self._warned_no_sink = False
+        self._anchor = torch.empty(0, requires_grad=True)  # lets autograd reach _Lookup.backward
+        self._batcher = None  # set when the owning optimizer batches this model's lookups
         self.pulled_rows = 0  # unique rows pulled since the last reset (for bytes/step)
 
     @property
@@ -77,8 +115,12 @@ class _PSTableModule(torch.nn.Module):
     def _lookup(self, input):
         """(compact weight of the batch's unique rows, input mapped into it, compact padding idx)."""
         ids = input.detach()
-        host = ids if ids.device.type == "cpu" else ids.cpu()
-        (unique, inverse, rows), = self._engine.pull([self.table], [host.contiguous().numpy()])
+        prefetched = self._batcher.take(self, input) if self._batcher is not None else None
+        if prefetched is not None:
+            _, unique, inverse, rows = prefetched
+        else:
+            host = ids if ids.device.type == "cpu" else ids.cpu()
+            (unique, inverse, rows), = self._engine.pull([self.table], [host.contiguous().numpy()])
         weight = torch.from_numpy(rows)
         index = torch.from_numpy(inverse).view(ids.shape)
         if ids.device.type != "cpu":
@@ -93,9 +135,10 @@ class _PSTableModule(torch.nn.Module):
             padding = int(where[0]) if len(where) else None
         return weight, index, padding
 
-    def _on_grad(self, unique, grad):
+    def _on_grad(self, ids, grad):
+        """Gradient rows for `ids` (duplicates allowed) reached this table in backward."""
         if self._sink is not None:
-            self._sink.stage(self, unique, grad)
+            self._sink.stage(self, ids, grad)
         elif not self._warned_no_sink:
             self._warned_no_sink = True
             warnings.warn(f"PS embedding '{self.table_name}' received gradients, but no DistributedOptimizer "
@@ -156,8 +199,7 @@ class Embedding(_PSTableModule):
                    name=name, partitions=partitions, partition=partition, _initial_weight=module.weight)
 
     def forward(self, input):
-        weight, index, padding = self._lookup(input)
-        return F.embedding(index, weight, padding, None, 2.0, self.scale_grad_by_freq, False)
+        return _Lookup.apply(self._anchor, self, input)
 
 
 class EmbeddingBag(_PSTableModule):

@@ -36,10 +36,11 @@ class _TorchOverMPI:
         staged = t.to("cpu", copy=True).contiguous()
         return staged.float() if staged.dtype == torch.bfloat16 else staged
 
-    def allreduce_async_(self, tensor, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
+    def allreduce_async_(self, tensor, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                         verified_layout=False):
         staged = self._stage(tensor)
-        handle = self.mpi.allreduce_async_(staged.numpy(), name=name, op=op,
-                                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        handle = self.mpi.allreduce_async_(staged.numpy(), name=name, op=op, prescale_factor=prescale_factor,
+                                           postscale_factor=postscale_factor, verified_layout=verified_layout)
         return handle, tensor, staged
 
     def poll(self, handle) -> bool:

@@ -162,6 +162,8 @@ class _DistributedOptimizer:
             if len(mine) != len(reference):
                 raise RuntimeError(f"rank {self._hs_backend.rank} has {len(mine)} variables, rank 0 has {len(reference)}")
         self._hs_plan_confirmed = True
+        for sync in self._hs_syncs.values():
+            sync.plan_verified = True
         self._hs_load_route_state(self._hs_pending_state)
 
     # -- Horovod's optimizer API --------------------------------------------------------------
@@ -182,7 +184,9 @@ class _DistributedOptimizer:
         """Completes gradient exchange for every variable (called by step())."""
         if not self._hs_plan_confirmed:
             self._hs_confirm_plan()
-        for sync in self._hs_syncs.values():
+        # Routes that send without waiting (PS pushes) first: their messages travel while the
+        # routes that wait (all-reduce) complete.
+        for sync in sorted(self._hs_syncs.values(), key=lambda s: s.waits):
             sync.synchronize()
         for var in self._hs_vars:
             var.passes = 0

@@ -64,7 +64,10 @@ def plan_for(optimizer, named, model, config, compression, backend) -> Plan:
         _route_default(v, True, optimizer, None, backend.size)
         v.reason = "hybridsync.torch PS embedding: rows live on the shards"
         variables.append(v)
-    return Plan(variables, framework="torch", backend=backend.name, world_size=backend.size)
+    from ..comm import why
+
+    return Plan(variables, framework="torch", backend=backend.name, world_size=backend.size,
+                backend_reason=why(backend.name))
 
 
 def route_for_observed(v: VariablePlan, kind: GradKind, optimizer, param, world_size: int) -> None:

@@ -36,6 +36,9 @@ class SyncSettings:
 class Synchronizer:
     """Base class: subclasses override grad_ready() and/or synchronize()."""
 
+    waits = True  # synchronize() blocks on peers; False for routes that only send
+    plan_verified = False  # every rank agreed on the plan (set at the first synchronize)
+
     def __init__(self, settings: SyncSettings, variables: list[Variable], model=None):
         self.settings = settings
         self.variables = list(variables)

@@ -30,8 +30,11 @@ class DenseAllreduce(Synchronizer):
         compressed, ctx = self.settings.compression.compress(p.grad)
         var.plan.bytes_per_step = compressed.numel() * compressed.element_size()
         pre, post = self._scale_factors()
+        # Every rank exchanges every variable of the plan, which was checked across ranks at the
+        # first synchronize: the backend may skip its own per-step layout check.
         handle = self.settings.backend.allreduce_async_(compressed, name=f"hybridsync.{var.name}", op=self.settings.op,
-                                                        prescale_factor=pre, postscale_factor=post)
+                                                        prescale_factor=pre, postscale_factor=post,
+                                                        verified_layout=self.plan_verified)
         self._handles[var] = (handle, ctx)
 
     def grad_ready(self, var: Variable) -> None:

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 
 from .. import ps
+from ..settings import settings
 from ..types import ReduceOp
+from .batching import BatchedLookups
 from .embedding import Embedding, EmbeddingBag
 from .server_optimizer import group_of, server_rule
 from .sync_base import Synchronizer, Variable
@@ -72,9 +74,12 @@ class _PSBase(Synchronizer):
 
 
 class ShardedPS(_PSBase):
+    waits = False  # the push is applied at the next PS operation
+
     def __init__(self, settings, variables, model=None):
         super().__init__(settings, variables, model)
         self.module_of: dict[Variable, torch.nn.Module] = {}
+        self._var_of_module: dict[int, Variable] = {}
         self._staged: dict[Variable, list] = {}
 
     def on_wrap(self) -> None:
@@ -87,9 +92,12 @@ class ShardedPS(_PSBase):
             else:  # an nn.Embedding(sparse=True): replace it everywhere in the model
                 module = self._swap(var, swaps)
             self.module_of[var] = module
+            self._var_of_module[id(module)] = var
             self.table_of[var] = module.table
             self.engine.set_rule(module.table, *_rule_args(var.plan.optimizer))
             module._sink = self
+        if self.model is not None and self.module_of and settings().batch_lookups:
+            BatchedLookups(self.model, [self.module_of[v] for v in self._ordered()], self.engine)
 
     def _swap(self, var: Variable, swaps: dict):
         old = next(m for m in self.model.modules()
@@ -106,12 +114,14 @@ class ShardedPS(_PSBase):
         swaps[id(old)] = new
         return new
 
-    def stage(self, module, unique, grad) -> None:
-        var = next(v for v, m in self.module_of.items() if m is module)
+    def stage(self, module, ids, grad) -> None:
+        """Gradient rows for `ids` (duplicates allowed; summed by the push, in C++)."""
         g = grad.detach()
         if g.device.type != "cpu":
             g = g.cpu()
-        self._staged.setdefault(var, []).append((unique, g.contiguous().numpy()))
+        if g.dtype != torch.float32:
+            g = g.float()
+        self._staged.setdefault(self._var_of_module[id(module)], []).append((ids, g.contiguous().numpy()))
 
     def synchronize(self) -> None:
         tables, ids, grads, lrs = [], [], [], []
@@ -125,7 +135,8 @@ class ShardedPS(_PSBase):
             lrs.append(self._lr(var))
             module = self.module_of[var]
             row_bytes = 8 + 4 * module.embedding_dim
-            var.plan.bytes_per_step = (module.pulled_rows + len(ids[-1])) * row_bytes
+            # Unique rows pulled, and about as many pushed (the push sums duplicate ids).
+            var.plan.bytes_per_step = 2 * module.pulled_rows * row_bytes
             module.pulled_rows = 0
         self._staged.clear()
         # Collective even when nothing was staged, so every rank runs the same operations.

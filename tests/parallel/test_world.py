@@ -17,7 +17,7 @@ def rank_world(expected_size):
     import hybridsync
     import horovod.torch as hvd
 
-    hybridsync.init()  # again: idempotent, and now initialises Horovod since torch is imported
+    hybridsync.init(backend="horovod")  # again: idempotent, and starts Horovod on the same communicator
     size, rank = hybridsync.size(), hybridsync.rank()
     assert size == int(expected_size) == MPI.COMM_WORLD.Get_size()
     assert rank == MPI.COMM_WORLD.Get_rank()
