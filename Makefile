@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: install demo test test-unit test-parallel bench clean
+.PHONY: install demo test test-unit test-parallel bench bench-quick clean
 
 install:
 	@bash scripts/install.sh
@@ -21,6 +21,15 @@ test-unit: install
 
 test-parallel: install
 	$(PY) -m pytest tests/parallel
+
+# Side-by-side benchmark (about 25 minutes): table, JSON and plots in benchmarks/results/,
+# README's Performance section updated; then the large-cluster projection (a model).
+bench: install
+	$(PY) benchmarks/bench.py
+	$(PY) benchmarks/model.py
+
+bench-quick: install
+	$(PY) benchmarks/bench.py --quick
 
 clean:
 	rm -rf build hybridsync/_ps*.so

@@ -181,7 +181,11 @@ def main():
     if args.system == "ddp-gloo":
         import torch.distributed as dist
 
+        # Tear Gloo down together: a rank that leaves first resets its peers' connections,
+        # and Gloo aborts the process on that.
+        dist.barrier()
         dist.destroy_process_group()
+    comm.Barrier()
 
 
 if __name__ == "__main__":

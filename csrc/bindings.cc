@@ -140,6 +140,7 @@ class PyEngine {
   // Pull for one table, returned in input order: (unique ids, out) with out[i] the row of
   // ids[i], shaped ids.shape + (dim,). What an nn.Embedding forward needs, in one call.
   py::tuple lookup(int table, const py::object& ids) {
+    if (engine_->size() == 1) return lookup_local(table, ids);
     py::list one;
     one.append(ids);
     py::list results = pull({table}, one);
@@ -159,6 +160,26 @@ class PyEngine {
       std::memcpy(dst + i * dim, src + inv[i] * dim, sizeof(float) * dim);
     }
     return py::make_tuple(result[0], out);
+  }
+
+  // lookup() in a world of one: rows copied straight from the local shard, nothing deduplicated
+  // or exchanged. The first element is empty: no rows were pulled from anywhere.
+  py::tuple lookup_local(int table, const py::object& ids_obj) {
+    const TableSpec& spec = engine_->spec(table);
+    std::string error;
+    IdArray ids = ids_of(ids_obj, spec.name, &error);
+    if (!error.empty()) throw PSError(error);
+    std::vector<py::ssize_t> shape;
+    py::array given = py::array::ensure(ids_obj);
+    for (py::ssize_t i = 0; i < given.ndim(); ++i) shape.push_back(given.shape(i));
+    shape.push_back(static_cast<py::ssize_t>(spec.dim));
+    py::array_t<float> out(shape);
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      engine_->lookup_local(table, ids.data(), ids.size(), out.mutable_data());
+    }
+    return py::make_tuple(py::array_t<int64_t>(0), out);
   }
 
   // Returns, with return_updates, one (ids, rows) pair per table: every row any shard changed.
@@ -464,5 +485,11 @@ PYBIND11_MODULE(_ps, m) {
         d["messages_sent"] = t.messages_sent;
         return d;
       })
-      .def("reset_traffic", [](PyEngine& e) { e.engine().reset_traffic(); });
+      .def("reset_traffic", [](PyEngine& e) { e.engine().reset_traffic(); })
+      .def("set_tracing", [](PyEngine& e, bool on) { e.engine().set_tracing(on); })
+      .def("take_trace", [](PyEngine& e) {
+        py::list out;
+        for (const TraceEvent& ev : e.engine().take_trace()) out.append(py::make_tuple(ev.name, ev.start_ns, ev.end_ns, ev.rows));
+        return out;
+      });
 }

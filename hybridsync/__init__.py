@@ -11,16 +11,24 @@ from .runtime import is_initialized, shutdown
 __version__ = "0.1.0"
 
 
-def init(comm=None, backend: str | None = None) -> None:
+def init(comm=None, backend: str | None = None, config=None) -> None:
     """Joins the job: MPI through mpi4py (`comm` replaces COMM_WORLD), and Horovod on the same
     communicator when torch is already imported and Horovod is installed (otherwise Horovod
     starts when the PyTorch frontend first needs it). Idempotent.
 
     backend: default dense backend of this process, 'horovod' or 'mpi' (overrides
-    HYBRIDSYNC_BACKEND; a DistributedOptimizer's own `backend=` overrides it)."""
+    HYBRIDSYNC_BACKEND; a DistributedOptimizer's own `backend=` overrides it).
+    config: YAML path or dict used by DistributedOptimizers given no config (overrides
+    HYBRIDSYNC_CONFIG); it is validated here, on every rank, before any communication."""
+    from . import config as config_mod
     from .comm import choose
 
     runtime.init(comm)
+    if config is not None:
+        loaded = config_mod.load(config)
+        runtime.set_default_config(loaded)
+        if backend is None and loaded.backend is not None:
+            backend = loaded.backend
     if backend is not None:
         runtime.set_default_backend(choose(backend))
     if "torch" in sys.modules and choose() == "horovod":
@@ -81,5 +89,7 @@ def explain(file=None, as_json: bool = False) -> str:
     return _explain(file=file, as_json=as_json)
 
 
+from .config import ConfigError  # noqa: E402
+
 __all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
-           "DistributedOptimizer", "explain"]
+           "DistributedOptimizer", "explain", "ConfigError"]

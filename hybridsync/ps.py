@@ -47,6 +47,8 @@ def engine():
             s = settings()
             _engine = _ps.Engine(comm, spin_us=wait_spin_us(), max_sleep_us=s.max_sleep_us, timeout_s=s.timeout_s)
             runtime.on_shutdown(_release)
+            if s.timeline:
+                _engine.set_tracing(True)
         return _engine
 
 

@@ -52,6 +52,17 @@ _world: World | None = None
 _lock = threading.RLock()
 _shutdown_hooks: list = []
 _default_backend: str | None = None
+_default_config = None
+
+
+def set_default_config(config) -> None:
+    """The config DistributedOptimizers use when given none (hybridsync.init(config=...))."""
+    global _default_config
+    _default_config = config
+
+
+def default_config():
+    return _default_config
 
 
 def set_default_backend(name: str | None) -> None:
@@ -112,6 +123,16 @@ def oversubscribed() -> bool:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return world().local_size > cores
+
+
+def allgather_object(obj) -> list:
+    """Every rank's `obj`, in rank order (pickled: small objects only)."""
+    w = world()
+    if w.comm is not None:
+        return w.comm.allgather(obj)
+    from .comm import horovod
+
+    return horovod.module().allgather_object(obj)
 
 
 def on_shutdown(hook) -> None:

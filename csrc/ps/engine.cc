@@ -1,7 +1,9 @@
 // The Engine: table registration and the operations on whole tables (initialisation,
 // loading, gathering, replicas). The per-step pull and push live in exchange.cc.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <utility>
 #include <cstring>
 #include <sstream>
 
@@ -322,5 +324,11 @@ TrafficStats Engine::traffic() const {
 }
 
 void Engine::reset_traffic() { transport_->reset_counters(); }
+
+std::vector<TraceEvent> Engine::take_trace() { return std::exchange(trace_, {}); }
+
+void Engine::trace(const char* name, int64_t start_ns, int64_t rows) {
+  if (tracing_) trace_.push_back(TraceEvent{name, start_ns, now_ns(), rows});
+}
 
 }  // namespace hybridsync

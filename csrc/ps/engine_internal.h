@@ -1,6 +1,7 @@
 // What the Engine's source files share and no one else needs.
 #pragma once
 
+#include <chrono>
 #include <map>
 #include <string>
 #include <vector>
@@ -26,6 +27,12 @@ struct Engine::Round {
   std::map<int, double> lr;          // table -> learning rate for this round
   bool self_error_reported = false;  // this rank already threw for its own bad input
 };
+
+// steady_clock now, in nanoseconds (CLOCK_MONOTONIC on Linux, as Python's perf_counter_ns).
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // A request announcing that the sender's input was bad (so no rank waits for its data).
 std::vector<char> error_request(const std::string& message);

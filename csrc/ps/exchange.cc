@@ -107,6 +107,8 @@ std::vector<PullResult> Engine::pull(const std::vector<TableBatch>& batches, con
     // Serve every worker's request from this rank's shards.
     std::vector<std::string> errors(P);
     auto dim_of = [&](int table) { return table_at(table).spec.dim; };
+    int64_t served_rows = 0;
+    const int64_t serve_start = tracing_ ? now_ns() : 0;
     for (int src = 0; src < P; ++src) {
       auto msg = transport_->recv(src, kTagRequest);
       Reader r(msg);
@@ -123,12 +125,14 @@ std::vector<PullResult> Engine::pull(const std::vector<TableBatch>& batches, con
           Table& t = table_at(e.table);
           check_rows(t.shard.get(), t.spec.name, e.local, e.count, "pull");
           if (e.count) t.shard->gather(e.local, e.count, reply.f32_slot(e.count * t.spec.dim));
+          served_rows += e.count;
         }
       } else {
         throw PSTransportError("hybridsync: ranks called different PS operations (pull vs push)");
       }
       transport_->send(src, kTagReply, reply.take());
     }
+    trace("serve pulls", serve_start, served_rows);
     // Collect the rows this worker asked for, into each batch's unique order.
     std::vector<PullResult> results(routed.size());
     for (size_t b = 0; b < routed.size(); ++b) {
@@ -157,6 +161,25 @@ std::vector<PullResult> Engine::pull(const std::vector<TableBatch>& batches, con
       results[b].inverse = std::move(routed[b].routing.dedup.inverse);
     }
     return results;
+  });
+}
+
+void Engine::lookup_local(int table, const int64_t* ids, int64_t n, float* out) {
+  return guarded(broken_, broken_reason_, [&] {
+    check_usable();
+    drain_pending();
+    Table& t = table_at(table);
+    if (size() != 1 || !t.shard || t.shard->rows() != t.spec.num_rows) {
+      throw PSError("lookup_local needs every row of table '" + t.spec.name + "' on this rank");
+    }
+    const int64_t dim = t.spec.dim;
+    for (int64_t i = 0; i < n; ++i) {
+      if (ids[i] < 0 || ids[i] >= t.spec.num_rows) {
+        throw PSIndexError("table '" + t.spec.name + "': id " + std::to_string(ids[i]) + " is out of range [0, " +
+                           std::to_string(t.spec.num_rows) + ")");
+      }
+      std::memcpy(out + i * dim, t.shard->row(t.part.local_index(ids[i])), dim * sizeof(float));
+    }
   });
 }
 
@@ -242,6 +265,8 @@ void Engine::drain_pending() {
 
 void Engine::apply_round(const Round& round, std::map<int, RowUpdates>* updates) {
   const int P = size();
+  const int64_t start = tracing_ ? now_ns() : 0;
+  int64_t applied_rows = 0;
   auto dim_of = [&](int table) { return table_at(table).spec.dim; };
   std::vector<std::vector<char>> msgs(P);
   std::map<int, std::vector<Entry>> by_table;  // ordered: deterministic apply order
@@ -298,7 +323,9 @@ void Engine::apply_round(const Round& round, std::map<int, RowUpdates>* updates)
     t.shard->rule().begin_step();
     t.shard->apply(t.sum_rows.data(), n, t.sum_grads.data());
     changed[table] = n;
+    applied_rows += n;
   }
+  trace("server apply", start, applied_rows);
   if (updates) {
     // Every shard tells every rank which rows changed, so all replicas stay identical.
     Writer w;

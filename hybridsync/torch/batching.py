@@ -12,10 +12,11 @@ HYBRIDSYNC_BATCH_LOOKUPS=0 turns this off.
 """
 from __future__ import annotations
 
-import numpy as np
+import time
+
 import torch
 
-from .. import runtime
+from .. import runtime, timeline
 
 
 def _inputs(args, kwargs):
@@ -89,7 +90,12 @@ class BatchedLookups:
             predicted.append((module, x, t._version))
             host = x.detach() if x.device.type == "cpu" else x.detach().cpu()
             ids.append(host.contiguous().numpy())
+        tl = timeline.get()
+        start = time.perf_counter_ns() if tl else 0
         results = self.engine.pull([m.table for m, _ in self.pattern], ids)
+        if tl:
+            tl.complete(f"pull ({len(ids)} tables)", start, time.perf_counter_ns(), "ps", rows=sum(len(r[0]) for r in results))
+            tl.engine_events(self.engine)
         for (module, x, version), flat, result in zip(predicted, ids, results):
             self._cache[module] = (x, version, flat, result)
 

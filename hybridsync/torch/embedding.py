@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import ps, runtime
+from .. import ps, runtime, timeline
 
 _unnamed = itertools.count()
 
@@ -36,8 +36,10 @@ class _Lookup(torch.autograd.Function):
         else:
             host = ids if ids.device.type == "cpu" else ids.cpu()
             flat = host.contiguous().numpy()
-            unique, rows = module._engine.lookup(module.table, flat)
-        module.pulled_rows += len(unique)
+            with timeline.span(f"pull {module.table_name}", "ps"):
+                unique, rows = module._engine.lookup(module.table, flat)
+            _server_events(module._engine)
+        module._pulled[0] += len(unique)
         ctx.module, ctx.ids = module, flat.reshape(-1)
         out = torch.from_numpy(rows)
         return out if ids.device.type == "cpu" else out.to(ids.device)
@@ -56,6 +58,12 @@ class _Lookup(torch.autograd.Function):
                 rows /= torch.from_numpy(counts[inverse].astype(np.float32)).to(rows.device)[:, None]
         module._on_grad(ids, rows)
         return None, None, None
+
+
+def _server_events(engine) -> None:
+    tl = timeline.get()
+    if tl is not None:
+        tl.engine_events(engine)
 
 
 def _shared_seed() -> int:
@@ -106,7 +114,9 @@ class _PSTableModule(torch.nn.Module):
         self._warned_no_sink = False
         self._anchor = torch.empty(0, requires_grad=True)  # lets autograd reach _Lookup.backward
         self._batcher = None  # set when the owning optimizer batches this model's lookups
-        self.pulled_rows = 0  # unique rows pulled since the last reset (for bytes/step)
+        # Unique rows pulled since the last push (for explain's bytes/step). A plain list, not an
+        # attribute of the Module: nn.Module.__setattr__ costs microseconds on the hot path.
+        self._pulled = [0]
 
     @property
     def shape(self):
@@ -120,7 +130,9 @@ class _PSTableModule(torch.nn.Module):
             _, unique, inverse, rows = prefetched
         else:
             host = ids if ids.device.type == "cpu" else ids.cpu()
-            (unique, inverse, rows), = self._engine.pull([self.table], [host.contiguous().numpy()])
+            with timeline.span(f"pull {self.table_name}", "ps"):
+                (unique, inverse, rows), = self._engine.pull([self.table], [host.contiguous().numpy()])
+            _server_events(self._engine)
         weight = torch.from_numpy(rows)
         index = torch.from_numpy(inverse).view(ids.shape)
         if ids.device.type != "cpu":
@@ -128,7 +140,7 @@ class _PSTableModule(torch.nn.Module):
         if torch.is_grad_enabled():
             weight.requires_grad_(True)
             weight.register_hook(lambda grad, unique=unique: self._on_grad(unique, grad))
-        self.pulled_rows += len(unique)
+        self._pulled[0] += len(unique)
         padding = None
         if self.padding_idx is not None:
             where = np.flatnonzero(unique == self.padding_idx)

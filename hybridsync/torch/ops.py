@@ -43,6 +43,22 @@ class _TorchOverMPI:
                                            postscale_factor=postscale_factor, verified_layout=verified_layout)
         return handle, tensor, staged
 
+    def allreduce_many_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                        verified_layout=False, name="fused"):
+        """In-place all-reduce of same-dtype tensors fused into one buffer: one torch.cat, one
+        collective, views back (no per-tensor Python work)."""
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        staged = self._stage(flat)
+        if prescale_factor != 1.0:
+            staged.mul_(prescale_factor)
+        self.mpi.allreduce_flat_(staged.numpy(), op, postscale_factor, verified_layout, name)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.detach().copy_(staged[offset:offset + n].view_as(t))
+            offset += n
+        return tensors
+
     def poll(self, handle) -> bool:
         return self.mpi.poll(handle[0])
 

@@ -13,18 +13,30 @@ import warnings
 
 import torch
 
+import time
+
+from .. import comm
+from .. import config as config_mod
 from .. import plan as plan_mod
-from .. import runtime
+from .. import runtime, timeline
 from ..types import GradKind, Placement, ReduceOp, Route
 from . import ops, sync_ps
 from .compression import Compression, NoneCompressor
 from .planner import plan_for, ps_modules, route_for_observed
 from .sync_base import SyncSettings, Variable
-from .sync_dense import DenseAllreduce
+from .sync_dense import DenseAllreduce, SparseAllgather, SparseAsDense
 
 # (route, placement) -> synchronizer class: one registry, no if/elif on routes.
-SYNCHRONIZERS: dict = {(Route.ALLREDUCE, Placement.NONE): DenseAllreduce}
+SYNCHRONIZERS: dict = {
+    (Route.ALLREDUCE, Placement.NONE): DenseAllreduce,
+    (Route.SPARSE_AS_DENSE, Placement.NONE): SparseAsDense,
+    (Route.ALLGATHER, Placement.NONE): SparseAllgather,
+}
 sync_ps.register(SYNCHRONIZERS)
+
+
+def _compression_name(compression) -> str:
+    return {NoneCompressor: "none", Compression.fp16: "fp16"}.get(compression, getattr(compression, "__name__", "custom"))
 
 
 def _reduce_op(op) -> ReduceOp:
@@ -79,12 +91,19 @@ class _DistributedOptimizer:
 
     def _hs_setup(self, named, model, config, compression, backward_passes_per_step, op,
                   gradient_predivide_factor, backend):
-        runtime.init()
-        self._hs_backend = ops.backend(backend)
+        world = runtime.init()
+        # Config and plan first: they need no communication, so a bad config raises the same
+        # ConfigError on every rank before any collective could leave one waiting.
+        cfg = config_mod.load(config if config is not None else runtime.default_config())
+        backend_name = comm.choose(backend or (cfg.backend if cfg else None))
+        self._hs_plan, self._hs_planner = plan_for(self, named, model, cfg, _compression_name(compression),
+                                                   backend_name, world.size, comm.why(backend_name))
+        self._hs_compression = compression
+        self._hs_backend = ops.backend(backend_name)
+        self._hs_agree_on_plan()
         self._hs_bpps = backward_passes_per_step
         settings = SyncSettings(self._hs_backend, op, compression, gradient_predivide_factor,
                                 self._hs_backend.size, self)
-        self._hs_plan = plan_for(self, named, model, config, compression, self._hs_backend)
         by_name = self._hs_plan.by_name()
         self._hs_vars = [Variable(name, p, by_name[name], index=i) for i, (name, p) in enumerate(named)]
         for name, module in ps_modules(model):
@@ -98,6 +117,8 @@ class _DistributedOptimizer:
         for var in self._hs_vars:
             if var.plan.route is not None:
                 self._hs_assign(var)
+        if runtime.world().rank == 0 and __import__("os").environ.get("HYBRIDSYNC_EXPLAIN") == "1":
+            print(self._hs_plan.table(), flush=True)  # hybridsync-run asks for the plan once
         self._hs_synchronized = False
         self._hs_unsynced_grads = False
         self._hs_should_sync = True
@@ -105,10 +126,47 @@ class _DistributedOptimizer:
                           for var in self._hs_vars if var.param is not None and var.param.requires_grad]
         for sync in self._hs_syncs.values():
             sync.on_wrap()
+        self._hs_forward_end = None
+        if model is not None and timeline.get() is not None:
+            self._hs_trace_forward(model)
         plan_mod.register(self)
 
+    def _hs_trace_forward(self, model):
+        """Timeline spans for the model's forward, and for backward (forward end -> sync)."""
+        def before(module, args):
+            self._hs_forward_start = time.perf_counter_ns()
+
+        def after(module, args, output):
+            self._hs_forward_end = time.perf_counter_ns()
+            timeline.get().complete("forward", self._hs_forward_start, self._hs_forward_end)
+
+        model.register_forward_pre_hook(before, prepend=True)  # before the batched pull
+        model.register_forward_hook(after)
+
     # -- routing ------------------------------------------------------------------------------
+    def _hs_agree_on_plan(self):
+        """Every rank's variables and routes must equal rank 0's; all ranks raise together,
+        naming the first difference, instead of one deadlocking in a later collective."""
+        mine = [(v.name, tuple(v.shape), v.route and v.route.value, v.placement.value) for v in self._hs_plan.variables]
+        if self._hs_backend.size == 1:
+            return
+        everyone = runtime.allgather_object(mine)
+        for rank, theirs in enumerate(everyone):
+            if theirs == everyone[0]:
+                continue
+            for i, (a, b) in enumerate(zip(everyone[0], theirs)):
+                if a != b:
+                    raise RuntimeError(
+                        f"rank {rank} differs from rank 0 at variable #{i}: rank 0 has {a[0]} {a[1]} "
+                        f"({a[2]}/{a[3]}), rank {rank} has {b[0]} {b[1]} ({b[2]}/{b[3]}); every rank must "
+                        "build the same model and use the same config")
+            raise RuntimeError(f"rank {rank} has {len(theirs)} variables, rank 0 has {len(everyone[0])}; "
+                               "every rank must build the same model")
+
     def _hs_assign(self, var):
+        plan = var.plan
+        var.compressor = (Compression.by_name(plan.compression) if plan.compression in ("none", "fp16")
+                          else self._hs_compression)
         key = (var.plan.route, var.plan.placement)
         if key not in SYNCHRONIZERS:
             raise NotImplementedError(f"variable '{var.name}': route {key[0].value} with placement "
@@ -142,7 +200,7 @@ class _DistributedOptimizer:
     def _hs_decide(self, var):
         """First backward of a variable planned without its module: its gradient decides."""
         kind = GradKind.SPARSE if var.param.grad is not None and var.param.grad.is_sparse else GradKind.DENSE
-        route_for_observed(var.plan, kind, self, var.param, self._hs_settings.world_size)
+        route_for_observed(var.plan, kind, self._hs_planner, var.param)
         self._hs_assign(var)
 
     def _hs_confirm_plan(self):
@@ -182,6 +240,14 @@ class _DistributedOptimizer:
 
     def synchronize(self):
         """Completes gradient exchange for every variable (called by step())."""
+        tl = timeline.get()
+        if tl is not None and self._hs_forward_end is not None:
+            tl.complete("backward", self._hs_forward_end, time.perf_counter_ns())
+            self._hs_forward_end = None
+        with timeline.span("synchronize"):
+            self._hs_synchronize()
+
+    def _hs_synchronize(self):
         if not self._hs_plan_confirmed:
             self._hs_confirm_plan()
         # Routes that send without waiting (PS pushes) first: their messages travel while the
@@ -214,7 +280,8 @@ class _DistributedOptimizer:
                 f"step() inside skip_synchronize() with gradients that were never synchronised (e.g. '{pending}'): "
                 "call optimizer.synchronize() before the skip_synchronize() block")
         self._hs_synchronized = False
-        return super().step(closure)
+        with timeline.span("optimizer update (dense)"):
+            return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
         if any(sync.in_flight() for sync in self._hs_syncs.values()):
@@ -262,7 +329,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=No
     model: the model; lets sparse embeddings be planned up front and, by default, sharded on
         the parameter server (rows live only on the shards). Without it, sparse tables keep a
         replica on every rank (Horovod-style) and are recognised at the first backward pass.
-    config: YAML path, dict or None (HYBRIDSYNC_CONFIG) with per-variable overrides.
+    config: YAML path, dict, or None (hybridsync.init(config=...), else HYBRIDSYNC_CONFIG): per-variable
+        routes, placements, partitions, compression and server optimizers (see hybridsync.config).
     compression: hybridsync.torch.Compression.none | .fp16 for the dense all-reduce.
     backward_passes_per_step: backward passes accumulated locally (summed) before exchange.
     op: Average (default) or Sum across ranks. gradient_predivide_factor: with Average,

@@ -21,6 +21,7 @@ class Variable:
     index: int = 0  # position in the plan: the order every rank handles variables in
     module: torch.nn.Module | None = None  # a user-built PS-backed module, for PS-only tables
     passes: int = 0  # backward passes accumulated since the last synchronize()
+    compressor: type | None = None  # the all-reduce compression of this variable
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import ps
+from .. import ps, timeline
 from ..settings import settings
 from ..types import ReduceOp
 from .batching import BatchedLookups
@@ -24,6 +24,12 @@ from .sync_base import Synchronizer, Variable
 
 def _scale(settings) -> float:
     return 1.0 / settings.world_size if settings.op is ReduceOp.AVERAGE else 1.0
+
+
+def _table_shape(p) -> tuple[int, int]:
+    """A parameter as a table: rows = first dimension, dim = the rest flattened (1 for vectors)."""
+    rows = p.shape[0]
+    return rows, (p.numel() // rows if rows else 1)
 
 
 def _rule_args(rule: dict) -> tuple[str, dict]:
@@ -96,7 +102,7 @@ class ShardedPS(_PSBase):
             self.table_of[var] = module.table
             self.engine.set_rule(module.table, *_rule_args(var.plan.optimizer))
             module._sink = self
-        if self.model is not None and self.module_of and settings().batch_lookups:
+        if self.model is not None and self.module_of and settings().batch_lookups and self.settings.world_size > 1:
             BatchedLookups(self.model, [self.module_of[v] for v in self._ordered()], self.engine)
 
     def _swap(self, var: Variable, swaps: dict):
@@ -136,11 +142,12 @@ class ShardedPS(_PSBase):
             module = self.module_of[var]
             row_bytes = 8 + 4 * module.embedding_dim
             # Unique rows pulled, and about as many pushed (the push sums duplicate ids).
-            var.plan.bytes_per_step = 2 * module.pulled_rows * row_bytes
-            module.pulled_rows = 0
+            var.plan.bytes_per_step = 2 * module._pulled[0] * row_bytes
+            module._pulled[0] = 0
         self._staged.clear()
         # Collective even when nothing was staged, so every rank runs the same operations.
-        self.engine.push(tables, ids, grads, _scale(self.settings), False, lrs)
+        with timeline.span(f"push ({len(tables)} tables)", "ps"):
+            self.engine.push(tables, ids, grads, _scale(self.settings), False, lrs)
 
     def in_flight(self) -> bool:
         return bool(self._staged)
@@ -158,14 +165,11 @@ class ReplicatedPS(_PSBase):
             if var in self.table_of:
                 continue
             p = var.param
-            if p.dim() != 2:
-                raise ValueError(f"variable '{var.name}' has shape {tuple(p.shape)}: the parameter server holds "
-                                 "2-D tables (rows x dim)")
             # Every replica, and so every shard, starts from rank 0's weights.
             self.settings.backend.broadcast_(p.data, 0, name=f"hybridsync.replica.{var.name}")
             name, hparams = _rule_args(var.plan.optimizer)
-            table = self.engine.add_table(var.name, p.shape[0], p.shape[1], var.plan.shards, var.plan.partition,
-                                          name, hparams)
+            rows, dim = _table_shape(p)
+            table = self.engine.add_table(var.name, rows, dim, var.plan.shards, var.plan.partition, name, hparams)
             self.table_of[var] = table
             self._attach(var)
 
@@ -173,12 +177,13 @@ class ReplicatedPS(_PSBase):
         """Lets the shard's rows alias the replica when it is plain CPU float32 memory;
         otherwise the shard owns a copy of its rows."""
         p, table = var.param, self.table_of[var]
+        rows, dim = _table_shape(p)
         if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
-            self.engine.attach_replica(table, p.data.numpy())
+            self.engine.attach_replica(table, p.data.view(rows, dim).numpy())
             self._aliased[var] = p.data
         else:
             self.engine.attach_replica(table, None)
-            self.engine.load_local(table, -1, p.detach().to("cpu", torch.float32).contiguous().numpy())
+            self.engine.load_local(table, -1, p.detach().to("cpu", torch.float32).reshape(rows, dim).contiguous().numpy())
             self._aliased.pop(var, None)
 
     def _follow_replicas(self) -> None:
@@ -196,27 +201,35 @@ class ReplicatedPS(_PSBase):
         for var in self._ordered():
             p = var.param
             g = p.grad
+            rows, dim = _table_shape(p)
             if g is None:
-                i, v = np.zeros(0, np.int64), np.zeros((0, p.shape[1]), np.float32)
+                i, v = np.zeros(0, np.int64), np.zeros((0, dim), np.float32)
             elif g.is_sparse:
                 g = g.coalesce() if g.device.type != "cpu" else g
                 i = g._indices()[0].cpu().numpy()
-                v = g._values().detach().to("cpu", torch.float32).contiguous().numpy()
-            else:  # a dense gradient routed to the PS: every row
-                i = np.arange(p.shape[0], dtype=np.int64)
-                v = g.detach().to("cpu", torch.float32).contiguous().numpy()
+                v = g._values().detach().to("cpu", torch.float32).reshape(-1, dim).contiguous().numpy()
+            else:  # a dense gradient routed to the PS (row-sharded): every row
+                i = np.arange(rows, dtype=np.int64)
+                v = g.detach().to("cpu", torch.float32).reshape(rows, dim).contiguous().numpy()
             tables.append(self.table_of[var])
             ids.append(i)
             grads.append(v)
             lrs.append(self._lr(var))
             order.append(var)
-        updates = self.engine.push(tables, ids, grads, _scale(self.settings), True, lrs)
+        with timeline.span(f"push + replica update ({len(tables)} tables)", "ps"):
+            updates = self.engine.push(tables, ids, grads, _scale(self.settings), True, lrs)
+        tl = timeline.get()
+        if tl is not None:
+            tl.engine_events(self.engine)
         for var, i, (changed, rows) in zip(order, ids, updates):
             p = var.param
+            dim = _table_shape(p)[1]
             with torch.no_grad():
                 if len(changed):
-                    p.index_copy_(0, torch.from_numpy(changed).to(p.device), torch.from_numpy(rows).to(p.device, p.dtype))
-            var.plan.bytes_per_step = (len(i) + len(changed)) * (8 + 4 * p.shape[1])
+                    target = p.view(p.shape[0], dim)
+                    target.index_copy_(0, torch.from_numpy(changed).to(p.device),
+                                       torch.from_numpy(rows).to(p.device, p.dtype))
+            var.plan.bytes_per_step = (len(i) + len(changed)) * (8 + 4 * dim)
             p.grad = None  # applied server-side: the wrapped optimizer must not apply it again
 
     def state_dict(self) -> dict:

@@ -190,6 +190,13 @@ struct RowUpdates {
   std::vector<float> rows;  // ids.size() x dim
 };
 
+// One timed piece of server-side work, for timelines (steady_clock nanoseconds).
+struct TraceEvent {
+  std::string name;
+  int64_t start_ns = 0, end_ns = 0;
+  int64_t rows = 0;
+};
+
 // Traffic counters of this rank (payload bytes, headers included).
 struct TrafficStats {
   int64_t bytes_sent = 0;
@@ -218,6 +225,9 @@ class Engine {
   // Collective. Rows for the ids of each batch, deduplicated per table.
   std::vector<PullResult> pull(const std::vector<TableBatch>& batches,
                                const std::string& error = "");
+  // Local, for a world of one rank (every row is here): applies pending pushes, then copies
+  // the row of each id into out[i*dim...] -- a lookup with nothing to exchange.
+  void lookup_local(int table, const int64_t* ids, int64_t n, float* out);
   // Collective. Sends each batch's (id, gradient) rows to their shards; each shard sums them
   // over ranks, multiplies by `scale` and applies its rule once per row. With
   // `return_updates`, waits for the apply and returns, per batch, every row any shard
@@ -255,6 +265,9 @@ class Engine {
   int64_t state_bytes() const;
   TrafficStats traffic() const;
   void reset_traffic();
+  // Records server-side work (applying pushes, serving pulls) for take_trace() while on.
+  void set_tracing(bool on) { tracing_ = on; }
+  std::vector<TraceEvent> take_trace();
 
  private:
   struct Table;
@@ -269,6 +282,9 @@ class Engine {
   std::vector<Round> pending_;
   bool broken_ = false;
   std::string broken_reason_;
+  bool tracing_ = false;
+  std::vector<TraceEvent> trace_;
+  void trace(const char* name, int64_t start_ns, int64_t rows);
 };
 
 }  // namespace hybridsync

@@ -1,0 +1,1 @@
+"""Launcher helpers: `hybridsync-run` (installed as the package hybridsync_launch)."""
