@@ -115,15 +115,51 @@ def unique_row_minimum(ids_all, args, size, steps):
     return float(total.mean() / len(steps))
 
 
+class _MPICoordinator:
+    """Barriers and result gathering for the systems that run on MPI."""
+
+    def __init__(self):
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def gather(self, obj):
+        return self.comm.gather(obj, root=0)
+
+
+class _TorchCoordinator:
+    """The same over torch.distributed: DDP runs never initialise MPI (mpirun only starts them),
+    since MPI and Gloo tearing down in one process crashed at exit."""
+
+    def __init__(self):
+        self.rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
+        self.size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
+
+    def barrier(self):
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def gather(self, obj):
+        import torch.distributed as dist
+
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out if self.rank == 0 else None
+
+
 def main():
     args = parse_args()
     import torch
     import torch.nn.functional as F
-    from mpi4py import MPI
 
     torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
+    comm = _TorchCoordinator() if args.system == "ddp-gloo" else _MPICoordinator()
+    rank, size = comm.rank, comm.size
     ranks = args.global_ranks or size
     share = args.batch * ranks if args.global_ranks else args.batch
     batches, ids_all = global_batches(args, ranks, rank, share)
@@ -143,13 +179,13 @@ def main():
     if engine is not None:
         engine.flush()
         engine.reset_traffic()
-    comm.Barrier()
+    comm.barrier()
     start = time.perf_counter()
     for b in batches[args.warmup:]:
         step(*b)
     if engine is not None:
         engine.flush()
-    comm.Barrier()
+    comm.barrier()
     elapsed = time.perf_counter() - start
 
     traffic = engine.traffic() if engine is not None else None
@@ -159,7 +195,7 @@ def main():
         "sent": traffic["bytes_sent"] / args.steps if traffic else None,
         "received": traffic["bytes_received"] / args.steps if traffic else None,
     }
-    everyone = comm.gather(mine, root=0)
+    everyone = comm.gather(mine)
     if rank == 0:
         sample = list(range(args.warmup, args.warmup + args.steps, max(1, args.steps // 20)))
         result = {
@@ -185,7 +221,6 @@ def main():
         # and Gloo aborts the process on that.
         dist.barrier()
         dist.destroy_process_group()
-    comm.Barrier()
 
 
 if __name__ == "__main__":

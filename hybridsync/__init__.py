@@ -70,9 +70,10 @@ def DistributedOptimizer(optimizer, *args, **kwargs):
     the optimizer). See hybridsync.torch.DistributedOptimizer and
     hybridsync.tensorflow.DistributedOptimizer for the arguments."""
     torch = sys.modules.get("torch")
+    keras = sys.modules.get("keras")  # a Keras optimizer means keras is imported
     if torch is not None and isinstance(optimizer, torch.optim.Optimizer):
         from .torch import DistributedOptimizer as frontend
-    elif type(optimizer).__module__.split(".")[0] in ("keras", "tensorflow", "tf_keras"):
+    elif keras is not None and isinstance(optimizer, keras.optimizers.Optimizer):
         from .tensorflow import DistributedOptimizer as frontend
     else:
         raise TypeError(

@@ -35,3 +35,21 @@ class ReduceOp(enum.Enum):
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
+
+
+def as_reduce_op(op) -> ReduceOp:
+    """ReduceOp from hybridsync's Average/Sum, 'average'/'sum', or Horovod's constants."""
+    import sys
+
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str) and op.lower() in ("average", "sum"):
+        return ReduceOp(op.lower())
+    for module_name in ("horovod.torch", "horovod.tensorflow"):
+        hvd = sys.modules.get(module_name)
+        if hvd is not None:
+            if op == getattr(hvd, "Average", object()):
+                return ReduceOp.AVERAGE
+            if op == getattr(hvd, "Sum", object()):
+                return ReduceOp.SUM
+    raise ValueError(f"op must be hybridsync Average or Sum, got {op!r}")

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..types import ReduceOp
+from ..types import ReduceOp, as_reduce_op
 from . import ops
 from .compression import Compression
 
 
 def _op(op, average):
-    from .optimizer import _reduce_op
-
     if op is not None:
-        return _reduce_op(op)
+        return as_reduce_op(op)
     if average is not None:
         return ReduceOp.AVERAGE if average else ReduceOp.SUM
     return ReduceOp.AVERAGE

@@ -19,7 +19,7 @@ from .. import comm
 from .. import config as config_mod
 from .. import plan as plan_mod
 from .. import runtime, timeline
-from ..types import GradKind, Placement, ReduceOp, Route
+from ..types import GradKind, Placement, ReduceOp, Route, as_reduce_op
 from . import ops, sync_ps
 from .compression import Compression, NoneCompressor
 from .planner import plan_for, ps_modules, route_for_observed
@@ -37,21 +37,6 @@ sync_ps.register(SYNCHRONIZERS)
 
 def _compression_name(compression) -> str:
     return {NoneCompressor: "none", Compression.fp16: "fp16"}.get(compression, getattr(compression, "__name__", "custom"))
-
-
-def _reduce_op(op) -> ReduceOp:
-    if isinstance(op, ReduceOp):
-        return op
-    try:  # Horovod's constants (hvd.Average, hvd.Sum) are accepted too
-        from horovod.torch import Average as HAverage, Sum as HSum
-
-        if op == HAverage:
-            return ReduceOp.AVERAGE
-        if op == HSum:
-            return ReduceOp.SUM
-    except ImportError:
-        pass
-    raise ValueError(f"op must be hybridsync.torch.Average or Sum, got {op!r}")
 
 
 def _named_parameters(optimizer, named_parameters, model):
@@ -343,7 +328,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=No
         raise ValueError("this optimizer is already a hybridsync DistributedOptimizer")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-    op = _reduce_op(op)
+    op = as_reduce_op(op)
     if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if gradient_predivide_factor <= 0:

@@ -122,3 +122,18 @@ def test_float_ids_are_rejected():
 def test_bad_optimizer_settings_are_clear_errors(rule, hparams, message):
     with pytest.raises(ValueError, match=message):
         ps.Shard("emb", 4, 2, rule, hparams)
+
+
+@pytest.mark.parametrize("in_sqrt", [0.0, 1.0])
+def test_adagrad_epsilon_inside_or_outside_the_square_root(in_sqrt):
+    # torch: g / (sqrt(acc) + eps); Keras: g / sqrt(acc + eps). A large eps tells them apart.
+    shard, values = make_shard(rows=6, dim=3, optimizer="adagrad", lr=0.5, eps=0.3, eps_in_sqrt=in_sqrt,
+                               initial_accumulator_value=0.2)
+    ids, grads = np.array([1, 4, 1]), np.random.default_rng(5).standard_normal((3, 3)).astype(np.float32)
+    shard.push(ids, grads)
+    acc = np.full((6, 3), 0.2, np.float32)
+    g = np.zeros((6, 3), np.float32)
+    np.add.at(g, ids, grads)
+    acc += g * g
+    step = g / np.sqrt(acc + 0.3) if in_sqrt else g / (np.sqrt(acc) + 0.3)
+    np.testing.assert_allclose(shard.values(), values - 0.5 * step, rtol=1e-5, atol=1e-6)

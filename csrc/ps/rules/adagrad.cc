@@ -1,5 +1,6 @@
 // Adagrad as torch.optim.Adagrad applies it to a sparse gradient:
 //   clr = lr / (1 + (step - 1) * lr_decay);  acc += g^2;  row -= clr * g / (sqrt(acc) + eps)
+// With eps_in_sqrt = 1, Keras's form: row -= clr * g / sqrt(acc + eps).
 #include <cmath>
 
 #include "hparams.h"
@@ -12,7 +13,8 @@ class AdagradRule : public UpdateRule {
  public:
   explicit AdagradRule(const std::map<std::string, double>& given)
       : UpdateRule(resolve_hparams("adagrad", given,
-                                   {{"lr", 0.01}, {"lr_decay", 0.0}, {"initial_accumulator_value", 0.0}, {"eps", 1e-10}})) {
+                                   {{"lr", 0.01}, {"lr_decay", 0.0}, {"initial_accumulator_value", 0.0}, {"eps", 1e-10},
+                                    {"eps_in_sqrt", 0.0}})) {
     validate();
   }
   std::string name() const override { return "adagrad"; }
@@ -22,14 +24,26 @@ class AdagradRule : public UpdateRule {
     for (const char* key : {"lr", "lr_decay", "initial_accumulator_value", "eps"}) {
       require_positive("adagrad", key, hp_.at(key), /*allow_zero=*/true);
     }
+    if (hp_.at("eps_in_sqrt") != 0.0 && hp_.at("eps_in_sqrt") != 1.0) {
+      throw PSError("server optimizer 'adagrad': eps_in_sqrt must be 0 (torch) or 1 (Keras), got " +
+                    std::to_string(hp_.at("eps_in_sqrt")));
+    }
   }
   void begin_step() override {
     UpdateRule::begin_step();
     clr_ = static_cast<float>(hp_.at("lr") / (1.0 + static_cast<double>(step_ - 1) * hp_.at("lr_decay")));
     eps_ = static_cast<float>(hp_.at("eps"));
+    eps_in_sqrt_ = hp_.at("eps_in_sqrt") != 0.0;
   }
   void apply(float* row, float* const* slots, const float* grad, int64_t dim) const override {
     float* acc = slots[0];
+    if (eps_in_sqrt_) {
+      for (int64_t j = 0; j < dim; ++j) {
+        acc[j] += grad[j] * grad[j];
+        row[j] -= clr_ * grad[j] / std::sqrt(acc[j] + eps_);
+      }
+      return;
+    }
     for (int64_t j = 0; j < dim; ++j) {
       acc[j] += grad[j] * grad[j];
       row[j] -= clr_ * (grad[j] / (std::sqrt(acc[j]) + eps_));
@@ -38,6 +52,7 @@ class AdagradRule : public UpdateRule {
 
  private:
   float clr_ = 0.0f, eps_ = 0.0f;
+  bool eps_in_sqrt_ = false;
 };
 
 }  // namespace

@@ -1,0 +1,112 @@
+"""Route decisions shared by every frontend: built-in defaults, then the config's `defaults`,
+then the first `variables` rule whose glob matches the variable's name. The frontends supply
+only what is framework-specific (the server rule that matches their optimizer, and whether that
+optimizer can apply a sparse gradient itself), so one YAML file gives the same routes for a
+PyTorch and a TensorFlow model. Deciding needs no communication: every rank validates the same
+config and raises the same ConfigError before any collective starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .config import Config, ConfigError, Settings
+from .plan import VariablePlan
+from .types import GradKind, Placement, Route
+
+
+@dataclasses.dataclass
+class RouteResolver:
+    config: Config | None
+    has_model: bool  # the embedding modules/layers can be swapped (sharded placement)
+    world_size: int
+    compression: str  # the optimizer-level compression's name
+    server_rule: Callable  # (variable name, param or None) -> {"name": rule, hyper-parameters...}
+    applies_sparse: bool  # the wrapped optimizer applies sparse gradients itself (allgather route)
+    optimizer_name: str = "the optimizer"
+
+    def settings_for(self, v: VariablePlan) -> tuple[Settings, str]:
+        """Merged settings for v, and why: built-in < config defaults < first matching rule."""
+        kind = "sparse" if v.kind is GradKind.SPARSE else "dense"
+        merged, why = Settings(), f"default: {kind}"
+        layers = []
+        if self.config is not None:
+            where = self.config.where.get(f"defaults.{kind}", self.config.source)
+            layers.append((getattr(self.config, kind), f"config defaults.{kind} ({where})"))
+            rule = self.config.rule_for(v.name)
+            if rule is not None:
+                layers.append((rule, f"rule '{rule.match}' ({rule.where})"))
+        for layer, reason in layers:
+            touched = False
+            for field in dataclasses.fields(Settings):
+                value = getattr(layer, field.name)
+                if value is not None:
+                    setattr(merged, field.name, value)
+                    touched = True
+            if touched:
+                why = reason
+        return merged, why
+
+    def decide(self, v: VariablePlan, param, ps_module: bool = False) -> None:
+        """Fills v's route, placement, shards, partition, compression and server optimizer."""
+        s, why = self.settings_for(v)
+        where = why if why.startswith(("rule", "config")) else "the built-in defaults"
+
+        def fail(key, problem):
+            raise ConfigError(f"{where}: {key}: variable '{v.name}': {problem}")
+
+        sparse = v.kind is GradKind.SPARSE
+        sync = s.sync or ("ps" if sparse else "allreduce")
+        v.reason = why
+        if ps_module and sync != "ps":
+            fail("sync", f"'{sync}' is impossible for a PS embedding: its rows exist only on the PS")
+        if not sparse and sync in ("allgather", "allreduce-as-dense"):
+            fail("sync", f"'{sync}' applies to sparse variables; '{v.name}' is dense (use allreduce or ps)")
+        v.compression, v.optimizer, v.optimizer_source = "none", None, "-"
+        v.shards, v.placement = 0, Placement.NONE
+        if sync == "ps":
+            v.route = Route.PS
+            placement = s.placement or ("sharded" if sparse and self.has_model else "replicated")
+            if placement == "sharded" and not sparse:
+                fail("placement", "'sharded' swaps embedding modules for PS-backed ones; a dense variable on the "
+                                  "PS keeps its replica: use placement: replicated")
+            if placement == "sharded" and not self.has_model and not ps_module:
+                fail("placement", "'sharded' needs the model (DistributedOptimizer(..., model=model)) to swap "
+                                  "the embedding modules")
+            if ps_module and placement != "sharded":
+                fail("placement", "a PS embedding is always sharded")
+            v.placement = Placement(placement)
+            v.shards = s.partitions or self.world_size
+            if v.shards > self.world_size:
+                fail("partitions", f"{v.shards} is more than the world size ({self.world_size})")
+            v.partition = s.partition or "cyclic"
+            if s.compression not in (None, "none"):
+                fail("compression", "compression applies to all-reduce routes, not to the parameter server")
+            if len(v.shape) == 0:
+                fail("sync", "a scalar cannot be split into rows on the parameter server")
+            if s.optimizer is not None:
+                v.optimizer, v.optimizer_source = dict(s.optimizer), "config"
+            else:
+                v.optimizer, v.optimizer_source = self.server_rule(v.name, param), "wrapped"
+        elif sync == "allgather":
+            v.route = Route.ALLGATHER
+            if not self.applies_sparse:
+                fail("sync", f"'allgather' lets the wrapped optimizer apply the sparse gradient, and "
+                             f"{self.optimizer_name} cannot (use SGD, Adagrad or SparseAdam, or sync: ps)")
+        else:
+            v.route = Route.SPARSE_AS_DENSE if sparse else Route.ALLREDUCE
+            v.compression = s.compression or self.compression
+        if s.optimizer is not None and v.route is not Route.PS:
+            fail("optimizer", "a server optimizer applies to variables on the parameter server (sync: ps)")
+        if s.partitions is not None and v.route is not Route.PS:
+            fail("partitions", "partitions apply to variables on the parameter server (sync: ps)")
+
+    def check_strict(self, variables) -> None:
+        """Under strict: true, a rule that matches no variable is an error at its line."""
+        if self.config is None or not self.config.strict:
+            return
+        for rule in self.config.rules:
+            if not any(self.config.rule_for(v.name) is rule for v in variables):
+                names = ", ".join(v.name for v in variables[:12]) + (" ..." if len(variables) > 12 else "")
+                raise ConfigError(f"{rule.where}: match: rule '{rule.match}' matches no variable (strict: true); "
+                                  f"variables are: {names}")

@@ -1,0 +1,13 @@
+"""The TensorFlow example trains under mpirun -np 2: its loss falls, the embeddings on the PS."""
+import re
+
+from tests.parallel.harness import run_program
+
+
+def test_tf_wide_deep_loss_falls():
+    out = run_program(2, "examples/tf_wide_deep.py", "--epochs", "3", "--samples", "8000", "--vocab", "5000",
+                      timeout=300)
+    losses = [float(x) for x in re.findall(r"epoch \d+: loss ([0-9.]+)", out)]
+    assert len(losses) == 3 and losses[-1] < 0.9 * losses[0], out
+    row = next(line for line in out.splitlines() if "deep/embeddings " in line)
+    assert " ps " in row and "replicated" in row and "adagrad" in row, row

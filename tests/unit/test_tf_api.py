@@ -1,0 +1,99 @@
+"""The TensorFlow frontend in one process: framework dispatch, clear errors (optimizers the PS
+cannot apply, mixed-precision policies it cannot hold, PyTorch-only arguments), and the same
+YAML giving the same routes for a PyTorch and a Keras model of the same shapes."""
+import numpy as np
+import pytest
+
+import keras
+import tensorflow as tf  # noqa: F401  (the Keras backend)
+import torch
+
+import hybridsync
+import hybridsync.tensorflow as htf
+import hybridsync.torch as htorch
+
+
+def keras_model():
+    keras.utils.set_random_seed(0)
+    ids = keras.Input(shape=(2,), dtype="int64")
+    x = keras.layers.Flatten()(keras.layers.Embedding(50, 4, name="emb")(ids))
+    x = keras.layers.Dense(3, name="dense")(x)
+    return keras.Model(ids, keras.layers.Dense(1, name="head")(x))
+
+
+def fit_once(optimizer, model=None):
+    model = model or keras_model()
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    model.fit(np.array([[1, 2], [3, 1]]), np.zeros((2, 1), "float32"), batch_size=2, epochs=1, verbose=0)
+    return model
+
+
+def test_keras_optimizer_dispatches_to_the_tf_frontend_and_keeps_its_identity():
+    opt = keras.optimizers.SGD(0.1)
+    wrapped = hybridsync.DistributedOptimizer(opt)
+    assert wrapped is opt and isinstance(wrapped, keras.optimizers.SGD)
+    with pytest.raises(ValueError, match="already a hybridsync DistributedOptimizer"):
+        hybridsync.DistributedOptimizer(opt)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: keras.optimizers.RMSprop(0.1), "variable 'emb/embeddings': RMSprop is not supported"),
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.9), "variable 'emb/embeddings': SGD with momentum=0.9"),
+    (lambda: keras.optimizers.Adam(0.1, amsgrad=True), "variable 'emb/embeddings': Adam with amsgrad=True"),
+    (lambda: keras.optimizers.Adagrad(0.1, clipnorm=1.0), "variable 'emb/embeddings': Adagrad with clipnorm=1.0"),
+])
+def test_optimizers_the_ps_cannot_apply_are_errors_naming_them_and_the_variable(make, message):
+    with pytest.raises(ValueError, match=message):
+        fit_once(htf.DistributedOptimizer(make()))
+
+
+def test_mixed_precision_policy_the_ps_cannot_hold_is_an_error():
+    keras.mixed_precision.set_global_policy("float16")
+    try:
+        model = keras_model()
+        with pytest.raises(ValueError, match=r"variable 'emb/embeddings' is float16 \(Keras mixed-precision policy "
+                                             r"'float16'\): the parameter server holds float32 rows"):
+            fit_once(htf.DistributedOptimizer(keras.optimizers.SGD(0.1)), model)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    keras.mixed_precision.set_global_policy("mixed_float16")  # float32 variables: fine
+    try:
+        fit_once(htf.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_pytorch_only_arguments_are_errors():
+    with pytest.raises(ValueError, match="named_parameters and model are PyTorch arguments"):
+        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), model=object())
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), backend="horovod")
+
+
+def test_the_same_yaml_gives_the_same_routes_for_torch_and_keras(tmp_path):
+    path = tmp_path / "hs.yaml"
+    path.write_text("defaults:\n  sparse: {sync: ps, placement: replicated}\n"
+                    "variables:\n  - match: 'emb*'\n    sync: ps\n    optimizer: {name: adagrad, lr: 0.2}\n"
+                    "  - match: 'dense*'\n    compression: fp16\n  - match: 'head*'\n    sync: ps\n")
+    tf_model = fit_once(htf.DistributedOptimizer(keras.optimizers.SGD(0.1), config=str(path)))
+    torch_model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(50, 4, sparse=True), "dense": torch.nn.Linear(8, 3),
+                                       "head": torch.nn.Linear(3, 1)})
+    torch_opt = htorch.DistributedOptimizer(torch.optim.SGD(torch_model.parameters(), lr=0.1),
+                                            named_parameters=torch_model.named_parameters(), config=str(path))
+    torch_model["emb"](torch.tensor([1, 2])).sum().backward()  # without a model, kinds show at the first backward
+    torch_opt.synchronize()
+    layer = lambda name: name.replace("/", ".").split(".")[0]
+    kind_of = {"embeddings": "weight", "kernel": "weight", "weight": "weight", "bias": "bias"}
+
+    def routes(plan):
+        return sorted((layer(v.name), kind_of[v.name.replace("/", ".").split(".")[-1]], v.kind.value, v.route.value,
+                       v.placement.value, v.shards, v.compression, (v.optimizer or {}).get("name"))
+                      for v in plan.variables)
+
+    assert routes(tf_model.optimizer.plan) == routes(torch_opt.plan)
+    assert ("emb", "weight", "sparse", "ps", "replicated", 1, "none", "adagrad") in routes(torch_opt.plan)
+    assert ("head", "bias", "dense", "ps", "replicated", 1, "none", "sgd") in routes(torch_opt.plan)
+    text = hybridsync.explain(file=open("/dev/null", "w"))
+    assert "tensorflow" in text and "torch" in text
