@@ -77,6 +77,49 @@ std::vector<char> write_request(RequestKind kind, const std::vector<Routed>& bat
   return w.take();
 }
 
+// Routes every batch of this worker's operation; bad input becomes `error` (announced to the
+// peers instead of thrown, so no rank is left waiting). For a push, duplicate ids' gradients
+// are added up, so each row crosses the wire once.
+std::vector<Routed> route_batches(const Engine& engine, const std::vector<TableBatch>& batches, bool with_grads,
+                                  std::string* error, bool* index_error) {
+  std::vector<Routed> routed;
+  if (!error->empty()) return routed;
+  try {
+    for (const TableBatch& b : batches) {
+      const TableSpec& spec = engine.spec(b.table);
+      const int64_t dim = spec.dim;
+      Routed r{b.table, dim, route_ids(spec.name, engine.partitioner(b.table), b.ids, b.n, engine.size())};
+      const auto& dd = r.routing.dedup;
+      if (with_grads && static_cast<int64_t>(dd.unique.size()) == b.n) {
+        r.rows = b.grads;  // no duplicates: unique u is input u
+      } else if (with_grads) {
+        r.summed.assign(dd.unique.size() * dim, 0.0f);
+        for (int64_t i = 0; i < b.n; ++i) {
+          float* dst = r.summed.data() + dd.inverse[i] * dim;
+          const float* g = b.grads + i * dim;
+          for (int64_t j = 0; j < dim; ++j) dst[j] += g[j];
+        }
+        r.rows = r.summed.data();
+      }
+      routed.push_back(std::move(r));
+    }
+  } catch (const PSIndexError& e) {
+    *error = e.what();
+    *index_error = true;
+  } catch (const PSError& e) {
+    *error = e.what();
+  }
+  return routed;
+}
+
+// One request to every rank: the routed rows, or the notice of this rank's bad input.
+void send_requests(Transport& transport, RequestKind kind, const std::vector<Routed>& routed,
+                   const std::string& error) {
+  for (int d = 0; d < transport.size(); ++d) {
+    transport.send(d, kTagRequest, error.empty() ? write_request(kind, routed, d) : error_request(error));
+  }
+}
+
 }  // namespace
 
 std::vector<PullResult> Engine::pull(const std::vector<TableBatch>& batches, const std::string& error) {
@@ -86,24 +129,8 @@ std::vector<PullResult> Engine::pull(const std::vector<TableBatch>& batches, con
     const int P = size();
     std::string local_error = error;
     bool index_error = false;
-    std::vector<Routed> routed;
-    try {
-      if (local_error.empty()) {
-        for (const TableBatch& b : batches) {
-          const Table& t = table_at(b.table);
-          routed.push_back(Routed{b.table, t.spec.dim, route_ids(t.spec.name, t.part, b.ids, b.n, P)});
-        }
-      }
-    } catch (const PSIndexError& e) {
-      local_error = e.what();
-      index_error = true;
-    } catch (const PSError& e) {
-      local_error = e.what();
-    }
-    for (int d = 0; d < P; ++d) {
-      transport_->send(d, kTagRequest, local_error.empty() ? write_request(RequestKind::kPull, routed, d)
-                                                           : error_request(local_error));
-    }
+    std::vector<Routed> routed = route_batches(*this, batches, false, &local_error, &index_error);
+    send_requests(*transport_, RequestKind::kPull, routed, local_error);
     // Serve every worker's request from this rank's shards.
     std::vector<std::string> errors(P);
     auto dim_of = [&](int table) { return table_at(table).spec.dim; };
@@ -191,37 +218,8 @@ std::vector<RowUpdates> Engine::push(const std::vector<TableBatch>& batches, flo
     const int P = size();
     std::string local_error = error;
     bool index_error = false;
-    std::vector<Routed> routed;
-    try {
-      if (local_error.empty()) {
-        for (const TableBatch& b : batches) {
-          const Table& t = table_at(b.table);
-          Routed r{b.table, t.spec.dim, route_ids(t.spec.name, t.part, b.ids, b.n, P)};
-          const auto& dd = r.routing.dedup;
-          if (static_cast<int64_t>(dd.unique.size()) == b.n) {
-            r.rows = b.grads;  // no duplicates: unique u is input u
-          } else {  // add up the gradients of duplicate ids, so each row crosses the wire once
-            r.summed.assign(dd.unique.size() * t.spec.dim, 0.0f);
-            for (int64_t i = 0; i < b.n; ++i) {
-              float* dst = r.summed.data() + dd.inverse[i] * t.spec.dim;
-              const float* g = b.grads + i * t.spec.dim;
-              for (int64_t j = 0; j < t.spec.dim; ++j) dst[j] += g[j];
-            }
-            r.rows = r.summed.data();
-          }
-          routed.push_back(std::move(r));
-        }
-      }
-    } catch (const PSIndexError& e) {
-      local_error = e.what();
-      index_error = true;
-    } catch (const PSError& e) {
-      local_error = e.what();
-    }
-    for (int d = 0; d < P; ++d) {
-      transport_->send(d, kTagRequest, local_error.empty() ? write_request(RequestKind::kPush, routed, d)
-                                                           : error_request(local_error));
-    }
+    std::vector<Routed> routed = route_batches(*this, batches, true, &local_error, &index_error);
+    send_requests(*transport_, RequestKind::kPush, routed, local_error);
     Round round;
     round.scale = scale;
     round.self_error_reported = !local_error.empty();

@@ -60,6 +60,12 @@ class _Lookup(torch.autograd.Function):
         return None, None, None
 
 
+def _check_shardable(module, name: str) -> None:
+    if module.max_norm is not None:
+        raise ValueError(f"embedding '{name}': max_norm renormalises rows in place during forward, which "
+                         "a sharded table cannot do; use the replicated placement for it")
+
+
 def _server_events(engine) -> None:
     tl = timeline.get()
     if tl is not None:
@@ -204,9 +210,7 @@ class Embedding(_PSTableModule):
     @classmethod
     def from_module(cls, module: torch.nn.Embedding, name: str, partitions=None, partition="cyclic"):
         """A PS-backed copy of `module` whose shards start from rank 0's weights."""
-        if module.max_norm is not None:
-            raise ValueError(f"embedding '{name}': max_norm renormalises rows in place during forward, which "
-                             "a sharded table cannot do; use the replicated placement for it")
+        _check_shardable(module, name)
         return cls(module.num_embeddings, module.embedding_dim, module.padding_idx, module.scale_grad_by_freq,
                    name=name, partitions=partitions, partition=partition, _initial_weight=module.weight)
 
@@ -229,9 +233,7 @@ class EmbeddingBag(_PSTableModule):
 
     @classmethod
     def from_module(cls, module: torch.nn.EmbeddingBag, name: str, partitions=None, partition="cyclic"):
-        if module.max_norm is not None:
-            raise ValueError(f"embedding '{name}': max_norm renormalises rows in place during forward, which "
-                             "a sharded table cannot do; use the replicated placement for it")
+        _check_shardable(module, name)
         return cls(module.num_embeddings, module.embedding_dim, module.mode, module.scale_grad_by_freq,
                    module.include_last_offset, module.padding_idx, name=name, partitions=partitions,
                    partition=partition, _initial_weight=module.weight)

@@ -33,14 +33,19 @@ class DenseAllreduce(Synchronizer):
             raise RuntimeError(f"variable '{var.name}' is planned for dense all-reduce but produced a sparse gradient")
         return grad
 
-    def _launch(self, var: Variable):
+    def _compressed_grad(self, var: Variable):
+        """var's gradient ready to send: zeros if it has none (another rank may have one, in
+        data-dependent graphs), dense, compressed. Returns (tensor, ctx)."""
         p = var.param
         if p.grad is None:
-            # Another rank may have a gradient for it (data-dependent graphs): send zeros.
             p.grad = torch.zeros_like(p)
         p.grad = self._dense_grad(var)
         compressed, ctx = var.compressor.compress(p.grad)
         var.plan.bytes_per_step = compressed.numel() * compressed.element_size()
+        return compressed, ctx
+
+    def _launch(self, var: Variable):
+        compressed, ctx = self._compressed_grad(var)
         pre, post = self._scale_factors()
         # Every rank exchanges every variable of the plan, which was checked across ranks at the
         # first synchronize: the backend may skip its own per-step layout check.
@@ -76,12 +81,7 @@ class DenseAllreduce(Synchronizer):
     def _synchronize_fused(self) -> None:
         groups: dict = {}
         for var in sorted(self.variables, key=lambda v: v.index):  # the same order on every rank
-            p = var.param
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad = self._dense_grad(var)
-            compressed, ctx = var.compressor.compress(p.grad)
-            var.plan.bytes_per_step = compressed.numel() * compressed.element_size()
+            compressed, ctx = self._compressed_grad(var)
             groups.setdefault((var.compressor, compressed.dtype), []).append((var, compressed, ctx))
         pre, post = self._scale_factors()
         for (compressor, dtype), items in groups.items():
