@@ -27,13 +27,17 @@ def make_data(n, vocab, seed):
     return dense, ids, (logit > 0).astype(np.float32)[:, None]
 
 
-def build_model(vocab, dim):
+def build_model(vocab, dim, ps_embeddings=False):
     import keras
 
+    import hybridsync.tensorflow as hvd
+
+    # ps_embeddings: tables whose rows live only on the PS shards (each rank holds 1/N).
+    embedding = hvd.Embedding if ps_embeddings else keras.layers.Embedding
     dense_in = keras.Input(shape=(DENSE,), name="dense")
     ids_in = keras.Input(shape=(FEATURES,), dtype="int64", name="ids")
-    wide = keras.layers.Flatten()(keras.layers.Embedding(vocab, 1, name="wide")(ids_in))  # a weight per id
-    deep = keras.layers.Flatten()(keras.layers.Embedding(vocab, dim, name="deep")(ids_in))
+    wide = keras.layers.Flatten()(embedding(vocab, 1, name="wide")(ids_in))  # a weight per id
+    deep = keras.layers.Flatten()(embedding(vocab, dim, name="deep")(ids_in))
     x = keras.layers.Concatenate()([deep, dense_in])
     x = keras.layers.Dense(64, activation="relu", name="mlp_1")(x)
     x = keras.layers.Dense(32, activation="relu", name="mlp_2")(x)
@@ -51,6 +55,8 @@ def main():
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--config", default=None, help="YAML config with per-variable overrides")
+    parser.add_argument("--ps-embeddings", action="store_true",
+                        help="hybridsync.tensorflow.Embedding: rows only on the PS shards (sharded placement)")
     args = parser.parse_args()
 
     import keras
@@ -60,7 +66,7 @@ def main():
 
     hvd.init()
     keras.utils.set_random_seed(0)
-    model = build_model(args.vocab, args.dim)
+    model = build_model(args.vocab, args.dim, args.ps_embeddings)
     optimizer = hvd.DistributedOptimizer(keras.optimizers.Adagrad(args.lr), config=args.config)
     model.compile(optimizer=optimizer, loss=keras.losses.BinaryCrossentropy(from_logits=True),
                   jit_compile=False)  # hybridsync's collectives are Python ops, which XLA cannot compile

@@ -66,7 +66,7 @@ class RouteResolver:
         v.shards, v.placement = 0, Placement.NONE
         if sync == "ps":
             v.route = Route.PS
-            placement = s.placement or ("sharded" if sparse and self.has_model else "replicated")
+            placement = s.placement or ("sharded" if sparse and (self.has_model or ps_module) else "replicated")
             if placement == "sharded" and not sparse:
                 fail("placement", "'sharded' swaps embedding modules for PS-backed ones; a dense variable on the "
                                   "PS keeps its replica: use placement: replicated")

@@ -117,3 +117,24 @@ def ps_push(engine, tables, indices, values, scale, lrs, on_bytes=None, name="hy
         rows.set_shape([None, values[j].shape[-1]])
         pairs.append((ids, rows))
     return pairs
+
+
+def ps_push_deferred(engine, tables, indices, values, scale, lrs, on_bytes=None, name="hybridsync_ps_push_sharded"):
+    """Pushes (row ids, gradient rows) of sharded PS tables; the shards apply them before the
+    next pull. Returns a dummy tensor to chain control dependencies on. on_bytes(j, n) hears
+    table j's payload per step (rows pulled + gradients pushed, about twice the push)."""
+    check_not_xla("parameter-server push")
+    k = len(tables)
+
+    def push(*arrays):
+        ids = [np.asarray(a, dtype=np.int64) for a in arrays[:k]]
+        grads = [np.ascontiguousarray(a, dtype=np.float32) for a in arrays[k:2 * k]]
+        engine.push(list(tables), ids, grads, float(scale), False, [float(x) for x in arrays[2 * k:]])
+        if on_bytes is not None:
+            for j, (i, g) in enumerate(zip(ids, grads)):
+                on_bytes(j, 2 * (len(np.unique(i)) * (8 + 4 * g.shape[-1])))
+        return np.int64(0)
+
+    inputs = [tf.cast(i, tf.int64) for i in indices] + [tf.cast(v, tf.float32) for v in values]
+    inputs += [tf.cast(lr, tf.float64) for lr in lrs]
+    return tf.numpy_function(push, inputs, Tout=tf.int64, stateful=True, name=name)

@@ -22,7 +22,7 @@ from .. import comm, plan as plan_mod, runtime
 from .. import config as config_mod
 from ..plan import Plan, VariablePlan
 from ..routing import RouteResolver
-from ..types import GradKind, ReduceOp, Route, as_reduce_op
+from ..types import GradKind, Placement, ReduceOp, Route, as_reduce_op
 from . import collectives
 from .server_optimizer import applies_sparse, server_rule
 
@@ -59,6 +59,16 @@ class _DistributedKerasOptimizer:
                                  applies_sparse=applies_sparse(self), optimizer_name=type(self).__name__)
         rows = []
         for g, v in zip(grads, variables):
+            layer = getattr(v, "_hybridsync_table", None)  # a hybridsync.tensorflow.Embedding's anchor
+            if layer is not None:
+                vp = VariablePlan(name=variable_name(v).rsplit("/", 1)[0] + "/embeddings",
+                                  shape=(layer.input_dim, layer.output_dim), dtype="float32", kind=GradKind.SPARSE,
+                                  route=None)
+                resolver.decide(vp, None, ps_module=True)
+                if not vp.reason.startswith(("rule", "config")):
+                    vp.reason = "hybridsync.tensorflow PS embedding: rows live on the shards"
+                rows.append(vp)
+                continue
             kind = GradKind.SPARSE if isinstance(g, tf.IndexedSlices) else GradKind.DENSE
             dtype = tf.as_dtype(v.dtype)  # Keras variables give a string, tf.Variables a DType
             vp = VariablePlan(name=variable_name(v), shape=tuple(v.shape), dtype=dtype.name, kind=kind, route=None)
@@ -90,6 +100,13 @@ class _DistributedKerasOptimizer:
         for vp, v in zip(self._hs_plan.variables, variables):
             if vp.route is not Route.PS:
                 continue
+            layer = getattr(v, "_hybridsync_table", None)
+            if layer is not None:  # rows already on the shards: name the table, set its rule
+                layer._engine.rename_table(layer.table, vp.name)
+                layer._engine.set_rule(layer.table, vp.optimizer["name"],
+                                       {k: float(x) for k, x in vp.optimizer.items() if k != "name"})
+                self._hs_tables[vp.name] = (layer._engine, layer.table, layer.output_dim)
+                continue
             engine = ps.engine()
             rows = int(v.shape[0])
             dim = int(np.prod(v.shape[1:])) if len(v.shape) > 1 else 1
@@ -120,9 +137,23 @@ class _DistributedKerasOptimizer:
         scale = 1.0 / world.size if self._hs_op is ReduceOp.AVERAGE else 1.0
         if self.loss_scale_factor:
             scale /= self.loss_scale_factor  # Keras unscales what it applies; the server must too
-        # 1. PS: push, write back the changed rows (replicas stay identical). First on every rank.
-        ps_items = [(g, v, vp) for g, v, vp in zip(grads, variables, routes) if vp.route is Route.PS]
+        # 1. PS: sharded tables push (applied before the next pull); replicated ones push and
+        # write back the changed rows (replicas stay identical). First on every rank.
         updates = []
+        sharded = [(g, vp) for g, vp in zip(grads, routes)
+                   if vp.route is Route.PS and vp.placement is Placement.SHARDED]
+        if sharded:
+            engine = self._hs_tables[sharded[0][1].name][0]
+            tables = [self._hs_tables[vp.name][1] for _, vp in sharded]
+            ids = [tf.zeros([0], tf.int64) if g is None else g.indices for g, _ in sharded]
+            vals = [tf.zeros([0, self._hs_tables[vp.name][2]]) if g is None else g.values for g, vp in sharded]
+            lrs = [self.learning_rate if vp.optimizer_source == "wrapped" else vp.optimizer["lr"] for _, vp in sharded]
+            def record_sharded(j, nbytes, routes=[vp for _, vp in sharded]):
+                routes[j].bytes_per_step = nbytes
+
+            updates.append(collectives.ps_push_deferred(engine, tables, ids, vals, scale, lrs, on_bytes=record_sharded))
+        ps_items = [(g, v, vp) for g, v, vp in zip(grads, variables, routes)
+                    if vp.route is Route.PS and vp.placement is Placement.REPLICATED]
         if ps_items:
             engine = self._hs_tables[ps_items[0][2].name][0]
             tables, ids, vals, lrs = [], [], [], []
@@ -141,7 +172,8 @@ class _DistributedKerasOptimizer:
             def record(j, nbytes, routes=[vp for _, _, vp in ps_items]):
                 routes[j].bytes_per_step = nbytes
 
-            pushed = collectives.ps_push(engine, tables, ids, vals, scale, lrs, on_bytes=record)
+            with tf.control_dependencies(updates):
+                pushed = collectives.ps_push(engine, tables, ids, vals, scale, lrs, on_bytes=record)
             for (g, v, vp), (changed, rows) in zip(ps_items, pushed):
                 target = v.value if hasattr(v, "value") and isinstance(v.value, tf.Variable) else v
                 updates.append(target.scatter_update(tf.IndexedSlices(tf.reshape(rows, [-1] + list(v.shape[1:])), changed)))

@@ -12,12 +12,15 @@ from tests.parallel.harness import rank_main, run_ranks
 ROWS, DIM, LOCAL, STEPS = 30, 4, 6, 6
 
 
-def _model():
+def _model(sharded=False):
     import keras
+
+    import hybridsync.tensorflow as hvd
 
     keras.utils.set_random_seed(7)
     ids = keras.Input(shape=(3,), dtype="int64", name="ids")
-    x = keras.layers.Embedding(ROWS, DIM, name="emb")(ids)
+    layer = hvd.Embedding(ROWS, DIM, name="emb") if sharded else keras.layers.Embedding(ROWS, DIM, name="emb")
+    x = layer(ids)
     x = keras.layers.Flatten()(x)
     x = keras.layers.Dense(5, activation="tanh", name="hidden")(x)
     return keras.Model(ids, keras.layers.Dense(1, name="out")(x))
@@ -38,10 +41,14 @@ def _optimizer(name):
     return keras.optimizers.SGD(0.2) if name == "sgd" else keras.optimizers.Adagrad(0.1)
 
 
-def _reference(name, size):
+def _reference(name, size, start=None):
     import tensorflow as tf
 
     model, opt = _model(), _optimizer(name)
+    if start is not None:  # start where the model with a PS-backed layer starts
+        model.get_layer("emb").set_weights([start.get_layer("emb").get_table()])
+        for layer in ("hidden", "out"):
+            model.get_layer(layer).set_weights(start.get_layer(layer).get_weights())
     ids, y = _data(size)
     batch = size * LOCAL
     for s in range(STEPS):
@@ -61,10 +68,10 @@ def _my_rows(size, rank):
     return ids[pick], y[pick]
 
 
-def _fit(name, size, rank):
+def _fit(name, size, rank, sharded=False):
     import hybridsync.tensorflow as hvd
 
-    model = _model()
+    model = _model(sharded)
     model.compile(optimizer=hvd.DistributedOptimizer(_optimizer(name)), loss="mse", jit_compile=False)
     ids, y = _my_rows(size, rank)
     model.fit(ids, y, batch_size=LOCAL, epochs=1, shuffle=False, verbose=0)
@@ -110,6 +117,26 @@ def rank_parity():
             print(f"rank {rank}: keras {name} via {how} matches the single-process run", flush=True)
 
 
+def rank_sharded_parity():
+    """The PS-backed Keras layer (rows only on the shards) trains like one process too."""
+    import numpy as np
+
+    import hybridsync
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    for name in ("sgd", "adagrad"):
+        want = _reference(name, size, start=_model(sharded=True))
+        model = _fit(name, size, rank, sharded=True)
+        table = model.get_layer("emb").get_table()
+        np.testing.assert_allclose(table, want[0], rtol=1e-5, atol=1e-6, err_msg=f"{name} table")
+        dense = [w for w in model.get_weights() if w.shape != (1,)]  # all but the layer's anchor
+        for w, got in zip(want[1:], dense):
+            np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6, err_msg=name)
+        rows = {v.name: v for v in model.optimizer.plan.variables}
+        assert (rows["emb/embeddings"].route.value, rows["emb/embeddings"].placement.value) == ("ps", "sharded")
+        print(f"rank {rank}: PS-backed keras layer, {name}: matches the single-process run", flush=True)
+
+
 def rank_distributed_tape():
     import numpy as np
     import tensorflow as tf
@@ -132,6 +159,11 @@ def rank_distributed_tape():
 @pytest.mark.parametrize("np_", [2, 3])
 def test_keras_parity_fit_and_tape(np_):
     run_ranks(__file__, "rank_parity", np_, timeout=420)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_keras_sharded_layer_parity(np_):
+    run_ranks(__file__, "rank_sharded_parity", np_, timeout=300)
 
 
 def test_distributed_gradient_tape():

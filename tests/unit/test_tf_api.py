@@ -97,3 +97,26 @@ def test_the_same_yaml_gives_the_same_routes_for_torch_and_keras(tmp_path):
     assert ("head", "bias", "dense", "ps", "replicated", 1, "none", "sgd") in routes(torch_opt.plan)
     text = hybridsync.explain(file=open("/dev/null", "w"))
     assert "tensorflow" in text and "torch" in text
+
+
+def test_ps_backed_keras_layer_trains_and_round_trips_through_save_weights(tmp_path):
+    def build(seed):
+        keras.utils.set_random_seed(seed)
+        ids = keras.Input(shape=(2,), dtype="int64")
+        x = keras.layers.Flatten()(htf.Embedding(50, 4, name="table")(ids))
+        return keras.Model(ids, keras.layers.Dense(1, name="head")(x))
+
+    model = build(0)
+    before = model.get_layer("table").get_table().copy()
+    fit_once(htf.DistributedOptimizer(keras.optimizers.Adagrad(0.5)), model)
+    trained = model.get_layer("table").get_table()
+    assert sorted(np.flatnonzero((trained != before).any(1)).tolist()) == [1, 2, 3]
+    row = {v.name: v for v in model.optimizer.plan.variables}["table/embeddings"]
+    assert (row.route.value, row.placement.value, row.optimizer["name"]) == ("ps", "sharded", "adagrad")
+    path = str(tmp_path / "model.weights.h5")
+    model.save_weights(path)
+    other = build(1)
+    assert not np.array_equal(other.get_layer("table").get_table(), trained)
+    other.load_weights(path)
+    np.testing.assert_array_equal(other.get_layer("table").get_table(), trained)
+    np.testing.assert_array_equal(other.get_layer("head").get_weights()[0], model.get_layer("head").get_weights()[0])

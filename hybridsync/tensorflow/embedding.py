@@ -1,0 +1,91 @@
+"""hybridsync.tensorflow.Embedding: a Keras embedding layer whose rows live on the parameter
+server (sharded placement: each rank holds 1/N of the table).
+
+Forward pulls the rows of the batch's ids from their shards. The layer's only TF variable is a
+one-element "anchor"; its gradient is the batch's (ids, gradient rows) as tf.IndexedSlices,
+which the DistributedOptimizer pushes to the shards (applied before the next pull). Every rank
+must call the layer the same number of times per step, since a pull is collective.
+"""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from .. import ps, runtime
+
+
+def _shared_seed() -> int:
+    seed = int(np.random.randint(0, 2**62))  # seeded by keras.utils.set_random_seed
+    if runtime.world().size > 1:
+        seed = runtime.mpi_comm().bcast(seed, root=0)
+    return seed
+
+
+class Embedding(keras.layers.Layer):
+    """Embedding(input_dim, output_dim) with rows on the PS. Rows start from `initializer`
+    (('uniform', low, high), default Keras's U(-0.05, 0.05), or ('normal', mean, std)), seeded
+    from rank 0 and identical whatever the number of shards. partitions: shards holding the
+    table (default: every rank); partition: 'cyclic' | 'block'."""
+
+    def __init__(self, input_dim, output_dim, *, partitions=None, partition="cyclic", seed=None,
+                 initializer=("uniform", -0.05, 0.05), **kwargs):
+        super().__init__(**kwargs)
+        if input_dim < 1 or output_dim < 1:
+            raise ValueError(f"PS embedding needs input_dim >= 1 and output_dim >= 1, got ({input_dim}, {output_dim})")
+        self.input_dim, self.output_dim = int(input_dim), int(output_dim)
+        self._engine = ps.engine()
+        self.table = self._engine.add_table(self.name, self.input_dim, self.output_dim, partitions or 0, partition,
+                                            "sgd", {"lr": 0.0})  # the optimizer sets the real rule
+        seed = _shared_seed() if seed is None else int(seed)
+        kind, a, b = initializer
+        if kind == "uniform":
+            self._engine.init_uniform(self.table, seed, float(a), float(b))
+        elif kind == "normal":
+            self._engine.init_normal(self.table, seed, float(a), float(b))
+        else:
+            raise ValueError(f"initializer must be ('uniform', low, high) or ('normal', mean, std), got {initializer!r}")
+
+    def build(self, input_shape=None):
+        self.ps_anchor = self.add_weight(shape=(1,), initializer="zeros", trainable=True, name="ps_anchor")
+        self.ps_anchor._hybridsync_table = self  # the optimizer routes this variable's gradient to the PS
+
+    def call(self, ids):
+        ids = tf.cast(ids, tf.int64)
+        engine, table, num, dim = self._engine, self.table, self.input_dim, self.output_dim
+
+        @tf.custom_gradient
+        def lookup(anchor):
+            rows = tf.numpy_function(lambda x: engine.lookup(table, np.ascontiguousarray(x))[1], [ids], tf.float32,
+                                     stateful=True, name="hybridsync_ps_pull")
+            rows = tf.reshape(rows, tf.concat([tf.shape(ids, out_type=tf.int32), [dim]], 0))
+
+            def grad(dy):
+                return tf.IndexedSlices(tf.reshape(dy, [-1, dim]), tf.reshape(ids, [-1]),
+                                        tf.constant([num, dim], tf.int64))
+
+            return rows, grad
+
+        return lookup(tf.convert_to_tensor(self.ps_anchor))
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape) + (self.output_dim,)
+
+    # -- the whole table, gathered from the shards (collective: call on every rank) -------------
+    def get_table(self) -> np.ndarray:
+        return self._engine.gather(self.table, -1)
+
+    def set_table(self, values) -> None:
+        self._engine.load_local(self.table, -1, np.ascontiguousarray(values, dtype=np.float32))
+
+    # Weight files (model.save_weights / load_weights) hold the whole table, gathered on save.
+    def save_own_variables(self, store):
+        store["0"] = self.ps_anchor.numpy()
+        store["table"] = self.get_table()
+
+    def load_own_variables(self, store):
+        self.ps_anchor.assign(np.asarray(store["0"]))
+        self.set_table(np.asarray(store["table"]))
+
+    def get_config(self):
+        return {**super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim}
