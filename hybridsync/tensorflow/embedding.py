@@ -12,14 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .. import ps, runtime
-
-
-def _shared_seed() -> int:
-    seed = int(np.random.randint(0, 2**62))  # seeded by keras.utils.set_random_seed
-    if runtime.world().size > 1:
-        seed = runtime.mpi_comm().bcast(seed, root=0)
-    return seed
+from .. import ps
 
 
 class Embedding(keras.layers.Layer):
@@ -37,14 +30,9 @@ class Embedding(keras.layers.Layer):
         self._engine = ps.engine()
         self.table = self._engine.add_table(self.name, self.input_dim, self.output_dim, partitions or 0, partition,
                                             "sgd", {"lr": 0.0})  # the optimizer sets the real rule
-        seed = _shared_seed() if seed is None else int(seed)
-        kind, a, b = initializer
-        if kind == "uniform":
-            self._engine.init_uniform(self.table, seed, float(a), float(b))
-        elif kind == "normal":
-            self._engine.init_normal(self.table, seed, float(a), float(b))
-        else:
-            raise ValueError(f"initializer must be ('uniform', low, high) or ('normal', mean, std), got {initializer!r}")
+        # A seed from rank 0's NumPy RNG (seeded by keras.utils.set_random_seed).
+        seed = ps.shared_seed(np.random.randint(0, 2**62)) if seed is None else int(seed)
+        ps.init_rows(self._engine, self.table, seed, initializer)
 
     def build(self, input_shape=None):
         self.ps_anchor = self.add_weight(shape=(1,), initializer="zeros", trainable=True, name="ps_anchor")

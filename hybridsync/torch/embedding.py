@@ -72,15 +72,6 @@ def _server_events(engine) -> None:
         tl.engine_events(engine)
 
 
-def _shared_seed() -> int:
-    """A seed drawn from rank 0's torch RNG, the same on every rank."""
-    seed = int(torch.randint(0, 2**62, (1,)).item())
-    world = runtime.world()
-    if world.size > 1:
-        seed = runtime.mpi_comm().bcast(seed, root=0)
-    return seed
-
-
 class _PSTableModule(torch.nn.Module):
     """What PS-backed Embedding and EmbeddingBag share: the table handle, pulls, state."""
 
@@ -106,14 +97,9 @@ class _PSTableModule(torch.nn.Module):
                 values = initial_weight.detach().to("cpu", torch.float32).contiguous().numpy()
             self._engine.load_from_root(self.table, values, 0)
         else:
-            seed = _shared_seed() if seed is None else int(seed)
-            kind, a, b = initializer
-            if kind == "normal":
-                self._engine.init_normal(self.table, seed, float(a), float(b))
-            elif kind == "uniform":
-                self._engine.init_uniform(self.table, seed, float(a), float(b))
-            else:
-                raise ValueError(f"initializer must be ('normal', mean, std) or ('uniform', low, high), got {initializer!r}")
+            # A seed from rank 0's torch RNG: reproducible under torch.manual_seed.
+            seed = ps.shared_seed(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
+            ps.init_rows(self._engine, self.table, seed, initializer)
             if padding_idx is not None:
                 self._engine.write_local(self.table, np.array([padding_idx]), np.zeros((1, embedding_dim), np.float32))
         self._sink = None  # set by the DistributedOptimizer that owns the table
