@@ -144,6 +144,19 @@ def markdown(summary, meta) -> str:
     return "\n".join(lines)
 
 
+def failures(raw) -> str:
+    """A line naming every run that crashed, so a retried configuration stays visible."""
+    counts = {}
+    for r in raw:
+        if r.get("kind", "").startswith("failed"):
+            key = f"{r['system']} x{r['ranks']}" + (" (1-process reference)" if "reference" in r["kind"] else "")
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return "\n\nNo run crashed."
+    listed = ", ".join(f"{k}: {n}" for k, n in sorted(counts.items()))
+    return f"\n\nCrashed runs (retried; errors in the JSON): {listed}."
+
+
 def targets(summary) -> list[tuple[str, bool | None, str]]:
     by = {(s["system"], s["ranks"]): s for s in summary}
     hs, hvd = "hybridsync-sharded", BASELINE
@@ -227,6 +240,7 @@ def main():
     p.add_argument("--skip", default="", help="comma-separated extra systems to skip")
     p.add_argument("--quick", action="store_true", help="1 repeat, 60 steps: a smoke run")
     p.add_argument("--no-readme", action="store_true")
+    p.add_argument("--retries", type=int, default=2, help="re-runs of a run that crashed (each failure is reported)")
     args = p.parse_args()
     args.ranks = [int(x) for x in args.ranks.split(",")]
     args.systems = args.systems.split(",")
@@ -237,15 +251,19 @@ def main():
     runs = plan_runs(args)
     raw = []
     for kind, system, ranks, steps, warmup, global_ranks in tqdm(runs, desc="benchmark runs", unit="run"):
-        result = run(system, ranks, steps, warmup, global_ranks)
-        result["kind"] = kind
-        raw.append(result)
-        if "error" in result:
-            tqdm.write(f"FAILED {system} x{ranks}: {result['error'][-500:]}")
+        # A crashed run is retried, and kept in the results as a failure so it is never hidden
+        # (torch's own DDP over Gloo intermittently corrupts its heap at 1 rank with sparse grads).
+        for attempt in range(1 + args.retries):
+            result = run(system, ranks, steps, warmup, global_ranks)
+            result["kind"] = kind if "error" not in result else f"failed-{kind}"
+            raw.append(result)
+            if "error" not in result:
+                break
+            tqdm.write(f"FAILED {system} x{ranks} (attempt {attempt + 1}): {result['error'][-500:]}")
     summary = summarise(raw)
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} cores",
             "repeats": args.repeats, "steps": args.steps}
-    table = markdown(summary, meta)
+    table = markdown(summary, meta) + failures(raw)
     checks = targets(summary)
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "summary": summary, "targets": [{"target": n, "met": ok, "measured": d} for n, ok, d in checks],

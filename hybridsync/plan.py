@@ -26,13 +26,6 @@ class VariablePlan:
     reason: str = ""
     bytes_per_step: int | None = None  # measured after the first steps
 
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= int(d)
-        return n * _itemsize(self.dtype)
-
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["shape"] = list(self.shape)
@@ -49,13 +42,6 @@ class VariablePlan:
         d["route"] = Route(d["route"]) if d.get("route") else None
         d["placement"] = Placement(d.get("placement", "-"))
         return cls(**d)
-
-
-def _itemsize(dtype: str) -> int:
-    for token, size in (("float64", 8), ("int64", 8), ("float16", 2), ("bfloat16", 2), ("int8", 1), ("uint8", 1), ("bool", 1)):
-        if token in dtype:
-            return size
-    return 4
 
 
 @dataclasses.dataclass
@@ -122,6 +108,15 @@ def _human_bytes(n: int) -> str:
 # The plans of live distributed optimizers, newest last, for explain().
 _registry: list = []
 _lock = threading.Lock()
+
+
+def announce(plan: "Plan") -> None:
+    """Rank 0 prints a plan once it is made, when HYBRIDSYNC_EXPLAIN=1 (hybridsync-run)."""
+    from . import runtime
+    from .settings import settings
+
+    if settings().explain and runtime.world().rank == 0:
+        print(plan.table(), flush=True)
 
 
 def register(plan_source) -> None:

@@ -52,10 +52,6 @@ def engine():
         return _engine
 
 
-def has_engine() -> bool:
-    return _engine is not None
-
-
 def _release() -> None:
     global _engine
     with _lock:

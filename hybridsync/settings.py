@@ -8,6 +8,7 @@ HYBRIDSYNC_SPIN_US       poll this long before sleeping while waiting for peers 
 HYBRIDSYNC_MAX_SLEEP_US  cap of the sleep back-off while waiting (default 200)
 HYBRIDSYNC_TIMELINE      write a Chrome trace of each step's phases to this file
 HYBRIDSYNC_BATCH_LOOKUPS 0 turns off batching all PS embedding pulls of a forward into one
+HYBRIDSYNC_EXPLAIN       1: rank 0 prints each plan once it is made (hybridsync-run sets it)
 """
 import dataclasses
 import functools
@@ -27,6 +28,7 @@ class Settings:
     max_sleep_us: float
     timeline: str | None
     batch_lookups: bool
+    explain: bool
 
 
 BACKENDS = ("horovod", "mpi")
@@ -58,4 +60,5 @@ def settings() -> Settings:
         max_sleep_us=_float("HYBRIDSYNC_MAX_SLEEP_US", 200.0),
         timeline=os.environ.get("HYBRIDSYNC_TIMELINE") or None,
         batch_lookups=os.environ.get("HYBRIDSYNC_BATCH_LOOKUPS", "1") not in ("0", "false", "no"),
+        explain=os.environ.get("HYBRIDSYNC_EXPLAIN", "0") in ("1", "true", "yes"),
     )

@@ -93,6 +93,7 @@ class _DistributedKerasOptimizer:
                                        f"{theirs[diff] if diff < len(theirs) else '-'}): every rank must build the same model")
         self._hs_plan = plan
         self._hs_register_tables(variables)
+        plan_mod.announce(plan)
 
     def _hs_register_tables(self, variables):
         from .. import ps

@@ -102,8 +102,7 @@ class _DistributedOptimizer:
         for var in self._hs_vars:
             if var.plan.route is not None:
                 self._hs_assign(var)
-        if runtime.world().rank == 0 and __import__("os").environ.get("HYBRIDSYNC_EXPLAIN") == "1":
-            print(self._hs_plan.table(), flush=True)  # hybridsync-run asks for the plan once
+        plan_mod.announce(self._hs_plan)
         self._hs_synchronized = False
         self._hs_unsynced_grads = False
         self._hs_should_sync = True

@@ -153,6 +153,11 @@ class ShardedPS(_PSBase):
         return bool(self._staged)
 
 
+def _aliasable(p: torch.Tensor) -> bool:
+    """A shard can use the replica's memory as its rows only when it is plain CPU float32."""
+    return p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+
+
 class ReplicatedPS(_PSBase):
     def __init__(self, settings, variables, model=None):
         super().__init__(settings, variables, model)
@@ -178,7 +183,7 @@ class ReplicatedPS(_PSBase):
         otherwise the shard owns a copy of its rows."""
         p, table = var.param, self.table_of[var]
         rows, dim = _table_shape(p)
-        if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+        if _aliasable(p):
             self.engine.attach_replica(table, p.data.view(rows, dim).numpy())
             self._aliased[var] = p.data
         else:
@@ -189,10 +194,12 @@ class ReplicatedPS(_PSBase):
     def _follow_replicas(self) -> None:
         """Re-attaches where a replica's memory moved (p.data = ..., model.to(...))."""
         for var in self._ordered():
-            alias = self._aliased.get(var)
-            if alias is None or alias.data_ptr() != var.param.data_ptr() or alias.shape != var.param.shape:
-                if alias is not None or (var.param.device.type == "cpu" and var.param.dtype == torch.float32):
+            p, alias = var.param, self._aliased.get(var)
+            if alias is not None:
+                if alias.data_ptr() != p.data_ptr() or alias.shape != p.shape:
                     self._attach(var)
+            elif _aliasable(p):  # was a copy (e.g. on a GPU), now plain CPU memory
+                self._attach(var)
 
     def synchronize(self) -> None:
         self._register()
