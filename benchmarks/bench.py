@@ -62,12 +62,15 @@ def run(system, ranks, steps, warmup, global_ranks=0, timeout=900):
 
 
 def plan_runs(args):
+    # Repeats run in rounds of every configuration, so a slow spell of this noisy machine
+    # lands on all systems alike instead of on every repeat of one.
     runs = []
-    for ranks in args.ranks:
-        for system in args.systems:
-            runs += [("main", system, ranks, args.steps, args.warmup, 0)] * args.repeats
-    if 2 in args.ranks and "horovod-sparse-as-dense" not in args.skip:
-        runs += [("main", "horovod-sparse-as-dense", 2, args.dense_steps, 3, 0)] * args.repeats
+    for _ in range(args.repeats):
+        for ranks in args.ranks:
+            for system in args.systems:
+                runs.append(("main", system, ranks, args.steps, args.warmup, 0))
+        if 2 in args.ranks and "horovod-sparse-as-dense" not in args.skip:
+            runs.append(("main", "horovod-sparse-as-dense", 2, args.dense_steps, 3, 0))
     for ranks in args.ranks:  # single-process references on the same global batches
         if ranks > 1:
             for system in args.systems:

@@ -29,13 +29,13 @@ _lock = threading.Lock()
 
 
 def wait_spin_us() -> float:
-    """How long a waiting rank polls before it sleeps: long when every rank on this host has a
-    core of its own (a peer's answer arrives within microseconds and nobody needs our core),
-    zero when ranks outnumber cores (polling would steal the CPU the peer needs to answer)."""
+    """How long a waiting rank polls, yielding its core on every poll, before it sleeps.
+    Polling with sched_yield costs nothing a co-located rank needs (it runs first), and it
+    notices a peer's answer within microseconds, where a sleep wakes up 50-200 us late: at 4 ranks
+    on 2 cores, 20 ms of yielding polls ran the benchmark in ~16.5 ms/step against ~19.8 ms
+    with sleeping at once."""
     s = settings()
-    if s.spin_us is not None:
-        return s.spin_us
-    return 0.0 if runtime.oversubscribed() else 2000.0
+    return s.spin_us if s.spin_us is not None else 20000.0
 
 
 def engine():

@@ -116,15 +116,6 @@ def mpi_comm():
     return w.comm
 
 
-def oversubscribed() -> bool:
-    """More ranks on this host than cores this process may run on."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return world().local_size > cores
-
-
 def allgather_object(obj) -> list:
     """Every rank's `obj`, in rank order (pickled: small objects only)."""
     w = world()

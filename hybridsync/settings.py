@@ -3,8 +3,8 @@
 HYBRIDSYNC_BACKEND       dense all-reduce backend: horovod | mpi (default: horovod when importable)
 HYBRIDSYNC_CONFIG        path of a YAML config used when none is passed in code
 HYBRIDSYNC_TIMEOUT_S     a PS operation waiting longer than this raises (default 600; 0 = never)
-HYBRIDSYNC_SPIN_US       poll this long before sleeping while waiting for peers (default: 2000 when
-                         every local rank has a core, 0 when ranks outnumber cores)
+HYBRIDSYNC_SPIN_US       poll (yielding the core) this long before sleeping while waiting for peers
+                         (default 20000)
 HYBRIDSYNC_MAX_SLEEP_US  cap of the sleep back-off while waiting (default 200)
 HYBRIDSYNC_TIMELINE      write a Chrome trace of each step's phases to this file
 HYBRIDSYNC_BATCH_LOOKUPS 0 turns off batching all PS embedding pulls of a forward into one

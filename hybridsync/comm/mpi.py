@@ -41,8 +41,8 @@ def _fp16_sum_op():
 def wait_all(requests) -> None:
     """Waits for MPI requests without sitting in a blocking MPI call: OpenMPI's blocking waits
     spin, stealing the core a peer needs to catch up (measured: 4-5 ms of CPU per step on the
-    ranks that arrive first, at 4 ranks on 2 cores). Polls, yielding the core, while every rank
-    has one; sleeps with back-off when ranks outnumber cores."""
+    ranks that arrive first, at 4 ranks on 2 cores). Polls, yielding the core on each poll, for
+    HYBRIDSYNC_SPIN_US, then sleeps with back-off."""
     from ..ps import wait_spin_us
     from ..settings import settings
 

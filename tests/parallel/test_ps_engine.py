@@ -156,6 +156,33 @@ def rank_memory():
           f"ratio={held / table_bytes:.3f} state_bytes={ps.engine().state_bytes()}", flush=True)
 
 
+def rank_idle_cpu():
+    """No PS thread spins while the engine is idle, nor while a rank waits long for a late peer
+    (OpenMPI's blocking calls would burn the core a co-located rank needs)."""
+    import time
+
+    import numpy as np
+
+    from hybridsync import ps
+
+    engine = ps.engine()
+    table = engine.add_table("idle", 100, 4, 0, "cyclic", "sgd", {"lr": 0.1})
+    engine.pull([table], [np.arange(10)])
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(1.0)  # idle: between operations
+    idle_cpu = time.process_time() - cpu
+    assert idle_cpu < 0.15, f"an idle engine used {idle_cpu:.2f} CPU-s in 1 s"
+    if engine.rank == 1:
+        time.sleep(2.0)  # the late peer
+    cpu, wall = time.process_time(), time.perf_counter()
+    engine.pull([table], [np.arange(10)])
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    if engine.rank == 0:
+        assert wall > 1.5, wall
+        assert cpu < 0.35 * wall, f"waiting {wall:.2f} s for a late peer used {cpu:.2f} CPU-s"
+    print(f"IDLE-CPU rank={engine.rank} idle={idle_cpu:.3f} wait_wall={wall:.2f} wait_cpu={cpu:.3f}", flush=True)
+
+
 def rank_seeded_tables():
     import hashlib
 
@@ -195,6 +222,10 @@ def test_sharded_placement_holds_half_the_rows_per_rank_at_two_ranks():
     out = run_ranks(__file__, "rank_memory", 2)
     ratios = [float(x) for x in re.findall(r"ratio=([0-9.]+)", out)]
     assert len(ratios) == 2 and all(r <= 0.6 for r in ratios), out
+
+
+def test_idle_and_waiting_ranks_do_not_spin_a_core():
+    run_ranks(__file__, "rank_idle_cpu", 2)
 
 
 def test_seeded_tables_do_not_depend_on_the_number_of_shards():
