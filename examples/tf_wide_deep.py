@@ -77,7 +77,7 @@ def main():
     if hvd.rank() == 0:
         hybridsync.explain()
         for epoch, loss in enumerate(history.history["loss"]):
-            print(f"epoch {epoch}: loss {loss:.4f}", flush=True)
+            print(f"epoch {epoch}: loss {loss:.4f}\n", end="", flush=True)
 
 
 if __name__ == "__main__":

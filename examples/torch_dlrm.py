@@ -111,12 +111,12 @@ def main():
             hybridsync.explain()
         if step % args.log_every == 0 or step == args.steps:
             mean = hvd.allreduce(torch.tensor(np.mean(losses[-args.log_every:])), name="loss").item()
-            if rank == 0:
-                print(f"step {step:5d}  loss {mean:.4f}", flush=True)
+            if rank == 0:  # the newline in the same write: horovodrun tags each chunk it reads
+                print(f"step {step:5d}  loss {mean:.4f}\n", end="", flush=True)
     elapsed = time.perf_counter() - start
     if rank == 0:
-        print(f"{args.steps} steps on {size} rank(s): {args.steps * args.batch_size * size / elapsed:,.0f} samples/s",
-              flush=True)
+        rate = args.steps * args.batch_size * size / elapsed
+        print(f"{args.steps} steps on {size} rank(s): {rate:,.0f} samples/s\n", end="", flush=True)
 
 
 if __name__ == "__main__":

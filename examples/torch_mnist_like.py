@@ -75,7 +75,7 @@ def main():
             total += torch.tensor([loss.item() * len(x), len(x)])
         total = hvd.allreduce(total, op=hvd.Sum, name="epoch_loss")
         if hvd.rank() == 0:
-            print(f"epoch {epoch}: mean train loss {total[0] / total[1]:.4f}", flush=True)
+            print(f"epoch {epoch}: mean train loss {total[0] / total[1]:.4f}\n", end="", flush=True)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def announce(plan: "Plan") -> None:
     from .settings import settings
 
     if settings().explain and runtime.world().rank == 0:
-        print(plan.table(), flush=True)
+        write_lines(plan.table())
 
 
 def register(plan_source) -> None:
@@ -143,5 +143,15 @@ def explain(file=None, as_json: bool = False) -> str:
         text = "hybridsync: no DistributedOptimizer has been created yet"
     else:
         text = "\n\n".join(p.table() for p in plans)
-    print(text, file=file or sys.stdout, flush=True)
+    write_lines(text, file)
     return text
+
+
+def write_lines(text: str, file=None) -> None:
+    """One write per line: horovodrun and mpirun tag each chunk they read with the rank, so a
+    table written in one go (or a print whose newline is a second write, as with
+    PYTHONUNBUFFERED) comes out with rank tags in the middle of lines."""
+    file = file or sys.stdout
+    for line in text.splitlines():
+        file.write(line + "\n")
+    file.flush()
