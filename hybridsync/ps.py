@@ -2,7 +2,7 @@
 
 The Engine is created on first use, on a duplicate of the job's MPI communicator, and freed
 at shutdown. All of its methods except the local ones are collective: every rank calls them
-in the same order.
+in the same order. Frameworks reach it only through hybridsync.sync.table.
 """
 from __future__ import annotations
 
@@ -52,6 +52,11 @@ def engine():
         return _engine
 
 
+def current():
+    """The engine if it was created, else None (never creates it: creating is collective)."""
+    return _engine
+
+
 def _release() -> None:
     global _engine
     with _lock:
@@ -60,21 +65,3 @@ def _release() -> None:
                 _engine.flush()
             finally:
                 _engine = None
-
-
-def shared_seed(draw: int) -> int:
-    """Rank 0's `draw` on every rank (collective): seeds that make all ranks agree."""
-    world = runtime.world()
-    return runtime.mpi_comm().bcast(int(draw), root=0) if world.size > 1 else int(draw)
-
-
-def init_rows(engine, table: int, seed: int, initializer) -> None:
-    """Fills this rank's shard of `table` from ('normal', mean, std) or ('uniform', low, high):
-    a counter-based generator per (row, column), so rows do not depend on the sharding."""
-    kind, a, b = initializer
-    if kind == "normal":
-        engine.init_normal(table, int(seed), float(a), float(b))
-    elif kind == "uniform":
-        engine.init_uniform(table, int(seed), float(a), float(b))
-    else:
-        raise ValueError(f"initializer must be ('normal', mean, std) or ('uniform', low, high), got {initializer!r}")

@@ -11,20 +11,11 @@ import os
 import sys
 import threading
 
-_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
+from .settings import gloo_world, launched_by_gloo, launched_by_mpi  # noqa: F401  (re-exported)
 
 
 class LaunchError(RuntimeError):
     """hybridsync was started in a way that cannot run what was asked."""
-
-
-def launched_by_mpi() -> bool:
-    return any(v in os.environ for v in _MPI_LAUNCH_VARS)
-
-
-def launched_by_gloo() -> bool:
-    """`horovodrun --gloo`: ranks exist, but not as an MPI job."""
-    return "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ and not launched_by_mpi()
 
 
 class World:
@@ -41,10 +32,7 @@ class World:
             self.local_rank = self.local_comm.Get_rank()
             self.local_size = self.local_comm.Get_size()
         else:
-            self.rank = int(os.environ.get("HOROVOD_RANK", 0))
-            self.size = int(os.environ.get("HOROVOD_SIZE", 1))
-            self.local_rank = int(os.environ.get("HOROVOD_LOCAL_RANK", 0))
-            self.local_size = int(os.environ.get("HOROVOD_LOCAL_SIZE", 1))
+            self.rank, self.size, self.local_rank, self.local_size = gloo_world()
             self.local_comm = None
 
 
@@ -114,16 +102,6 @@ def mpi_comm():
             "launch with `mpirun -np N python ...` or `horovodrun -np N python ...` (without --gloo)"
         )
     return w.comm
-
-
-def allgather_object(obj) -> list:
-    """Every rank's `obj`, in rank order (pickled: small objects only)."""
-    w = world()
-    if w.comm is not None:
-        return w.comm.allgather(obj)
-    from .comm import horovod
-
-    return horovod.module().allgather_object(obj)
 
 
 def on_shutdown(hook) -> None:

@@ -9,6 +9,10 @@ HYBRIDSYNC_MAX_SLEEP_US  cap of the sleep back-off while waiting (default 200)
 HYBRIDSYNC_TIMELINE      write a Chrome trace of each step's phases to this file
 HYBRIDSYNC_BATCH_LOOKUPS 0 turns off batching all PS embedding pulls of a forward into one
 HYBRIDSYNC_EXPLAIN       1: rank 0 prints each plan once it is made (hybridsync-run sets it)
+HYBRIDSYNC_FUSION_MB     MPI backend: size of one fused all-reduce bucket in MiB (default 64)
+
+Launch facts read from the launcher's variables (not set by users) are parsed here too:
+launched_by_mpi(), launched_by_gloo() and gloo_world().
 """
 import dataclasses
 import functools
@@ -29,6 +33,7 @@ class Settings:
     timeline: str | None
     batch_lookups: bool
     explain: bool
+    fusion_bytes: int
 
 
 BACKENDS = ("horovod", "mpi")
@@ -61,4 +66,24 @@ def settings() -> Settings:
         timeline=os.environ.get("HYBRIDSYNC_TIMELINE") or None,
         batch_lookups=os.environ.get("HYBRIDSYNC_BATCH_LOOKUPS", "1") not in ("0", "false", "no"),
         explain=os.environ.get("HYBRIDSYNC_EXPLAIN", "0") in ("1", "true", "yes"),
+        fusion_bytes=max(1, int(_float("HYBRIDSYNC_FUSION_MB", 64.0) * 2**20)),
     )
+
+
+_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
+
+
+def launched_by_mpi() -> bool:
+    """Started by mpirun / srun (or horovodrun in its MPI mode)."""
+    return any(v in os.environ for v in _MPI_LAUNCH_VARS)
+
+
+def launched_by_gloo() -> bool:
+    """`horovodrun --gloo`: ranks exist, but not as an MPI job."""
+    return "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ and not launched_by_mpi()
+
+
+def gloo_world() -> tuple[int, int, int, int]:
+    """(rank, size, local_rank, local_size) that `horovodrun --gloo` gives each process."""
+    return tuple(int(os.environ.get(f"HOROVOD_{k}", d)) for k, d in
+                 (("RANK", 0), ("SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_SIZE", 1)))

@@ -66,8 +66,13 @@ class Timeline:
         finally:
             self.complete(name, start, time.perf_counter_ns(), cat, **args)
 
-    def engine_events(self, engine) -> None:
-        """Moves the engine's server-side events into the timeline."""
+    def engine_events(self) -> None:
+        """Moves the PS engine's server-side events into the timeline."""
+        from . import ps
+
+        engine = ps.current()
+        if engine is None:
+            return
         for name, start, end, rows in engine.take_trace():
             self.complete(name, start, end, cat="server", rows=rows)
 

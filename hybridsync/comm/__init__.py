@@ -1,8 +1,11 @@
-"""Dense collective backends, one module each: horovod.py (torch tensors, Horovod's ring
-all-reduce and tensor fusion) and mpi.py (any CPU buffer, mpi4py). choose() picks one."""
+"""Dense collective backends, one module each: horovod.py (Horovod's ring all-reduce and tensor
+fusion) and mpi.py (mpi4py). Both take NumPy arrays (Horovod also torch tensors); choose()
+picks one, backend() makes it once per process, objects() is the one that carries small
+Python objects (plan agreement, shared seeds)."""
 from __future__ import annotations
 
 import sys
+import threading
 
 from .. import runtime
 from ..settings import BACKENDS, settings
@@ -61,3 +64,30 @@ def choose(requested: str | None = None) -> str:
             name, _why["mpi"] = "mpi", ("auto: Horovod's MPI controller busy-waits and this host has no spare "
                                         "core per rank (HYBRIDSYNC_BACKEND=horovod forces it)")
     return name
+
+
+_backends: dict = {}
+_lock = threading.Lock()
+
+
+def backend(name: str | None = None):
+    """The dense collectives object of backend `name` (chosen by choose()), made once."""
+    chosen = choose(name)
+    with _lock:
+        if chosen not in _backends:
+            if chosen == "horovod":
+                from .horovod import HorovodCollectives
+
+                _backends[chosen] = HorovodCollectives()
+            else:
+                from .mpi import MPICollectives
+
+                _backends[chosen] = MPICollectives(runtime.mpi_comm())
+                runtime.on_shutdown(lambda: _backends.pop("mpi", None))
+        return _backends[chosen]
+
+
+def objects():
+    """The collectives for small Python objects: MPI when the job is an MPI job, else
+    Horovod (a `horovodrun --gloo` launch)."""
+    return backend("horovod" if runtime.world().comm is None else "mpi")

@@ -1,9 +1,13 @@
 """Horovod as the dense backend: ring all-reduce with tensor fusion, run by Horovod's own
-background thread, on the job's MPI communicator (or Gloo under `horovodrun --gloo`)."""
+background thread, on the job's MPI communicator (or Gloo under `horovodrun --gloo`).
+Buffers are torch tensors or NumPy arrays (seen as tensors without a copy, so in-place results
+land in the array)."""
 from __future__ import annotations
 
 import importlib.util
 import threading
+
+import numpy as np
 
 from .. import runtime
 from ..types import ReduceOp
@@ -35,8 +39,14 @@ def module():
 
 
 
+def _tensor(buf):
+    import torch
+
+    return torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+
+
 class HorovodCollectives:
-    """Dense collectives on torch tensors through Horovod (async; fused by Horovod's thread)."""
+    """Dense collectives through Horovod (async; fused by Horovod's thread)."""
 
     name = "horovod"
 
@@ -48,26 +58,30 @@ class HorovodCollectives:
     def _op(self, op):
         return self.hvd.Average if op is ReduceOp.AVERAGE else self.hvd.Sum
 
-    def allreduce_async_(self, tensor, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+    def allreduce_async_(self, buf, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                          verified_layout=False):
         # Horovod negotiates every tensor by name anyway; verified_layout changes nothing here.
-        return self.hvd.allreduce_async_(tensor, name=name, op=self._op(op),
-                                         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        handle = self.hvd.allreduce_async_(_tensor(buf), name=name, op=self._op(op),
+                                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        return handle, buf
 
     def poll(self, handle) -> bool:
-        return self.hvd.poll(handle)
+        return self.hvd.poll(handle[0])
 
     def synchronize(self, handle):
-        return self.hvd.synchronize(handle)
+        self.hvd.synchronize(handle[0])
+        return handle[1]
 
     def allreduce(self, tensor, name=None, op=ReduceOp.AVERAGE):
         return self.hvd.allreduce(tensor, name=name, op=self._op(op))
 
-    def broadcast_(self, tensor, root_rank, name=None):
-        return self.hvd.broadcast_(tensor, root_rank, name=name)
+    def broadcast_(self, buf, root_rank, name=None):
+        self.hvd.broadcast_(_tensor(buf), root_rank, name=name)
+        return buf
 
-    def allgather(self, tensor, name=None):
-        return self.hvd.allgather(tensor, name=name)
+    def allgather(self, buf, name=None):
+        out = self.hvd.allgather(_tensor(buf), name=name)
+        return out.numpy() if isinstance(buf, np.ndarray) else out
 
     def broadcast_object(self, obj, root_rank=0, name=None):
         return self.hvd.broadcast_object(obj, root_rank, name=name)

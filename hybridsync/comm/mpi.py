@@ -16,9 +16,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..settings import settings
+from ..sync.buckets import check_buffer, make_buckets
 from ..types import ReduceOp
-
-FUSION_BYTES = int(float(os.environ.get("HYBRIDSYNC_FUSION_MB", "64")) * 2**20)
 
 
 def _fp16_sum(invec, inoutvec, datatype):
@@ -44,7 +44,6 @@ def wait_all(requests) -> None:
     ranks that arrive first, at 4 ranks on 2 cores). Polls, yielding the core on each poll, for
     HYBRIDSYNC_SPIN_US, then sleeps with back-off."""
     from ..ps import wait_spin_us
-    from ..settings import settings
 
     if MPI.Request.Testall(requests):
         return
@@ -88,9 +87,7 @@ class MPICollectives:
         """verified_layout: the caller guarantees every rank submits the same tensors (a
         DistributedOptimizer whose plan was checked across ranks); when all pending tensors say
         so, the per-step fingerprint collective is skipped."""
-        array = np.asarray(buf)
-        if not (array.flags.c_contiguous and array.flags.writeable):
-            raise ValueError(f"all-reduce of {name or 'a tensor'}: needs a writable C-contiguous CPU buffer")
+        array = check_buffer(buf, name or "a tensor")
         handle = Handle(array, name or f"allreduce.noname.{next(self._unnamed)}", op,
                         float(prescale_factor), float(postscale_factor), bool(verified_layout))
         self._pending.append(handle)
@@ -113,37 +110,33 @@ class MPICollectives:
         self._pending = []
         if not all(h.verified for h in pending):
             self._check_same_everywhere(pending)
-        buckets: dict[tuple, list[list[Handle]]] = {}
+        self._reduce([h.array for h in pending], [(h.op, h.prescale, h.postscale) for h in pending])
         for h in pending:
-            key = (h.array.dtype.str, h.op, h.prescale, h.postscale)
-            chains = buckets.setdefault(key, [[]])
-            if chains[-1] and sum(x.array.nbytes for x in chains[-1]) + h.array.nbytes > FUSION_BYTES:
-                chains.append([])
-            chains[-1].append(h)
-        launched = []
-        for (dtype, op, prescale, postscale), chains in buckets.items():
-            for bucket in chains:
-                flat = np.concatenate([h.array.reshape(-1) for h in bucket])
-                if prescale != 1.0:
-                    flat *= flat.dtype.type(prescale)
-                launched.append((self._start(flat), bucket, flat, op, postscale))
-        wait_all([r for r, *_ in launched])
-        for _, bucket, flat, op, postscale in launched:
-            self._finish(flat, op, postscale)
-            offset = 0
-            for h in bucket:
-                n = h.array.size
-                h.array.reshape(-1)[...] = flat[offset:offset + n]
-                offset += n
-                h.done = True
+            h.done = True
 
-    def allreduce_flat_(self, flat, op=ReduceOp.AVERAGE, postscale_factor=1.0, verified_layout=False, name="fused"):
-        """All-reduces one contiguous buffer in place and waits (the caller fused its tensors)."""
+    def allreduce_arrays(self, arrays, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                         verified_layout=False, name="fused"):
+        """All-reduces arrays in place, fused into as few collectives as their dtypes allow, and
+        waits. Every rank must pass the same arrays (names, dtypes, sizes) in the same order;
+        unless verified_layout, that is checked first."""
+        arrays = [check_buffer(a, name) for a in arrays]
         if not verified_layout:
-            self._check_same_everywhere([Handle(flat, name, op, 1.0, postscale_factor, False)])
-        wait_all([self._start(flat)])
-        self._finish(flat, op, float(postscale_factor))
-        return flat
+            self._check_same_everywhere([Handle(a, f"{name}.{i}", op, prescale_factor, postscale_factor, False)
+                                         for i, a in enumerate(arrays)])
+        self._reduce(arrays, [(op, float(prescale_factor), float(postscale_factor))] * len(arrays))
+        return arrays
+
+    def _reduce(self, arrays, keys):
+        buckets = make_buckets(arrays, keys, settings().fusion_bytes)
+        for b in buckets:
+            prescale = b.key[0][1]
+            if prescale != 1.0:  # in place: the result overwrites the caller's arrays anyway
+                b.flat *= b.flat.dtype.type(prescale)
+        wait_all([self._start(b.flat) for b in buckets])
+        for b in buckets:
+            (op, _, postscale), _ = b.key
+            self._finish(b.flat, op, postscale)
+            b.scatter_back()
 
     def _start(self, flat):
         if flat.dtype == np.float16:  # MPI has no half type: uint16 carrier, our own sum

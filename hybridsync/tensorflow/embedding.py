@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .. import ps
+from ..sync.table import PSTable, shared_seed
 
 
 class Embedding(keras.layers.Layer):
@@ -27,12 +27,10 @@ class Embedding(keras.layers.Layer):
         if input_dim < 1 or output_dim < 1:
             raise ValueError(f"PS embedding needs input_dim >= 1 and output_dim >= 1, got ({input_dim}, {output_dim})")
         self.input_dim, self.output_dim = int(input_dim), int(output_dim)
-        self._engine = ps.engine()
-        self.table = self._engine.add_table(self.name, self.input_dim, self.output_dim, partitions or 0, partition,
-                                            "sgd", {"lr": 0.0})  # the optimizer sets the real rule
+        # The rule is a placeholder until the DistributedOptimizer sets the real one.
+        self.table = PSTable(self.name, self.input_dim, self.output_dim, partitions or 0, partition)
         # A seed from rank 0's NumPy RNG (seeded by keras.utils.set_random_seed).
-        seed = ps.shared_seed(np.random.randint(0, 2**62)) if seed is None else int(seed)
-        ps.init_rows(self._engine, self.table, seed, initializer)
+        self.table.initialize(initializer, shared_seed(np.random.randint(0, 2**62)) if seed is None else int(seed))
 
     def build(self, input_shape=None):
         self.ps_anchor = self.add_weight(shape=(1,), initializer="zeros", trainable=True, name="ps_anchor")
@@ -40,11 +38,11 @@ class Embedding(keras.layers.Layer):
 
     def call(self, ids):
         ids = tf.cast(ids, tf.int64)
-        engine, table, num, dim = self._engine, self.table, self.input_dim, self.output_dim
+        table, num, dim = self.table, self.input_dim, self.output_dim
 
         @tf.custom_gradient
         def lookup(anchor):
-            rows = tf.numpy_function(lambda x: engine.lookup(table, np.ascontiguousarray(x))[1], [ids], tf.float32,
+            rows = tf.numpy_function(lambda x: table.lookup(np.ascontiguousarray(x))[1], [ids], tf.float32,
                                      stateful=True, name="hybridsync_ps_pull")
             rows = tf.reshape(rows, tf.concat([tf.shape(ids, out_type=tf.int32), [dim]], 0))
 
@@ -61,10 +59,10 @@ class Embedding(keras.layers.Layer):
 
     # -- the whole table, gathered from the shards (collective: call on every rank) -------------
     def get_table(self) -> np.ndarray:
-        return self._engine.gather(self.table, -1)
+        return self.table.gather()
 
     def set_table(self, values) -> None:
-        self._engine.load_local(self.table, -1, np.ascontiguousarray(values, dtype=np.float32))
+        self.table.scatter(values)
 
     # Weight files (model.save_weights / load_weights) hold the whole table, gathered on save.
     def save_own_variables(self, store):

@@ -23,7 +23,7 @@ def allreduce(value, op=ReduceOp.AVERAGE):
     """The all-reduced value of a tensor or array across ranks (eager)."""
     array = np.array(tf.convert_to_tensor(value).numpy(), copy=True)
     if runtime.world().size > 1:
-        collectives.mpi().allreduce_flat_(array.reshape(-1), as_reduce_op(op))
+        collectives.mpi().allreduce_arrays([array], as_reduce_op(op), name="hybridsync.allreduce")
     return tf.convert_to_tensor(array)
 
 

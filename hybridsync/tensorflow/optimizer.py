@@ -18,19 +18,29 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .. import comm, plan as plan_mod, runtime
+from .. import plan as plan_mod, runtime
 from .. import config as config_mod
 from ..plan import Plan, VariablePlan
 from ..routing import RouteResolver
+from ..sync.agreement import agree
+from ..sync.base import SyncContext, Variable
+from ..sync.registry import SyncSet
+from ..sync.server_rules import server_rule
 from ..types import GradKind, Placement, ReduceOp, Route, as_reduce_op
 from . import collectives
-from .server_optimizer import applies_sparse, server_rule
+from .access import KerasAccess
+from .server_optimizer import describe
 
 
 def variable_name(v) -> str:
     """Keras 3 variables have a path ('dense/kernel'); tf.Variables a name ('dense/kernel:0')."""
     name = getattr(v, "path", None) or v.name
     return name[:-2] if name.endswith(":0") else name
+
+
+def _table_shape(shape) -> tuple[int, int]:
+    rows = int(shape[0]) if len(shape) else 1
+    return rows, int(np.prod(shape[1:])) if len(shape) > 1 else 1
 
 
 class _DistributedKerasOptimizer:
@@ -42,7 +52,6 @@ class _DistributedKerasOptimizer:
         self._hs_op = op
         self._hs_compression = compression
         self._hs_plan = None
-        self._hs_tables = {}  # variable name -> PS table
         plan_mod.register(self)
 
     @property
@@ -55,8 +64,8 @@ class _DistributedKerasOptimizer:
         world = runtime.world()
         resolver = RouteResolver(self._hs_config, has_model=False, world_size=world.size,
                                  compression=self._hs_compression,
-                                 server_rule=lambda name, param: server_rule(self, name),
-                                 applies_sparse=applies_sparse(self), optimizer_name=type(self).__name__)
+                                 server_rule=lambda name, param: server_rule(describe(self), name),
+                                 applies_sparse=describe(self).applies_sparse, optimizer_name=type(self).__name__)
         rows = []
         for g, v in zip(grads, variables):
             layer = getattr(v, "_hybridsync_table", None)  # a hybridsync.tensorflow.Embedding's anchor
@@ -82,42 +91,21 @@ class _DistributedKerasOptimizer:
         resolver.check_strict(rows)
         plan = Plan(rows, framework="tensorflow", backend="mpi", world_size=world.size,
                     backend_reason="TensorFlow: MPI via mpi4py (Horovod here is built for PyTorch only)")
-        if world.size > 1:  # every rank must have the same variables and routes as rank 0
-            mine = [(r.name, r.shape, r.route.value, r.placement.value) for r in rows]
-            everyone = runtime.allgather_object(mine)
-            for rank, theirs in enumerate(everyone):
-                if theirs != everyone[0]:
-                    diff = next((i for i, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b), len(theirs))
-                    raise RuntimeError(f"rank {rank} differs from rank 0 at variable #{diff} "
-                                       f"({everyone[0][diff] if diff < len(everyone[0]) else '-'} vs "
-                                       f"{theirs[diff] if diff < len(theirs) else '-'}): every rank must build the same model")
-        self._hs_plan = plan
-        self._hs_register_tables(variables)
-        plan_mod.announce(plan)
-
-    def _hs_register_tables(self, variables):
-        from .. import ps
-
-        for vp, v in zip(self._hs_plan.variables, variables):
-            if vp.route is not Route.PS:
-                continue
+        backend = collectives.mpi()
+        self._hs_plan = agree(plan, backend)
+        self._hs_vars = []
+        for i, (vp, v) in enumerate(zip(self._hs_plan.variables, variables)):
             layer = getattr(v, "_hybridsync_table", None)
-            if layer is not None:  # rows already on the shards: name the table, set its rule
-                layer._engine.rename_table(layer.table, vp.name)
-                layer._engine.set_rule(layer.table, vp.optimizer["name"],
-                                       {k: float(x) for k, x in vp.optimizer.items() if k != "name"})
-                self._hs_tables[vp.name] = (layer._engine, layer.table, layer.output_dim)
-                continue
-            engine = ps.engine()
-            rows = int(v.shape[0])
-            dim = int(np.prod(v.shape[1:])) if len(v.shape) > 1 else 1
-            hparams = {k: float(x) for k, x in vp.optimizer.items() if k != "name"}
-            table = engine.add_table(vp.name, rows, dim, vp.shards, vp.partition, vp.optimizer["name"], hparams)
-            with tf.init_scope():  # eager, also while tf.function traces: rank 0's rows everywhere
-                value = collectives.mpi().broadcast_object(v.numpy() if runtime.world().rank == 0 else None, 0)
-                v.assign(value)
-                engine.load_from_root(table, value.reshape(rows, dim) if runtime.world().rank == 0 else None, 0)
-            self._hs_tables[vp.name] = (engine, table, dim)
+            access = KerasAccess(v, vp.dtype, *_table_shape(vp.shape))
+            self._hs_vars.append(Variable(vp.name, vp, access, index=i, table=layer.table if layer else None))
+        self._hs_sync = SyncSet(SyncContext(backend, self._hs_op, world.size,
+                                            loss_scale=float(self.loss_scale_factor or 1.0)))
+        for var in self._hs_vars:
+            self._hs_sync.assign(var)
+        with tf.init_scope():  # eager, also while tf.function traces: replicated tables start from rank 0
+            self._hs_sync.prepare()
+        self._hs_sync.mark_verified()
+        plan_mod.announce(self._hs_plan)
 
     # -- every step --------------------------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):
@@ -132,79 +120,76 @@ class _DistributedKerasOptimizer:
         return super().apply(grads, variables)
 
     def _hs_synchronize(self, grads, variables):
-        """Exchanges every gradient; returns what the Keras optimizer should still apply."""
-        world = runtime.world()
-        routes = self._hs_plan.variables
-        scale = 1.0 / world.size if self._hs_op is ReduceOp.AVERAGE else 1.0
-        if self.loss_scale_factor:
-            scale /= self.loss_scale_factor  # Keras unscales what it applies; the server must too
-        # 1. PS: sharded tables push (applied before the next pull); replicated ones push and
-        # write back the changed rows (replicas stay identical). First on every rank.
-        updates = []
-        sharded = [(g, vp) for g, vp in zip(grads, routes)
-                   if vp.route is Route.PS and vp.placement is Placement.SHARDED]
-        if sharded:
-            engine = self._hs_tables[sharded[0][1].name][0]
-            tables = [self._hs_tables[vp.name][1] for _, vp in sharded]
-            ids = [tf.zeros([0], tf.int64) if g is None else g.indices for g, _ in sharded]
-            vals = [tf.zeros([0, self._hs_tables[vp.name][2]]) if g is None else g.values for g, vp in sharded]
-            lrs = [self.learning_rate if vp.optimizer_source == "wrapped" else vp.optimizer["lr"] for _, vp in sharded]
-            def record_sharded(j, nbytes, routes=[vp for _, vp in sharded]):
-                routes[j].bytes_per_step = nbytes
+        """Exchanges every gradient in one op running the sync core; returns what the Keras
+        optimizer should still apply."""
+        routes = [var.plan.route for var in self._hs_vars]
+        if runtime.world().size == 1 and all(r is Route.ALLREDUCE for r in routes):
+            return grads, variables
+        collectives.check_not_xla("gradient exchange")
+        inputs, layout = [tf.cast(self.learning_rate, tf.float64)], []
+        for g, v, var in zip(grads, variables, self._hs_vars):
+            if var.plan.route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE):
+                kind, parts = "dense", [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)]
+            else:
+                kind, parts = "sparse", self._hs_rows(g, v, var)
+            layout.append((kind, len(inputs), len(parts)))
+            inputs += parts
+        out_types = [self._hs_output_types(var) for var in self._hs_vars]
 
-            updates.append(collectives.ps_push_deferred(engine, tables, ids, vals, scale, lrs, on_bytes=record_sharded))
-        ps_items = [(g, v, vp) for g, v, vp in zip(grads, variables, routes)
-                    if vp.route is Route.PS and vp.placement is Placement.REPLICATED]
-        if ps_items:
-            engine = self._hs_tables[ps_items[0][2].name][0]
-            tables, ids, vals, lrs = [], [], [], []
-            for g, v, vp in ps_items:
-                _, table, dim = self._hs_tables[vp.name]
-                tables.append(table)
-                if g is None:
-                    i, x = tf.zeros([0], tf.int64), tf.zeros([0, dim], tf.float32)
-                elif isinstance(g, tf.IndexedSlices):
-                    i, x = g.indices, tf.reshape(g.values, [-1, dim])
-                else:  # a dense variable on the PS: every row
-                    i, x = tf.range(tf.shape(g)[0], dtype=tf.int64), tf.reshape(g, [-1, dim])
-                ids.append(i)
-                vals.append(x)
-                lrs.append(self.learning_rate if vp.optimizer_source == "wrapped" else vp.optimizer["lr"])
-            def record(j, nbytes, routes=[vp for _, _, vp in ps_items]):
-                routes[j].bytes_per_step = nbytes
+        def exchange(lr, *arrays):
+            for var, (kind, at, n) in zip(self._hs_vars, layout):
+                var.access.begin(kind, arrays[at - 1:at - 1 + n], float(lr))
+            self._hs_sync.synchronize()
+            return [np.int64(0)] + [a for var, types in zip(self._hs_vars, out_types) for a in var.access.out[:len(types)]]
 
-            with tf.control_dependencies(updates):
-                pushed = collectives.ps_push(engine, tables, ids, vals, scale, lrs, on_bytes=record)
-            for (g, v, vp), (changed, rows) in zip(ps_items, pushed):
+        results = tf.numpy_function(exchange, inputs, Tout=[tf.int64] + [t for types in out_types for t in types],
+                                    stateful=True, name="hybridsync_exchange")
+        done, results = results[0], iter(results[1:])
+        keep_g, keep_v, updates = [], [], [done]
+        for v, var in zip(variables, self._hs_vars):
+            route, placement = var.plan.route, var.plan.placement
+            if route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE):
+                reduced = next(results)
+                reduced.set_shape(v.shape)
+                keep_g.append(reduced)
+                keep_v.append(v)
+            elif route is Route.ALLGATHER:
+                ids, values = next(results), next(results)
+                ids.set_shape([None])
+                values.set_shape([None] + list(v.shape[1:]))
+                keep_g.append(tf.IndexedSlices(values, ids, tf.shape(v, out_type=tf.int64)))
+                keep_v.append(v)
+            elif placement is Placement.REPLICATED:
+                changed, rows = next(results), next(results)
                 target = v.value if hasattr(v, "value") and isinstance(v.value, tf.Variable) else v
-                updates.append(target.scatter_update(tf.IndexedSlices(tf.reshape(rows, [-1] + list(v.shape[1:])), changed)))
-        # 2. Dense all-reduce (and sparse as dense), one fused collective, after the push.
-        keep_g, keep_v = [], []
-        dense = [(i, g, v, vp) for i, (g, v, vp) in enumerate(zip(grads, variables, routes))
-                 if vp.route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE)]
+                updates.append(target.scatter_update(tf.IndexedSlices(tf.reshape(rows, [-1] + list(v.shape[1:])),
+                                                                      changed)))
         with tf.control_dependencies(updates):
-            tensors = [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g) for _, g, v, _ in dense]
-            tensors = [tf.cast(t, tf.float16) if vp.compression == "fp16" and t.dtype.is_floating else t
-                       for t, (_, _, _, vp) in zip(tensors, dense)]
-            reduced = collectives.allreduce(tensors, self._hs_op, verified_layout=True) if world.size > 1 else tensors
-        for (_, g, v, vp), r in zip(dense, reduced):
-            keep_g.append(tf.cast(r, v.dtype))
-            keep_v.append(v)
-            vp.bytes_per_step = int(r.shape.num_elements() or 0) * r.dtype.size if world.size > 1 else 0
-        # 3. Allgather: every rank's rows, applied by the Keras optimizer (Horovod's way).
-        for g, v, vp in zip(grads, variables, routes):
-            if vp.route is not Route.ALLGATHER:
-                continue
-            if g is None:
-                g = tf.IndexedSlices(tf.zeros([0] + list(v.shape[1:]), v.dtype), tf.zeros([0], tf.int64), v.shape)
-            with tf.control_dependencies(reduced + updates):
-                indices = collectives.allgather(tf.cast(g.indices, tf.int64))
-                values = collectives.allgather(g.values)
-            if self._hs_op is ReduceOp.AVERAGE:
-                values = values / world.size
-            keep_g.append(tf.IndexedSlices(values, indices, tf.shape(v, out_type=tf.int64)))
-            keep_v.append(v)
+            keep_g = [tf.identity(g) if not isinstance(g, tf.IndexedSlices) else
+                      tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape) for g in keep_g]
         return keep_g, keep_v
+
+    @staticmethod
+    def _hs_rows(g, v, var):
+        """A gradient as (ids, rows) tensors: IndexedSlices as they are, a dense one every row."""
+        dim = var.access.dim
+        if g is None:
+            return [tf.zeros([0], tf.int64), tf.zeros([0] + list(v.shape[1:]), v.dtype)]
+        if isinstance(g, tf.IndexedSlices):
+            return [tf.cast(g.indices, tf.int64), g.values]
+        return [tf.range(tf.shape(g, out_type=tf.int64)[0]), tf.reshape(g, [-1, dim])]
+
+    @staticmethod
+    def _hs_output_types(var):
+        route = var.plan.route
+        dtype = tf.as_dtype(var.plan.dtype)
+        if route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE):
+            return [dtype]
+        if route is Route.ALLGATHER:
+            return [tf.int64, dtype]
+        if var.plan.placement is Placement.REPLICATED:
+            return [tf.int64, tf.float32]
+        return []
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=None, compression=None,

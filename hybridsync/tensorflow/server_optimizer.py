@@ -1,61 +1,41 @@
-"""The server-side rule that applies a Keras optimizer's update to a table on the PS.
-
-SGD (no momentum) -> sgd; Adagrad -> adagrad with Keras's epsilon inside the square root
-(var -= lr * g / sqrt(acc + eps)); Adam (no amsgrad) -> lazy adam (only rows with a gradient
-move, as torch's SparseAdam; Keras's own Adam decays every row's moments on a sparse
-gradient). No weight decay, no gradient clipping, accumulation or EMA: those would not reach
-the rows the server updates. Anything else is an error naming the optimizer and variable.
-"""
+"""A Keras optimizer described for hybridsync.sync.server_rules (which decides the server rule
+and words the errors): SGD -> sgd; Adagrad -> adagrad with Keras's epsilon inside the square
+root; Adam -> lazy adam (only rows with a gradient move, as torch's SparseAdam; Keras's own Adam
+decays every row's moments on a sparse gradient). Weight decay, clipping, accumulation and EMA
+would not reach the rows the server updates: they are blockers."""
 from __future__ import annotations
 
+import keras
+import tensorflow as tf
 
-class UnsupportedSparseOptimizer(ValueError):
-    pass
+from ..sync.server_rules import OptimizerSpec
 
-
-def _reject(name, optimizer, reason):
-    raise UnsupportedSparseOptimizer(
-        f"variable '{name}': {type(optimizer).__name__} {reason}, which the parameter server cannot apply to a table "
-        "row by row; use SGD (no momentum), Adagrad or Adam for it, or give it a server optimizer in the config "
-        "(variables: - match: ... optimizer: {name: adagrad, lr: ...})")
+_BLOCKING_ATTRIBUTES = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
 
 
 def _lr(optimizer) -> float:
     """The current learning rate, read eagerly (also while tf.function traces the step)."""
-    import tensorflow as tf
-
     with tf.init_scope():
         value = optimizer.learning_rate
         return float(value.numpy() if hasattr(value, "numpy") else value)
 
 
-def server_rule(optimizer, name: str) -> dict:
-    import keras
-
-    for attr, label in (("weight_decay", "weight_decay"), ("clipnorm", "clipnorm"), ("clipvalue", "clipvalue"),
-                        ("global_clipnorm", "global_clipnorm"), ("gradient_accumulation_steps", "gradient_accumulation_steps")):
-        value = getattr(optimizer, attr, None)
-        if value:
-            _reject(name, optimizer, f"with {label}={value}")
+def describe(optimizer) -> OptimizerSpec:
+    blockers = [(a, getattr(optimizer, a)) for a in _BLOCKING_ATTRIBUTES if getattr(optimizer, a, None)]
     if getattr(optimizer, "use_ema", False):
-        _reject(name, optimizer, "with use_ema=True")
+        blockers.append(("use_ema", True))
+    family, hparams = None, {}
     if isinstance(optimizer, keras.optimizers.SGD):
+        family, hparams = "sgd", {"lr": _lr(optimizer)}
         if float(optimizer.momentum):
-            _reject(name, optimizer, f"with momentum={optimizer.momentum}")
-        return {"name": "sgd", "lr": _lr(optimizer)}
-    if isinstance(optimizer, keras.optimizers.Adagrad):
-        return {"name": "adagrad", "lr": _lr(optimizer), "initial_accumulator_value": float(optimizer.initial_accumulator_value),
-                "eps": float(optimizer.epsilon), "eps_in_sqrt": 1.0}
-    if isinstance(optimizer, keras.optimizers.Adam) and type(optimizer).__name__ in ("Adam",):
+            blockers.append(("momentum", optimizer.momentum))
+    elif isinstance(optimizer, keras.optimizers.Adagrad):
+        family, hparams = "adagrad", {"lr": _lr(optimizer), "eps": optimizer.epsilon, "eps_in_sqrt": 1.0,
+                                      "initial_accumulator_value": optimizer.initial_accumulator_value}
+    elif isinstance(optimizer, keras.optimizers.Adam) and type(optimizer).__name__ == "Adam":
+        family = "adam"
+        hparams = {"lr": _lr(optimizer), "beta1": optimizer.beta_1, "beta2": optimizer.beta_2, "eps": optimizer.epsilon}
         if optimizer.amsgrad:
-            _reject(name, optimizer, "with amsgrad=True")
-        return {"name": "adam", "lr": _lr(optimizer), "beta1": float(optimizer.beta_1), "beta2": float(optimizer.beta_2),
-                "eps": float(optimizer.epsilon)}
-    _reject(name, optimizer, "is not supported")
-
-
-def applies_sparse(optimizer) -> bool:
-    """Keras optimizers apply IndexedSlices themselves (Adagrad squares each duplicate row)."""
-    import keras
-
-    return isinstance(optimizer, (keras.optimizers.SGD, keras.optimizers.Adagrad, keras.optimizers.Adam))
+            blockers.append(("amsgrad", True))
+    sparse_capable = isinstance(optimizer, (keras.optimizers.SGD, keras.optimizers.Adagrad, keras.optimizers.Adam))
+    return OptimizerSpec(type(optimizer).__name__, family, hparams, blockers, applies_sparse=sparse_capable)

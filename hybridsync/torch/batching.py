@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from .. import runtime, timeline
+from .. import comm, runtime, timeline
+from ..sync.table import pull
 
 
 def _inputs(args, kwargs):
@@ -60,9 +61,8 @@ def _locate(x, inputs):
 
 
 class BatchedLookups:
-    def __init__(self, model: torch.nn.Module, modules: list, engine):
+    def __init__(self, model: torch.nn.Module, modules: list):
         self.modules = list(modules)
-        self.engine = engine
         self.pattern = None  # None: learning at the next forward; [] : off; else [(module, where)]
         self._seen: list = []
         self._cache: dict = {}
@@ -92,10 +92,10 @@ class BatchedLookups:
             ids.append(host.contiguous().numpy())
         tl = timeline.get()
         start = time.perf_counter_ns() if tl else 0
-        results = self.engine.pull([m.table for m, _ in self.pattern], ids)
+        results = pull([m.table for m, _ in self.pattern], ids)
         if tl:
             tl.complete(f"pull ({len(ids)} tables)", start, time.perf_counter_ns(), "ps", rows=sum(len(r[0]) for r in results))
-            tl.engine_events(self.engine)
+            tl.engine_events()
         for (module, x, version), flat, result in zip(predicted, ids, results):
             self._cache[module] = (x, version, flat, result)
 
@@ -137,9 +137,9 @@ class BatchedLookups:
                 break
             pattern.append((module, where))
         # Every rank must batch the same way: agree, or all fall back to one pull per call.
-        mine = [(m.table, w) for m, w in pattern]
-        if runtime.world().size > 1 and runtime.world().comm is not None:
-            everyone = runtime.mpi_comm().allgather(mine)
+        mine = [(m.table.handle, w) for m, w in pattern]
+        if runtime.world().size > 1:
+            everyone = comm.objects().allgather_object(mine)
             if any(e != mine for e in everyone):
                 pattern = []
         return pattern

@@ -1,8 +1,12 @@
 """Gradient compression for the dense all-reduce, with Horovod's interface:
-`compress(tensor) -> (tensor, ctx)` before sending, `decompress(tensor, ctx)` after."""
+`compress(tensor) -> (tensor, ctx)` before sending, `decompress(tensor, ctx)` after. The
+built-in ones are hybridsync.sync.compression's codecs by name (what a DistributedOptimizer
+uses); these classes are the same codecs for hvd.allreduce(..., compression=...)."""
 from __future__ import annotations
 
 import torch
+
+from ..sync import compression as codecs
 
 
 class Compressor:
@@ -18,6 +22,8 @@ class Compressor:
 
 
 class NoneCompressor(Compressor):
+    name = "none"
+
     @staticmethod
     def compress(tensor):
         return tensor, None
@@ -30,9 +36,11 @@ class NoneCompressor(Compressor):
 class FP16Compressor(Compressor):
     """Sends floating-point gradients as float16 (half the bytes; ~3 significant digits)."""
 
+    name = "fp16"
+
     @staticmethod
     def compress(tensor):
-        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+        if codecs.FP16.wire_dtype(str(tensor.dtype).replace("torch.", "")) == "float16":
             return tensor.to(torch.float16), tensor.dtype
         return tensor, None
 
@@ -49,7 +57,4 @@ class Compression:
 
     @staticmethod
     def by_name(name: str):
-        table = {"none": NoneCompressor, "fp16": FP16Compressor}
-        if name not in table:
-            raise ValueError(f"unknown compression {name!r} (known: {', '.join(table)})")
-        return table[name]
+        return {"none": NoneCompressor, "fp16": FP16Compressor}[codecs.by_name(name).name]

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import ps, runtime, timeline
+from .. import runtime, timeline
+from ..sync.table import PSTable, pull, shared_seed
 
 _unnamed = itertools.count()
 
@@ -37,9 +38,8 @@ class _Lookup(torch.autograd.Function):
             host = ids if ids.device.type == "cpu" else ids.cpu()
             flat = host.contiguous().numpy()
             with timeline.span(f"pull {module.table_name}", "ps"):
-                unique, rows = module._engine.lookup(module.table, flat)
-            _server_events(module._engine)
-        module._pulled[0] += len(unique)
+                unique, rows = module.table.lookup(flat)
+            _server_events()
         ctx.module, ctx.ids = module, flat.reshape(-1)
         out = torch.from_numpy(rows)
         return out if ids.device.type == "cpu" else out.to(ids.device)
@@ -66,10 +66,10 @@ def _check_shardable(module, name: str) -> None:
                          "a sharded table cannot do; use the replicated placement for it")
 
 
-def _server_events(engine) -> None:
+def _server_events() -> None:
     tl = timeline.get()
     if tl is not None:
-        tl.engine_events(engine)
+        tl.engine_events()
 
 
 class _PSTableModule(torch.nn.Module):
@@ -85,30 +85,29 @@ class _PSTableModule(torch.nn.Module):
                 raise ValueError(f"padding_idx {padding_idx} is out of range for {num_embeddings} embeddings")
             padding_idx = padding_idx % num_embeddings
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        self.table_name = name or f"ps_embedding_{next(_unnamed)}"
-        self._engine = ps.engine()
         # The rule is a placeholder until a DistributedOptimizer sets the real one.
-        self.table = self._engine.add_table(self.table_name, num_embeddings, embedding_dim, partitions or 0,
-                                            partition, "sgd", {"lr": 0.0})
+        self.table = PSTable(name or f"ps_embedding_{next(_unnamed)}", num_embeddings, embedding_dim, partitions or 0,
+                             partition)
         if initial_weight is not None:
             # Rank 0's weights become the shards' rows (pretrained / custom-initialised tables).
             values = None
             if runtime.world().rank == 0:
                 values = initial_weight.detach().to("cpu", torch.float32).contiguous().numpy()
-            self._engine.load_from_root(self.table, values, 0)
+            self.table.load_from_root(values, 0)
         else:
             # A seed from rank 0's torch RNG: reproducible under torch.manual_seed.
-            seed = ps.shared_seed(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
-            ps.init_rows(self._engine, self.table, seed, initializer)
+            seed = shared_seed(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
+            self.table.initialize(initializer, seed)
             if padding_idx is not None:
-                self._engine.write_local(self.table, np.array([padding_idx]), np.zeros((1, embedding_dim), np.float32))
+                self.table.write_rows(np.array([padding_idx]), np.zeros((1, embedding_dim), np.float32))
         self._sink = None  # set by the DistributedOptimizer that owns the table
         self._warned_no_sink = False
         self._anchor = torch.empty(0, requires_grad=True)  # lets autograd reach _Lookup.backward
         self._batcher = None  # set when the owning optimizer batches this model's lookups
-        # Unique rows pulled since the last push (for explain's bytes/step). A plain list, not an
-        # attribute of the Module: nn.Module.__setattr__ costs microseconds on the hot path.
-        self._pulled = [0]
+
+    @property
+    def table_name(self) -> str:
+        return self.table.name
 
     @property
     def shape(self):
@@ -123,8 +122,8 @@ class _PSTableModule(torch.nn.Module):
         else:
             host = ids if ids.device.type == "cpu" else ids.cpu()
             with timeline.span(f"pull {self.table_name}", "ps"):
-                (unique, inverse, rows), = self._engine.pull([self.table], [host.contiguous().numpy()])
-            _server_events(self._engine)
+                (unique, inverse, rows), = pull([self.table], [host.contiguous().numpy()])
+            _server_events()
         weight = torch.from_numpy(rows)
         index = torch.from_numpy(inverse).view(ids.shape)
         if ids.device.type != "cpu":
@@ -132,7 +131,6 @@ class _PSTableModule(torch.nn.Module):
         if torch.is_grad_enabled():
             weight.requires_grad_(True)
             weight.register_hook(lambda grad, unique=unique: self._on_grad(unique, grad))
-        self._pulled[0] += len(unique)
         padding = None
         if self.padding_idx is not None:
             where = np.flatnonzero(unique == self.padding_idx)
@@ -142,7 +140,7 @@ class _PSTableModule(torch.nn.Module):
     def _on_grad(self, ids, grad):
         """Gradient rows for `ids` (duplicates allowed) reached this table in backward."""
         if self._sink is not None:
-            self._sink.stage(self, ids, grad)
+            self._sink.stage(ids, grad)
         elif not self._warned_no_sink:
             self._warned_no_sink = True
             warnings.warn(f"PS embedding '{self.table_name}' received gradients, but no DistributedOptimizer "
@@ -150,7 +148,7 @@ class _PSTableModule(torch.nn.Module):
 
     # -- state: the whole table under '<prefix>weight', gathered from the shards on demand ------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        full = torch.from_numpy(self._engine.gather(self.table, -1))
+        full = torch.from_numpy(self.table.gather())
         full._hybridsync_ps_table = True  # broadcast_parameters skips it: shards are the truth
         destination[prefix + "weight"] = full
 
@@ -166,11 +164,11 @@ class _PSTableModule(torch.nn.Module):
             error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
                               f"the PS table has shape {self.shape}")
             return
-        self._engine.load_local(self.table, -1, value.detach().to("cpu", torch.float32).contiguous().numpy())
+        self.table.scatter(value.detach().to("cpu", torch.float32).contiguous().numpy())
 
     def weight_numpy(self) -> np.ndarray:
         """The whole table (collective: every rank must call it)."""
-        return self._engine.gather(self.table, -1)
+        return self.table.gather()
 
     def extra_repr(self):
         s = f"{self.num_embeddings}, {self.embedding_dim}, table='{self.table_name}'"

@@ -10,8 +10,8 @@ import threading
 import torch
 
 from .. import comm
-from ..runtime import mpi_comm
 from ..types import ReduceOp
+from .access import host_array
 
 _backends: dict = {}
 _lock = threading.Lock()
@@ -23,18 +23,12 @@ class _TorchOverMPI:
     name = "mpi"
 
     def __init__(self):
-        from ..comm.mpi import MPICollectives
-
-        self.mpi = MPICollectives(mpi_comm())
+        self.mpi = comm.backend("mpi")
         self.size, self.rank = self.mpi.size, self.mpi.rank
 
     @staticmethod
     def _stage(tensor):
-        t = tensor.detach()
-        if t.device.type == "cpu" and t.is_contiguous() and t.dtype != torch.bfloat16:
-            return t
-        staged = t.to("cpu", copy=True).contiguous()
-        return staged.float() if staged.dtype == torch.bfloat16 else staged
+        return torch.from_numpy(host_array(tensor))
 
     def allreduce_async_(self, tensor, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                          verified_layout=False):
@@ -42,22 +36,6 @@ class _TorchOverMPI:
         handle = self.mpi.allreduce_async_(staged.numpy(), name=name, op=op, prescale_factor=prescale_factor,
                                            postscale_factor=postscale_factor, verified_layout=verified_layout)
         return handle, tensor, staged
-
-    def allreduce_many_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                        verified_layout=False, name="fused"):
-        """In-place all-reduce of same-dtype tensors fused into one buffer: one torch.cat, one
-        collective, views back (no per-tensor Python work)."""
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        staged = self._stage(flat)
-        if prescale_factor != 1.0:
-            staged.mul_(prescale_factor)
-        self.mpi.allreduce_flat_(staged.numpy(), op, postscale_factor, verified_layout, name)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            t.detach().copy_(staged[offset:offset + n].view_as(t))
-            offset += n
-        return tensors
 
     def poll(self, handle) -> bool:
         return self.mpi.poll(handle[0])
@@ -95,20 +73,12 @@ class _TorchOverMPI:
 
 
 def backend(name: str | None = None):
-    """The dense backend object for torch tensors (created once per kind)."""
+    """The dense backend for torch tensors: Horovod's takes them as they are; MPI's gets
+    NumPy views (or staged copies) through _TorchOverMPI. Made once per kind."""
     chosen = comm.choose(name)
+    if chosen == "horovod":
+        return comm.backend(chosen)
     with _lock:
         if chosen not in _backends:
-            if chosen == "horovod":
-                from ..comm.horovod import HorovodCollectives
-
-                _backends[chosen] = HorovodCollectives()
-            else:
-                _backends[chosen] = _TorchOverMPI()
+            _backends[chosen] = _TorchOverMPI()
         return _backends[chosen]
-
-
-def reset() -> None:
-    """Forgets the backend objects (after shutdown)."""
-    with _lock:
-        _backends.clear()

@@ -9,34 +9,33 @@ route before the wrapped optimizer's update.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 
+import numpy as np
 import torch
-
-import time
 
 from .. import comm
 from .. import config as config_mod
 from .. import plan as plan_mod
 from .. import runtime, timeline
-from ..types import GradKind, Placement, ReduceOp, Route, as_reduce_op
-from . import ops, sync_ps
+from ..settings import settings
+from ..sync.agreement import agree
+from ..sync.base import SyncContext, Variable
+from ..sync.registry import SyncSet
+from ..types import GradKind, Placement, ReduceOp, as_reduce_op
+from .access import ParamAccess, StagedRowsAccess
+from .batching import BatchedLookups
 from .compression import Compression, NoneCompressor
+from .embedding import Embedding, EmbeddingBag
 from .planner import plan_for, ps_modules, route_for_observed
-from .sync_base import SyncSettings, Variable
-from .sync_dense import DenseAllreduce, SparseAllgather, SparseAsDense
-
-# (route, placement) -> synchronizer class: one registry, no if/elif on routes.
-SYNCHRONIZERS: dict = {
-    (Route.ALLREDUCE, Placement.NONE): DenseAllreduce,
-    (Route.SPARSE_AS_DENSE, Placement.NONE): SparseAsDense,
-    (Route.ALLGATHER, Placement.NONE): SparseAllgather,
-}
-sync_ps.register(SYNCHRONIZERS)
 
 
 def _compression_name(compression) -> str:
-    return {NoneCompressor: "none", Compression.fp16: "fp16"}.get(compression, getattr(compression, "__name__", "custom"))
+    """The codec name the plan shows: 'none', 'fp16', or a custom compressor's class name."""
+    if compression in (NoneCompressor, Compression.fp16):
+        return compression.name
+    return getattr(compression, "__name__", type(compression).__name__)
 
 
 def _named_parameters(optimizer, named_parameters, model):
@@ -81,39 +80,69 @@ class _DistributedOptimizer:
         # ConfigError on every rank before any collective could leave one waiting.
         cfg = config_mod.load(config if config is not None else runtime.default_config())
         backend_name = comm.choose(backend or (cfg.backend if cfg else None))
-        self._hs_plan, self._hs_planner = plan_for(self, named, model, cfg, _compression_name(compression),
-                                                   backend_name, world.size, comm.why(backend_name))
-        self._hs_compression = compression
-        self._hs_backend = ops.backend(backend_name)
-        self._hs_agree_on_plan()
+        plan, self._hs_planner = plan_for(self, named, model, cfg, _compression_name(compression),
+                                          backend_name, world.size, comm.why(backend_name))
+        dense_backend = comm.backend(backend_name)
+        self._hs_plan = agree(plan, dense_backend)
         self._hs_bpps = backward_passes_per_step
-        settings = SyncSettings(self._hs_backend, op, compression, gradient_predivide_factor,
-                                self._hs_backend.size, self)
+        tensor_buffers = backend_name == "horovod"
+        custom = None if compression in (NoneCompressor, Compression.fp16) else compression
         by_name = self._hs_plan.by_name()
-        self._hs_vars = [Variable(name, p, by_name[name], index=i) for i, (name, p) in enumerate(named)]
+        self._hs_vars = [Variable(name, by_name[name], ParamAccess(p, self, tensor_buffers, custom), index=i)
+                         for i, (name, p) in enumerate(named)]
+        self._hs_param_of = {var: p for var, (_, p) in zip(self._hs_vars, named)}
         for name, module in ps_modules(model):
-            self._hs_vars.append(Variable(name, None, by_name[name], index=len(self._hs_vars), module=module))
-        self._hs_settings = settings
-        self._hs_syncs: dict = {}
-        self._hs_route_of: dict = {}
+            self._hs_vars.append(self._hs_table_variable(name, module, by_name[name]))
+        self._hs_sync = SyncSet(SyncContext(dense_backend, op, world.size, gradient_predivide_factor,
+                                            tensor_buffers=tensor_buffers))
         self._hs_model = model
         self._hs_plan_confirmed = False
         self._hs_pending_state: dict = {}  # server state loaded before its route existed
+        swaps = [var for var in self._hs_vars if var.plan.route is not None and var.table is None
+                 and var.plan.placement is Placement.SHARDED]
+        for var in swaps:  # nn.Embedding(sparse=True) -> PS-backed module, everywhere in the model
+            self._hs_swap(var)
         for var in self._hs_vars:
             if var.plan.route is not None:
-                self._hs_assign(var)
+                self._hs_sync.assign(var)
         plan_mod.announce(self._hs_plan)
         self._hs_synchronized = False
         self._hs_unsynced_grads = False
         self._hs_should_sync = True
-        self._hs_hooks = [var.param.register_post_accumulate_grad_hook(self._hs_make_hook(var))
-                          for var in self._hs_vars if var.param is not None and var.param.requires_grad]
-        for sync in self._hs_syncs.values():
-            sync.on_wrap()
+        self._hs_hooks = [p.register_post_accumulate_grad_hook(self._hs_make_hook(var))
+                          for var, p in self._hs_param_of.items() if p.requires_grad]
+        self._hs_sync.prepare()
+        modules = [var.access.module for var in self._hs_vars if isinstance(var.access, _ModuleRows)]
+        if model is not None and modules and settings().batch_lookups and world.size > 1:
+            BatchedLookups(model, modules)
         self._hs_forward_end = None
         if model is not None and timeline.get() is not None:
             self._hs_trace_forward(model)
         plan_mod.register(self)
+
+    def _hs_table_variable(self, name, module, plan):
+        """A PS-backed module's table as a variable: its backward stages rows for the push."""
+        access = _ModuleRows(self, module)
+        module._sink = access
+        return Variable(name, plan, access, index=len(self._hs_vars), table=module.table)
+
+    def _hs_swap(self, var):
+        """Replaces var's nn.Embedding(sparse=True) by a PS-backed copy whose shards start from
+        rank 0's weights, then frees this rank's whole table."""
+        p = self._hs_param_of.pop(var)
+        old = next(m for m in self._hs_model.modules()
+                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.weight is p)
+        cls = Embedding if isinstance(old, torch.nn.Embedding) else EmbeddingBag
+        new = cls.from_module(old, var.name, partitions=var.plan.shards or None, partition=var.plan.partition)
+        for parent in self._hs_model.modules():
+            for key, child in list(parent._modules.items()):
+                if child is old:
+                    parent._modules[key] = new
+        p.data = torch.empty(0, dtype=p.dtype)  # from now on the rows live on the shards only
+        p.grad = None
+        var.access = _ModuleRows(self, new)
+        new._sink = var.access
+        var.table = new.table
 
     def _hs_trace_forward(self, model):
         """Timeline spans for the model's forward, and for backward (forward end -> sync)."""
@@ -128,38 +157,6 @@ class _DistributedOptimizer:
         model.register_forward_hook(after)
 
     # -- routing ------------------------------------------------------------------------------
-    def _hs_agree_on_plan(self):
-        """Every rank's variables and routes must equal rank 0's; all ranks raise together,
-        naming the first difference, instead of one deadlocking in a later collective."""
-        mine = [(v.name, tuple(v.shape), v.route and v.route.value, v.placement.value) for v in self._hs_plan.variables]
-        if self._hs_backend.size == 1:
-            return
-        everyone = runtime.allgather_object(mine)
-        for rank, theirs in enumerate(everyone):
-            if theirs == everyone[0]:
-                continue
-            for i, (a, b) in enumerate(zip(everyone[0], theirs)):
-                if a != b:
-                    raise RuntimeError(
-                        f"rank {rank} differs from rank 0 at variable #{i}: rank 0 has {a[0]} {a[1]} "
-                        f"({a[2]}/{a[3]}), rank {rank} has {b[0]} {b[1]} ({b[2]}/{b[3]}); every rank must "
-                        "build the same model and use the same config")
-            raise RuntimeError(f"rank {rank} has {len(theirs)} variables, rank 0 has {len(everyone[0])}; "
-                               "every rank must build the same model")
-
-    def _hs_assign(self, var):
-        plan = var.plan
-        var.compressor = (Compression.by_name(plan.compression) if plan.compression in ("none", "fp16")
-                          else self._hs_compression)
-        key = (var.plan.route, var.plan.placement)
-        if key not in SYNCHRONIZERS:
-            raise NotImplementedError(f"variable '{var.name}': route {key[0].value} with placement "
-                                      f"{key[1].value} is not available")
-        if key not in self._hs_syncs:
-            self._hs_syncs[key] = SYNCHRONIZERS[key](self._hs_settings, [], model=self._hs_model)
-        self._hs_syncs[key].add(var)
-        self._hs_route_of[var] = key
-
     def _hs_make_hook(self, var):
         def hook(param):
             if param.grad is not None and param.grad.requires_grad:
@@ -171,41 +168,31 @@ class _DistributedOptimizer:
                     f"the gradient of '{var.name}' was computed {var.passes} times before step() "
                     f"(backward_passes_per_step={self._hs_bpps}); increase backward_passes_per_step "
                     "to accumulate gradients locally")
-            if var not in self._hs_route_of:
+            if var not in self._hs_sync.route_of:
                 self._hs_decide(var)
             elif var.plan.kind is GradKind.DENSE and param.grad.is_sparse:
                 raise RuntimeError(
                     f"variable '{var.name}' was planned dense but produced a sparse gradient; give the "
                     "model (DistributedOptimizer(..., model=model)) or a config rule for it")
             if var.passes == self._hs_bpps:
-                self._hs_syncs[self._hs_route_of[var]].grad_ready(var)
+                self._hs_sync.grad_ready(var)
         return hook
 
     def _hs_decide(self, var):
         """First backward of a variable planned without its module: its gradient decides."""
-        kind = GradKind.SPARSE if var.param.grad is not None and var.param.grad.is_sparse else GradKind.DENSE
-        route_for_observed(var.plan, kind, self._hs_planner, var.param)
-        self._hs_assign(var)
+        p = self._hs_param_of[var]
+        kind = GradKind.SPARSE if p.grad is not None and p.grad.is_sparse else GradKind.DENSE
+        route_for_observed(var.plan, kind, self._hs_planner, p)
+        self._hs_sync.assign(var)
 
     def _hs_confirm_plan(self):
         """Once, at the first synchronize: every rank must have decided the same routes."""
         for var in self._hs_vars:
-            if var not in self._hs_route_of:
+            if var not in self._hs_sync.route_of:
                 self._hs_decide(var)
-        mine = [(v.name, tuple(v.plan.shape), v.plan.route.value, v.plan.placement.value) for v in self._hs_vars]
-        if self._hs_settings.world_size > 1:
-            reference = self._hs_backend.broadcast_object(mine, 0)
-            for a, b in zip(mine, reference):
-                if a != b:
-                    raise RuntimeError(
-                        f"rank {self._hs_backend.rank} disagrees with rank 0 on variable '{a[0]}': "
-                        f"{a[1]} via {a[2]}/{a[3]} here, {b[0]} {b[1]} via {b[2]}/{b[3]} on rank 0 "
-                        "(every rank must build the same model)")
-            if len(mine) != len(reference):
-                raise RuntimeError(f"rank {self._hs_backend.rank} has {len(mine)} variables, rank 0 has {len(reference)}")
+        agree(self._hs_plan, self._hs_sync.ctx.backend)
         self._hs_plan_confirmed = True
-        for sync in self._hs_syncs.values():
-            sync.plan_verified = True
+        self._hs_sync.mark_verified()
         self._hs_load_route_state(self._hs_pending_state)
 
     # -- Horovod's optimizer API --------------------------------------------------------------
@@ -234,10 +221,7 @@ class _DistributedOptimizer:
     def _hs_synchronize(self):
         if not self._hs_plan_confirmed:
             self._hs_confirm_plan()
-        # Routes that send without waiting (PS pushes) first: their messages travel while the
-        # routes that wait (all-reduce) complete.
-        for sync in sorted(self._hs_syncs.values(), key=lambda s: s.waits):
-            sync.synchronize()
+        self._hs_sync.synchronize()
         for var in self._hs_vars:
             var.passes = 0
         self._hs_unsynced_grads = False
@@ -268,21 +252,16 @@ class _DistributedOptimizer:
             return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
-        if any(sync.in_flight() for sync in self._hs_syncs.values()):
+        if self._hs_sync.in_flight():
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
                                "or optimizer.synchronize(): gradients are still being exchanged")
         return super().zero_grad(set_to_none=set_to_none)
-
-    @staticmethod
-    def _hs_key(route, placement) -> str:
-        return f"{route.value}/{placement.value}"
 
     def state_dict(self):
         """The wrapped optimizer's state, plus (key 'hybridsync') the server-side state of
         PS tables, gathered whole from the shards (collective: call it on every rank)."""
         state = super().state_dict()
-        extra = {self._hs_key(*key): sync.state_dict() for key, sync in self._hs_syncs.items()}
-        extra = {k: v for k, v in extra.items() if v}
+        extra = _map_arrays(self._hs_sync.state_dict(), torch.from_numpy)
         if extra or self._hs_pending_state:
             state["hybridsync"] = {**self._hs_pending_state, **extra}
         return state
@@ -298,10 +277,26 @@ class _DistributedOptimizer:
             self._hs_pending_state = dict(extra)
 
     def _hs_load_route_state(self, extra: dict) -> None:
-        for key, sync in self._hs_syncs.items():
-            if self._hs_key(*key) in extra:
-                sync.load_state_dict(extra[self._hs_key(*key)])
+        self._hs_sync.load_state_dict(_map_arrays(extra, lambda t: t.detach().to("cpu", torch.float32).numpy(),
+                                                  torch.Tensor))
         self._hs_pending_state = {}
+
+
+def _map_arrays(state, convert, kind=np.ndarray):
+    """state with every `kind` inside its dicts converted (server state: NumPy <-> torch)."""
+    if isinstance(state, dict):
+        return {k: _map_arrays(v, convert, kind) for k, v in state.items()}
+    return convert(state) if isinstance(state, kind) else state
+
+
+class _ModuleRows(StagedRowsAccess):
+    """StagedRowsAccess that remembers its module (batched lookups need it)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, optimizer, module):
+        super().__init__(optimizer)
+        self.module = module
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=None, compression=None,

@@ -5,8 +5,8 @@ model) and hybridsync.torch PS embeddings are sparse; without a model, a paramet
 gradient is sparse is. Everything else is dense.
 
 Routes come from hybridsync.routing.RouteResolver (shared with the TensorFlow frontend); this
-module supplies the torch specifics: which variables are sparse, the server rule matching the
-wrapped torch optimizer, and whether it applies sparse gradients itself.
+module supplies the torch specifics: which variables are sparse and how the wrapped optimizer
+looks to the server-rule mapping.
 """
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ import torch
 from ..config import Config
 from ..plan import Plan, VariablePlan
 from ..routing import RouteResolver
+from ..sync.server_rules import server_rule
 from ..types import GradKind
 from .embedding import PS_MODULES
-from .server_optimizer import group_of, server_rule
-
-# Optimizers that apply a sparse gradient themselves (the allgather route needs one).
-_SPARSE_CAPABLE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+from .server_optimizer import describe, group_of
 
 
 def sparse_parameter_ids(model) -> set:
@@ -45,8 +43,9 @@ def plan_for(optimizer, named, model, config: Config | None, compression_name: s
              world_size: int, backend_reason: str = "") -> tuple[Plan, RouteResolver]:
     planner = RouteResolver(
         config, has_model=model is not None, world_size=world_size, compression=compression_name,
-        server_rule=lambda name, param: server_rule(optimizer, group_of(optimizer, param), name),
-        applies_sparse=isinstance(optimizer, _SPARSE_CAPABLE), optimizer_name=type(optimizer).__name__)
+        server_rule=lambda name, param: server_rule(describe(optimizer, group_of(optimizer, param)), name),
+        applies_sparse=describe(optimizer, optimizer.param_groups[0]).applies_sparse,
+        optimizer_name=type(optimizer).__name__)
     sparse_ids = sparse_parameter_ids(model)
     variables = []
     for name, p in named:

@@ -1,52 +1,39 @@
-"""The server-side rule that applies a torch optimizer's update to a sparse table.
-
-SGD (no momentum / weight decay) -> sgd; Adagrad -> adagrad; Adam, AdamW (no weight decay)
-and SparseAdam -> adam, applied lazily (only rows with a gradient move, as SparseAdam does).
-Anything else cannot be applied row by row and is an error naming the variable.
-"""
+"""A torch optimizer described for hybridsync.sync.server_rules (which decides the server rule
+and words the errors): SGD -> sgd; Adagrad -> adagrad; Adam, AdamW and SparseAdam -> adam
+(lazy); settings the server cannot apply row by row are listed as blockers."""
 from __future__ import annotations
 
 import torch
 
+from ..sync.server_rules import OptimizerSpec
 
-class UnsupportedSparseOptimizer(ValueError):
-    """The wrapped optimizer has no server-side equivalent for a sparse table."""
-
-
-def _reject(name: str, optimizer, reason: str):
-    raise UnsupportedSparseOptimizer(
-        f"variable '{name}': {type(optimizer).__name__} {reason}, which the parameter server cannot apply to "
-        "a sparse table row by row; use SGD (no momentum), Adagrad, Adam or SparseAdam for it, or give it a "
-        "server optimizer in the config (variables: - match: ... optimizer: {name: adagrad, lr: ...})")
+# Optimizers that apply a sparse gradient themselves (the allgather route needs one).
+_SPARSE_CAPABLE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
 
 
-def server_rule(optimizer, group: dict, name: str) -> dict:
-    """{"name": rule, **hyper-parameters} for variable `name` in param group `group`."""
-    def nonzero(key):
+def describe(optimizer, group: dict) -> OptimizerSpec:
+    """The optimizer with the hyper-parameters of param group `group`."""
+    def set_(key):
         return float(group.get(key, 0) or 0) != 0.0
 
-    if group.get("maximize", False):
-        _reject(name, optimizer, "with maximize=True")
+    blockers = [("maximize", True)] if group.get("maximize", False) else []
     lr = float(group["lr"])
-    if isinstance(optimizer, torch.optim.SparseAdam) or isinstance(optimizer, torch.optim.Adam):
-        if nonzero("weight_decay"):
-            _reject(name, optimizer, f"with weight_decay={group['weight_decay']}")
-        if group.get("amsgrad", False):
-            _reject(name, optimizer, "with amsgrad=True")
+    family, hparams = None, {}
+    if isinstance(optimizer, (torch.optim.SparseAdam, torch.optim.Adam)):  # AdamW is an Adam
         beta1, beta2 = group["betas"]
-        return {"name": "adam", "lr": lr, "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"])}
-    if isinstance(optimizer, torch.optim.Adagrad):
-        if nonzero("weight_decay"):
-            _reject(name, optimizer, f"with weight_decay={group['weight_decay']}")
-        return {"name": "adagrad", "lr": lr, "lr_decay": float(group["lr_decay"]),
-                "initial_accumulator_value": float(group["initial_accumulator_value"]), "eps": float(group["eps"])}
-    if isinstance(optimizer, torch.optim.SGD):
-        if nonzero("momentum"):
-            _reject(name, optimizer, f"with momentum={group['momentum']}")
-        if nonzero("weight_decay"):
-            _reject(name, optimizer, f"with weight_decay={group['weight_decay']}")
-        return {"name": "sgd", "lr": lr}
-    _reject(name, optimizer, "is not supported")
+        family, hparams = "adam", {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": group["eps"]}
+        blockers += [(k, group[k]) for k in ("weight_decay",) if set_(k)]
+        blockers += [("amsgrad", True)] if group.get("amsgrad", False) else []
+    elif isinstance(optimizer, torch.optim.Adagrad):
+        family = "adagrad"
+        hparams = {"lr": lr, "lr_decay": group["lr_decay"], "initial_accumulator_value": group["initial_accumulator_value"],
+                   "eps": group["eps"]}
+        blockers += [(k, group[k]) for k in ("weight_decay",) if set_(k)]
+    elif isinstance(optimizer, torch.optim.SGD):
+        family, hparams = "sgd", {"lr": lr}
+        blockers += [(k, group[k]) for k in ("momentum", "weight_decay") if set_(k)]
+    return OptimizerSpec(type(optimizer).__name__, family, hparams, blockers,
+                         applies_sparse=isinstance(optimizer, _SPARSE_CAPABLE))
 
 
 def group_of(optimizer, param) -> dict:

@@ -1,0 +1,153 @@
+"""Route.PS: gradient rows go to the C++ parameter server, which sums them over ranks and
+applies the server optimizer once per row on the shard that owns it.
+
+ShardedPS    rows live only on the shards (the frontend's PS-backed embedding module or layer
+             made the table); the push is applied before the next pull, so it only sends.
+ReplicatedPS every rank keeps its replica (Horovod-style, no model needed); each shard aliases
+             its rows inside the local replica when it can, and the push returns every row any
+             shard changed, written into every replica, so all replicas stay identical.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import timeline
+from ..types import Placement, Route
+from . import accounting
+from .base import Synchronizer, Variable
+from .registry import register
+from .table import PSTable, push
+
+
+def _table_rows(values, dim: int) -> np.ndarray:
+    """Gradient rows as the engine takes them: float32, (n, dim)."""
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(-1, dim)
+
+
+def _no_rows(dim: int):
+    return np.zeros(0, np.int64), np.zeros((0, dim), np.float32)
+
+
+class _PSRoute(Synchronizer):
+    def _lr(self, var: Variable) -> float:
+        """The learning rate this step: the wrapped optimizer's (LR schedules reach the server),
+        unless the config fixed the server optimizer."""
+        if var.plan.optimizer_source == "config":
+            return float(var.plan.optimizer["lr"])
+        return float(var.access.lr())
+
+    def state_dict(self) -> dict:
+        """Collective: the server optimizer state of every table, gathered whole."""
+        return {var.name: var.table.state(self.ctx.backend.broadcast_object)
+                for var in self.variables if var.table is not None}
+
+    def load_state_dict(self, state: dict) -> None:
+        for var in self.variables:
+            if var.name in state and var.table is not None:
+                var.table.load_state(state[var.name], var.name)
+
+
+@register(Route.PS, Placement.SHARDED)
+class ShardedPS(_PSRoute):
+    waits = False  # the push is applied at the next PS operation
+
+    def prepare(self) -> None:
+        for var in self.variables:  # tables made by the PS modules: name them, set their rules
+            var.table.rename(var.name)
+            var.table.set_rule(var.plan.optimizer)
+
+    def synchronize(self) -> None:
+        tables, ids, grads, lrs = [], [], [], []
+        for var in self.variables:
+            got = var.access.rows()
+            if got is None:
+                continue
+            tables.append(var.table)
+            ids.append(got[0])
+            grads.append(_table_rows(got[1], var.dim))
+            lrs.append(self._lr(var))
+            accounting.ps_sharded(var.plan, var.table.pulled_rows, var.dim)
+            var.table.pulled_rows = 0
+        # Collective even when nothing was staged, so every rank runs the same operations.
+        with timeline.span(f"push ({len(tables)} tables)", "ps"):
+            push(tables, ids, grads, self.ctx.row_scale(), lrs, return_updates=False)
+
+    def in_flight(self) -> bool:
+        return any(var.access.kind() is not None for var in self.variables)
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
+
+
+@register(Route.PS, Placement.REPLICATED)
+class ReplicatedPS(_PSRoute):
+    def prepare(self) -> None:
+        self._register()
+
+    def _register(self) -> None:
+        """Collective: creates the tables of variables that have none yet. Every replica, and so
+        every shard, starts from rank 0's values."""
+        for var in self.variables:
+            if var.table is not None:
+                continue
+            view = var.access.replica()
+            values = view if view is not None else var.access.replica_copy()
+            self.ctx.backend.broadcast_(values, 0, name=f"hybridsync.replica.{var.name}")
+            if view is None:
+                var.access.set_replica(values)
+            rows = var.plan.shape[0]
+            var.table = PSTable(var.name, rows, var.dim, var.plan.shards, var.plan.partition, var.plan.optimizer)
+            self._attach(var, view)
+
+    def _attach(self, var: Variable, view) -> None:
+        """The shard's rows alias the replica when it is plain CPU float32 memory; otherwise the
+        shard owns a copy of its rows."""
+        if view is not None:
+            var.table.attach(view)
+        else:
+            var.table.attach(None)
+            var.table.scatter(var.access.replica_copy())
+
+    def _follow_replicas(self) -> None:
+        """Re-attaches where a replica's memory moved (p.data = ..., model.to(...))."""
+        for var in self.variables:
+            view, attached = var.access.replica(), var.table.attached
+            if view is None:
+                if attached is not None:  # no longer aliasable: the shard takes a copy
+                    self._attach(var, None)
+            elif attached is None or not _same_memory(view, attached):
+                self._attach(var, view)
+
+    def synchronize(self) -> None:
+        self._register()
+        self._follow_replicas()
+        ids, grads, lrs = [], [], []
+        for var in self.variables:
+            got = var.access.rows()
+            i, v = got if got is not None else _no_rows(var.dim)
+            ids.append(i)
+            grads.append(_table_rows(v, var.dim))
+            lrs.append(self._lr(var))
+        tables = [var.table for var in self.variables]
+        with timeline.span(f"push + replica update ({len(tables)} tables)", "ps"):
+            updates = push(tables, ids, grads, self.ctx.row_scale(), lrs, return_updates=True)
+        tl = timeline.get()
+        if tl is not None:
+            tl.engine_events()
+        for var, i, (changed, rows) in zip(self.variables, ids, updates):
+            var.access.write_rows(changed, rows)
+            accounting.ps_replicated(var.plan, len(i), len(changed), var.dim)
+            var.access.applied()
+
+    def state_dict(self) -> dict:
+        self._follow_replicas()
+        return super().state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._register()
+        for var in self.variables:
+            if var.table.attached is None:  # the shard owns a copy: refresh it from the replica
+                self._attach(var, None)
+        self._follow_replicas()
+        super().load_state_dict(state)

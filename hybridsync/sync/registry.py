@@ -1,0 +1,84 @@
+"""The route registry (route, placement) -> synchronizer class, and SyncSet: the synchronizers
+of one distributed optimizer, driven the same way by every frontend."""
+from __future__ import annotations
+
+from .. import timeline
+from ..types import Placement, Route
+from .base import SyncContext, Synchronizer, Variable
+
+_SYNCHRONIZERS: dict = {}
+
+
+def register(route: Route, placement: Placement = Placement.NONE):
+    """Class decorator: the synchronizer of `route` with `placement`."""
+    def decorate(cls):
+        _SYNCHRONIZERS[(route, placement)] = cls
+        return cls
+    return decorate
+
+
+def synchronizer_class(route: Route, placement: Placement, variable: str):
+    _load_routes()
+    cls = _SYNCHRONIZERS.get((route, placement))
+    if cls is None:
+        raise NotImplementedError(f"variable '{variable}': route {route.value} with placement "
+                                  f"{placement.value} is not available")
+    return cls
+
+
+def _load_routes() -> None:
+    # The route modules register themselves on import.
+    from . import allgather, dense, ps_routes  # noqa: F401
+
+
+def key(route: Route, placement: Placement) -> str:
+    """The name a route's state is saved under."""
+    return f"{route.value}/{placement.value}"
+
+
+class SyncSet:
+    def __init__(self, ctx: SyncContext):
+        self.ctx = ctx
+        self.by_route: dict = {}  # (route, placement) -> Synchronizer
+        self.route_of: dict = {}  # Variable -> (route, placement)
+
+    def assign(self, var: Variable) -> Synchronizer:
+        """Puts var under its planned route's synchronizer (made on first use)."""
+        route = (var.plan.route, var.plan.placement)
+        sync = self.by_route.get(route)
+        if sync is None:
+            sync = self.by_route[route] = synchronizer_class(*route, var.name)(self.ctx)
+        sync.add(var)
+        self.route_of[var] = route
+        return sync
+
+    def prepare(self) -> None:
+        for sync in self.by_route.values():
+            sync.prepare()
+
+    def mark_verified(self) -> None:
+        for sync in self.by_route.values():
+            sync.verified = True
+
+    def grad_ready(self, var: Variable) -> None:
+        self.by_route[self.route_of[var]].grad_ready(var)
+
+    def synchronize(self) -> None:
+        """Every route's exchange. Routes that only send (PS pushes) go first, so their messages
+        travel while the routes that wait complete."""
+        for sync in sorted(self.by_route.values(), key=lambda s: s.waits):
+            sync.synchronize()
+
+    def in_flight(self) -> bool:
+        return any(sync.in_flight() for sync in self.by_route.values())
+
+    def state_dict(self) -> dict:
+        """Collective: each route's state (server optimizer state of PS tables), by route."""
+        with timeline.span("state_dict", "ps"):
+            state = {key(*route): sync.state_dict() for route, sync in self.by_route.items()}
+        return {k: v for k, v in state.items() if v}
+
+    def load_state_dict(self, state: dict) -> None:
+        for route, sync in self.by_route.items():
+            if key(*route) in state:
+                sync.load_state_dict(state[key(*route)])

@@ -1,0 +1,131 @@
+"""PS table handles: one table on the C++ parameter server as every frontend sees it, and the
+batched pull/push rounds over several tables. The only Python code that talks to the engine.
+
+Collective methods (every rank calls them, in the same order) say so; the rest are local.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ps
+from .server_rules import hyperparameters
+
+# The rule a table has until a DistributedOptimizer sets the one matching its optimizer.
+PLACEHOLDER_RULE = {"name": "sgd", "lr": 0.0}
+INITIALIZERS = ("normal", "uniform")
+
+
+class PSTable:
+    """A table (num_rows x dim float32 rows) split over `shards` ranks (0: every rank)."""
+
+    def __init__(self, name: str, num_rows: int, dim: int, shards: int = 0, partition: str = "cyclic",
+                 rule: dict | None = None):
+        """Collective: registers the table on every rank (same arguments everywhere)."""
+        self.engine = ps.engine()
+        self.name, self.num_rows, self.dim = name, int(num_rows), int(dim)
+        rule_name, hparams = hyperparameters(rule or PLACEHOLDER_RULE)
+        self.handle = self.engine.add_table(name, self.num_rows, self.dim, int(shards or 0), partition,
+                                            rule_name, hparams)
+        self.pulled_rows = 0  # unique rows pulled since the last push (byte accounting)
+        self._replica = None  # the array the shard's rows alias (kept alive here)
+
+    # -- contents -----------------------------------------------------------------------------
+    def initialize(self, initializer, seed: int) -> None:
+        """Local: fills this rank's shard from ('normal', mean, std) or ('uniform', low, high)
+        with a counter-based generator per (row, column): rows do not depend on the sharding.
+        `seed` must be the same on every rank (see shared_seed)."""
+        kind, a, b = initializer if len(initializer) == 3 else (None, 0, 0)
+        if kind not in INITIALIZERS:
+            raise ValueError(f"initializer must be ('normal', mean, std) or ('uniform', low, high), "
+                             f"got {initializer!r}")
+        init = self.engine.init_normal if kind == "normal" else self.engine.init_uniform
+        init(self.handle, int(seed), float(a), float(b))
+
+    def load_from_root(self, values, root: int = 0) -> None:
+        """Collective: rank `root`'s whole table (num_rows x dim) becomes every shard's rows."""
+        self.engine.load_from_root(self.handle, values, root)
+
+    def scatter(self, values, slot: int = -1) -> None:
+        """Local: this rank's shard takes its rows (slot < 0) or optimizer slot from a whole
+        table that every rank holds."""
+        self.engine.load_local(self.handle, slot, np.ascontiguousarray(values, dtype=np.float32))
+
+    def gather(self, slot: int = -1) -> np.ndarray:
+        """Collective: the whole table (slot < 0) or optimizer slot, on every rank."""
+        return self.engine.gather(self.handle, slot)
+
+    def write_rows(self, ids, rows) -> None:
+        """Local: writes the rows among `ids` that this rank's shard holds."""
+        self.engine.write_local(self.handle, np.asarray(ids, dtype=np.int64), rows)
+
+    def attach(self, replica) -> None:
+        """Local: the shard's rows alias `replica` (the whole table, identical on every rank)
+        from now on; None gives the shard back a copy of its own."""
+        self.engine.attach_replica(self.handle, replica)
+        self._replica = replica
+
+    @property
+    def attached(self):
+        return self._replica
+
+    # -- identity and server optimizer --------------------------------------------------------
+    def rename(self, name: str) -> None:
+        """Local: the name errors use (the variable's path, known after the table was made)."""
+        self.engine.rename_table(self.handle, name)
+        self.name = name
+
+    def set_rule(self, rule: dict) -> None:
+        """Local: the server optimizer of this rank's shard (its state restarts)."""
+        self.engine.set_rule(self.handle, *hyperparameters(rule))
+
+    @property
+    def optimizer(self) -> str:
+        return self.engine.spec(self.handle)["optimizer"]
+
+    def state(self, broadcast_object) -> dict:
+        """Collective: the server optimizer's state, gathered whole: {"optimizer", "step",
+        "slots": {slot name: num_rows x dim array}}. Rank 0 holds shard 0, so its step counts."""
+        slots = {name: self.gather(k) for k, name in enumerate(self.engine.slot_names(self.handle))}
+        step = broadcast_object(self.engine.step(self.handle), 0, name=f"hybridsync.step.{self.name}")
+        return {"optimizer": self.optimizer, "step": int(step), "slots": slots}
+
+    def load_state(self, state: dict, variable: str) -> None:
+        """Local: restores what state() returned (every rank holds all of it)."""
+        if state["optimizer"] != self.optimizer:
+            raise ValueError(f"variable '{variable}': checkpoint has server optimizer '{state['optimizer']}', "
+                             f"this run uses '{self.optimizer}'")
+        for k, name in enumerate(self.engine.slot_names(self.handle)):
+            self.scatter(state["slots"][name], k)
+        self.engine.set_step(self.handle, int(state["step"]))
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def lookup(self, ids):
+        """Collective (local in a world of one): (unique ids pulled, rows) with rows[i] the row
+        of ids[i], shaped ids.shape + (dim,)."""
+        unique, rows = self.engine.lookup(self.handle, ids)
+        self.pulled_rows += len(unique)
+        return unique, rows
+
+
+def pull(tables: list, ids: list) -> list:
+    """Collective: one round for several tables; per table (unique ids, inverse, unique rows)."""
+    results = tables[0].engine.pull([t.handle for t in tables], ids) if tables else []
+    for t, (unique, _, _) in zip(tables, results):
+        t.pulled_rows += len(unique)
+    return results
+
+
+def push(tables: list, ids: list, grads: list, scale: float, lrs: list, return_updates: bool):
+    """Collective, even with no tables (every rank runs the same operations): sends each table's
+    (ids, gradient rows) to their shards, which sum them over ranks, multiply by `scale` and apply
+    their rule once per row at learning rate lrs[i]. With return_updates, waits and returns per
+    table (changed ids, their rows); otherwise the shards apply it before the next operation."""
+    return ps.engine().push([t.handle for t in tables], ids, grads, float(scale), return_updates,
+                            [float(lr) for lr in lrs])
+
+
+def shared_seed(draw: int) -> int:
+    """Collective: rank 0's `draw` on every rank (seeds that make all ranks agree)."""
+    from .. import comm, runtime
+
+    return int(comm.objects().broadcast_object(int(draw), 0, name="hybridsync.seed")) if runtime.world().size > 1 else int(draw)

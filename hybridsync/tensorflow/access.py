@@ -1,0 +1,64 @@
+"""Tensor <-> buffer conversion for the sync core in TensorFlow: each step's gradients reach the
+core as NumPy arrays inside one tf.numpy_function, and what the core returns (reduced
+gradients, gathered rows, rows the server changed) leaves it as that op's outputs."""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+
+class KerasAccess:
+    """One Keras variable as the sync core sees it (GradAccess). begin() hands it a step's
+    gradient arrays; the results wait in `out` for the op's outputs. The replica methods run
+    eagerly, at plan time."""
+
+    def __init__(self, variable, dtype: str, rows: int, dim: int):
+        self.variable, self.dtype, self.rows_, self.dim = variable, np.dtype(dtype), rows, dim
+        self._kind = self._dense = self._rows = None
+        self._lr = 0.0
+        self.out: tuple = ()
+
+    def begin(self, kind, arrays: tuple, lr: float) -> None:
+        """A step's gradient: kind 'dense' with (array,), 'sparse' with (ids, values), or None."""
+        self._kind, self._lr = kind, lr
+        self._dense = arrays[0] if kind == "dense" else None
+        self._rows = arrays if kind == "sparse" else None
+        self.out = arrays  # unchanged unless the core says otherwise (a world of one)
+
+    def kind(self):
+        return self._kind
+
+    def dense(self, codec):
+        # numpy_function's inputs may be read-only views of tensors: reduce a copy.
+        a = np.array(self._dense, copy=True, order="C")
+        wire = codec.wire_dtype(a.dtype.name)
+        return a.astype(wire) if wire is not None else a
+
+    def set_dense(self, buffer) -> None:
+        self.out = (buffer.astype(self.dtype, copy=False),)
+
+    def rows(self):
+        return self._rows
+
+    def set_rows(self, ids, values) -> None:
+        self.out = (ids, values.astype(self.dtype, copy=False))
+
+    def applied(self) -> None:
+        pass
+
+    def lr(self) -> float:
+        return self._lr
+
+    def replica(self):
+        return None  # a TF variable's memory cannot be aliased: the shard keeps a copy
+
+    def replica_copy(self):
+        with tf.init_scope():
+            return np.array(self.variable.numpy(), dtype=np.float32).reshape(self.rows_, self.dim)
+
+    def set_replica(self, values) -> None:
+        with tf.init_scope():
+            self.variable.assign(values.reshape(self.variable.shape))
+
+    def write_rows(self, ids, rows) -> None:
+        self.out = (ids, rows)
