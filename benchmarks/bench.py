@@ -2,6 +2,8 @@
 
     python benchmarks/bench.py              # `make bench`: 1, 2, 4 ranks, 3 repeats each
     python benchmarks/bench.py --quick      # a smoke run: fewer steps, 1 repeat
+    python benchmarks/bench.py --compare ../old-checkout   # also runs that checkout's hybridsync
+                                            # ("<system>@before"), interleaved in the same rounds
 
 Each configuration runs under its own `mpirun` (benchmarks/run_one.py), repeated; medians are
 reported. Writes benchmarks/results/latest.{json,md,png} (and a timestamped JSON copy), prints
@@ -40,25 +42,32 @@ def mpirun(ranks: int) -> list[str]:
     return cmd + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
 
 
+COMPARE_TREE = None  # --compare: another checkout whose hybridsync runs as "<system>@before"
+
+
 def run(system, ranks, steps, warmup, global_ranks=0, timeout=900):
-    cmd = mpirun(ranks) + [sys.executable, str(ROOT / "benchmarks" / "run_one.py"), "--system", system,
+    label, system, tree = system, system.split("@")[0], ROOT
+    env = dict(os.environ)
+    if label.endswith("@before"):  # the other checkout's package and run_one.py
+        tree = COMPARE_TREE
+        env["PYTHONPATH"] = str(tree) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = mpirun(ranks) + [sys.executable, str(tree / "benchmarks" / "run_one.py"), "--system", system,
                            "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port())]
     if global_ranks:
         cmd += ["--global-ranks", str(global_ranks)]
     # '-yield': Horovod with waiting MPI calls yielding the core (its MPI controller thread
     # busy-waits otherwise). hybridsync sets this for itself; plain Horovod does not.
-    env = dict(os.environ)
     env.pop("OMPI_MCA_mpi_yield_when_idle", None)
     if system.endswith("-yield"):
         env["OMPI_MCA_mpi_yield_when_idle"] = "1"
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
-        return {"system": system, "ranks": ranks, "error": f"timed out after {timeout} s"}
+        return {"system": label, "ranks": ranks, "error": f"timed out after {timeout} s"}
     found = re.search(r"BENCH-RESULT (\{.*\})", out.stdout)
     if out.returncode != 0 or not found:
-        return {"system": system, "ranks": ranks, "error": (out.stdout + out.stderr)[-2000:]}
-    return json.loads(found.group(1))
+        return {"system": label, "ranks": ranks, "error": (out.stdout + out.stderr)[-2000:]}
+    return {**json.loads(found.group(1)), "system": label}
 
 
 def plan_runs(args):
@@ -73,9 +82,21 @@ def plan_runs(args):
             runs.append(("main", "horovod-sparse-as-dense", 2, args.dense_steps, 3, 0))
     for ranks in args.ranks:  # single-process references on the same global batches
         if ranks > 1:
-            for system in args.systems:
+            for system in (s for s in args.systems if not s.endswith("@before")):
                 runs.append(("reference", system, 1, args.steps, args.warmup, ranks))
     return runs
+
+
+def compared(summary) -> list[str]:
+    """'after vs before' lines: each hybridsync system against the --compare checkout's."""
+    by = {(s["system"], s["ranks"]): s for s in summary}
+    lines = []
+    for (system, ranks), s in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        before = by.get((f"{system}@before", ranks))
+        if before and s["samples_per_s"] and before["samples_per_s"]:
+            lines.append(f"- {system} x{ranks}: {s['ms_per_step']:.2f} ms/step now vs {before['ms_per_step']:.2f} before "
+                         f"= {s['samples_per_s'] / before['samples_per_s']:.3f}x the samples/s")
+    return lines
 
 
 def median(values):
@@ -244,12 +265,18 @@ def main():
     p.add_argument("--quick", action="store_true", help="1 repeat, 60 steps: a smoke run")
     p.add_argument("--no-readme", action="store_true")
     p.add_argument("--retries", type=int, default=2, help="re-runs of a run that crashed (each failure is reported)")
+    p.add_argument("--compare", metavar="CHECKOUT", help="also run this checkout's hybridsync systems as "
+                   "'<system>@before' (its C++ extension built in place), in the same interleaved rounds")
     args = p.parse_args()
     args.ranks = [int(x) for x in args.ranks.split(",")]
     args.systems = args.systems.split(",")
     args.skip = args.skip.split(",")
     if args.quick:
         args.repeats, args.steps, args.warmup, args.dense_steps = 1, 60, 10, 5
+    if args.compare:
+        global COMPARE_TREE
+        COMPARE_TREE = Path(args.compare).resolve()
+        args.systems += [f"{s}@before" for s in args.systems if s.startswith("hybridsync")]
 
     runs = plan_runs(args)
     raw = []
@@ -269,8 +296,9 @@ def main():
     table = markdown(summary, meta) + failures(raw)
     checks = targets(summary)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    before_lines = compared(summary)
     payload = {"meta": meta, "summary": summary, "targets": [{"target": n, "met": ok, "measured": d} for n, ok, d in checks],
-               "runs": raw}
+               "compared_with": args.compare, "after_vs_before": before_lines, "runs": raw}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for name in (f"bench-{stamp}.json", "latest.json"):
         (RESULTS / name).write_text(json.dumps(payload, indent=2))
@@ -280,6 +308,8 @@ def main():
     plot(summary, RESULTS / "latest.png")
     print(table)
     print("\nTargets:\n" + target_lines)
+    if before_lines:
+        print(f"\nThis checkout vs {args.compare} (same run, interleaved):\n" + "\n".join(before_lines))
     print(f"\nwrote {RESULTS / 'latest.json'}, latest.md, latest.png")
     if not args.no_readme and not args.quick:
         update_readme(table + "\n\n" + target_lines + "\n\n![throughput and memory](benchmarks/results/latest.png)")

@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 
-from .settings import gloo_world, launched_by_gloo, launched_by_mpi  # noqa: F401  (re-exported)
+from .settings import gloo_world, launched_by_gloo
 
 
 class LaunchError(RuntimeError):

@@ -8,7 +8,7 @@ import sys
 import threading
 
 from .. import runtime
-from ..settings import BACKENDS, settings
+from ..settings import BACKENDS, launched_by_gloo, settings
 
 
 class BackendError(ValueError):
@@ -50,7 +50,7 @@ def choose(requested: str | None = None) -> str:
         raise BackendError(f"unknown dense backend {name!r} (known: {', '.join(BACKENDS)})")
     if name == "horovod" and not horovod.available():
         raise BackendError("dense backend 'horovod' was requested, but Horovod with PyTorch support is not installed")
-    if name == "mpi" and runtime.launched_by_gloo():
+    if name == "mpi" and launched_by_gloo():
         raise BackendError("dense backend 'mpi' needs an MPI launch, but this job was started with `horovodrun --gloo`")
     if name is None:
         if not horovod.available():
@@ -58,7 +58,7 @@ def choose(requested: str | None = None) -> str:
             if not _warned:
                 _warned = True
                 print("hybridsync: Horovod is not installed; dense all-reduce uses MPI (mpi4py)", file=sys.stderr)
-        elif runtime.launched_by_gloo() or horovod_has_spare_cores():
+        elif launched_by_gloo() or horovod_has_spare_cores():
             name, _why["horovod"] = "horovod", "default"
         else:
             name, _why["mpi"] = "mpi", ("auto: Horovod's MPI controller busy-waits and this host has no spare "

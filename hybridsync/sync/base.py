@@ -12,8 +12,20 @@ from typing import Protocol
 import numpy as np
 
 from ..plan import VariablePlan
-from ..types import ReduceOp
+from ..types import ReduceOp, as_reduce_op
 from .compression import NONE, Codec
+
+
+def check_options(op, gradient_predivide_factor: float, backward_passes_per_step: int) -> ReduceOp:
+    """Validates a DistributedOptimizer's reduction options (both frontends); returns the op."""
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    op = as_reduce_op(op)
+    if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    return op
 
 
 class GradAccess(Protocol):

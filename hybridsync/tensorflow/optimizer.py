@@ -23,10 +23,10 @@ from .. import config as config_mod
 from ..plan import Plan, VariablePlan
 from ..routing import RouteResolver
 from ..sync.agreement import agree
-from ..sync.base import SyncContext, Variable
+from ..sync.base import SyncContext, Variable, check_options
 from ..sync.registry import SyncSet
 from ..sync.server_rules import server_rule
-from ..types import GradKind, Placement, ReduceOp, Route, as_reduce_op
+from ..types import GradKind, Placement, ReduceOp, Route
 from . import collectives
 from .access import KerasAccess
 from .server_optimizer import describe
@@ -46,8 +46,9 @@ def _table_shape(shape) -> tuple[int, int]:
 class _DistributedKerasOptimizer:
     """Put in front of the wrapped optimizer's class. Attributes are prefixed `_hs_`."""
 
-    def _hs_setup(self, config, op, compression):
+    def _hs_setup(self, config, op, compression, gradient_predivide_factor):
         runtime.init()
+        self._hs_predivide = gradient_predivide_factor
         self._hs_config = config_mod.load(config if config is not None else runtime.default_config())
         self._hs_op = op
         self._hs_compression = compression
@@ -98,7 +99,7 @@ class _DistributedKerasOptimizer:
             layer = getattr(v, "_hybridsync_table", None)
             access = KerasAccess(v, vp.dtype, *_table_shape(vp.shape))
             self._hs_vars.append(Variable(vp.name, vp, access, index=i, table=layer.table if layer else None))
-        self._hs_sync = SyncSet(SyncContext(backend, self._hs_op, world.size,
+        self._hs_sync = SyncSet(SyncContext(backend, self._hs_op, world.size, self._hs_predivide,
                                             loss_scale=float(self.loss_scale_factor or 1.0)))
         for var in self._hs_vars:
             self._hs_sync.assign(var)
@@ -198,8 +199,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=No
     """Wraps a Keras 3 optimizer (the same object is returned, now synchronizing gradients).
 
     config: YAML path or dict (or hybridsync.init(config=...) / HYBRIDSYNC_CONFIG), the same file
-    as for PyTorch. compression: 'none' | 'fp16' for the dense all-reduce. op: Average or Sum.
-    Arguments that only the PyTorch frontend has must keep their defaults.
+    as for PyTorch. compression: 'none' | 'fp16' for the dense all-reduce. op: Average or Sum;
+    gradient_predivide_factor as in PyTorch. named_parameters, model and backward_passes_per_step
+    are PyTorch's and must keep their defaults.
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"expected a Keras optimizer, got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
@@ -207,17 +209,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=No
         raise ValueError("this optimizer is already a hybridsync DistributedOptimizer")
     if named_parameters is not None or model is not None:
         raise ValueError("named_parameters and model are PyTorch arguments: a Keras optimizer knows its variables")
-    if backward_passes_per_step != 1 or gradient_predivide_factor != 1.0:
-        raise ValueError("backward_passes_per_step and gradient_predivide_factor are PyTorch arguments "
-                         "(for accumulation, use the Keras optimizer's gradient_accumulation_steps)")
+    if backward_passes_per_step != 1:
+        raise ValueError("backward_passes_per_step is a PyTorch argument: Keras applies once per batch (for "
+                         "accumulation of dense variables, use the Keras optimizer's gradient_accumulation_steps)")
     if backend not in (None, "mpi"):
         raise ValueError(f"the TensorFlow frontend all-reduces over MPI (backend='mpi'); got backend={backend!r}")
-    op = as_reduce_op(op)
+    op = check_options(op, gradient_predivide_factor, backward_passes_per_step)
     name = compression if isinstance(compression, str) or compression is None else getattr(compression, "name", None)
     name = {None: "none", "none": "none", "fp16": "fp16"}.get(name)
     if name is None:
         raise ValueError(f"compression must be 'none' or 'fp16' for the TensorFlow frontend, got {compression!r}")
     base = type(optimizer)
     optimizer.__class__ = type(base.__name__, (_DistributedKerasOptimizer, base), {"__module__": __name__})
-    optimizer._hs_setup(config, op, name)
+    optimizer._hs_setup(config, op, name, gradient_predivide_factor)
     return optimizer

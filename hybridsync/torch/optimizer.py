@@ -21,9 +21,9 @@ from .. import plan as plan_mod
 from .. import runtime, timeline
 from ..settings import settings
 from ..sync.agreement import agree
-from ..sync.base import SyncContext, Variable
+from ..sync.base import SyncContext, Variable, check_options
 from ..sync.registry import SyncSet
-from ..types import GradKind, Placement, ReduceOp, as_reduce_op
+from ..types import GradKind, Placement, ReduceOp
 from .access import ParamAccess, StagedRowsAccess
 from .batching import BatchedLookups
 from .compression import Compression, NoneCompressor
@@ -320,13 +320,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=No
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a hybridsync DistributedOptimizer")
-    if backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-    op = as_reduce_op(op)
-    if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
-        raise ValueError("gradient_predivide_factor is only supported with op=Average")
-    if gradient_predivide_factor <= 0:
-        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    op = check_options(op, gradient_predivide_factor, backward_passes_per_step)
     if compression is None:
         compression = NoneCompressor
     elif isinstance(compression, str):
