@@ -1,6 +1,8 @@
 // pybind11 module hybridsync._ps: the C++ parameter server, seen from Python through NumPy
-// arrays (torch and TF adapters pass zero-copy views). Collective calls release the GIL.
-// Bad arrays never make a rank skip a collective: they become an `error` the Engine announces
+// arrays (torch and TF adapters pass zero-copy views). Every call into the Client releases the
+// GIL first: the Client serialises its callers with a lock, and a thread holding the GIL while
+// it waits for that lock would stall the thread inside a collective that needs the GIL back.
+// Bad arrays never make a rank skip a collective: they become an `error` the Client announces
 // to every peer, so all ranks raise instead of leaving one waiting.
 #include <mpi.h>
 #include <mpi4py/mpi4py.h>
@@ -8,10 +10,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <mutex>
-
 #include "hybridsync/ps.h"
-#include "transport/mpi_transport.h"
+#include "ps/dedup.h"
+#include "ps/trace.h"
+#include "transport/transport.h"
 
 namespace py = pybind11;
 using namespace hybridsync;
@@ -90,49 +92,59 @@ PartitionKind partition_kind(const std::string& name) {
   throw PSError("unknown partition '" + name + "' (known: cyclic, block)");
 }
 
-// The Python object around an Engine: one thread at a time, GIL released while it runs.
+// Runs `body` on the Client without the GIL (see the top of this file).
+template <class F>
+auto nogil(F&& body) -> decltype(body()) {
+  py::gil_scoped_release release;
+  return body();
+}
+
+// The Python object around a Client.
 class PyEngine {
  public:
   PyEngine(py::object comm, const WaitPolicy& policy) {
     MPI_Comm* c = PyMPIComm_Get(comm.ptr());
     if (!c) throw py::error_already_set();
-    engine_ = std::make_unique<Engine>(std::make_unique<MPITransport>(*c, policy));
+    client_ = std::make_unique<Client>(make_transport("mpi", TransportOptions{c, policy}));
   }
 
+  // Collective. A bad partition name becomes the operation's error, so every rank raises.
   int add_table(const std::string& name, int64_t num_rows, int64_t dim, int num_shards,
                 const std::string& partition, const std::string& optimizer,
                 const std::map<std::string, double>& hparams) {
-    TableSpec spec{name, num_rows, dim, num_shards, partition_kind(partition), optimizer, hparams};
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mu_);
-    return engine_->add_table(spec);
+    std::string error;
+    PartitionKind kind = PartitionKind::kCyclic;
+    try {
+      kind = partition_kind(partition);
+    } catch (const PSError& e) {
+      error = e.what();
+    }
+    TableSpec spec{name, num_rows, dim, num_shards, kind, optimizer, hparams};
+    return nogil([&] { return client_->add_table(spec, error); });
   }
 
   py::list pull(const std::vector<int>& tables, const py::list& ids) {
     std::string error;
     std::vector<IdArray> keep;
     std::vector<TableBatch> batches;
+    std::vector<int64_t> dims;
     if (tables.size() != ids.size()) error = "pull: " + std::to_string(tables.size()) + " tables but " + std::to_string(ids.size()) + " id arrays";
     for (size_t b = 0; b < tables.size() && error.empty(); ++b) {
-      const std::string& name = spec_or_error(tables[b], &error);
+      const TableSpec spec = spec_or_error(tables[b], &error);
       if (!error.empty()) break;
-      keep.push_back(ids_of(ids[b], name, &error));
+      keep.push_back(ids_of(ids[b], spec.name, &error));
+      dims.push_back(spec.dim);
       if (error.empty()) batches.push_back({tables[b], keep.back().data(), keep.back().size(), nullptr});
     }
-    std::vector<PullResult> results;
-    {
-      py::gil_scoped_release nogil;
-      std::lock_guard<std::mutex> lock(mu_);
-      results = engine_->pull(error.empty() ? batches : std::vector<TableBatch>{}, error);
-    }
+    if (!error.empty()) batches.clear();  // the operation still runs, so peers stay in step
+    std::vector<PullResult> results = nogil([&] { return client_->pull(batches, error); });
     py::list out;
     for (size_t b = 0; b < results.size(); ++b) {
       const auto u = static_cast<py::ssize_t>(results[b].unique.size());
       const auto n = static_cast<py::ssize_t>(results[b].inverse.size());
-      const auto dim = static_cast<py::ssize_t>(engine_->spec(tables[b]).dim);
       out.append(py::make_tuple(to_numpy(std::move(results[b].unique), {u}),
                                 to_numpy(std::move(results[b].inverse), {n}),
-                                to_numpy(std::move(results[b].rows), {u, dim})));
+                                to_numpy(std::move(results[b].rows), {u, static_cast<py::ssize_t>(dims[b])})));
     }
     return out;
   }
@@ -140,14 +152,14 @@ class PyEngine {
   // Pull for one table, returned in input order: (unique ids, out) with out[i] the row of
   // ids[i], shaped ids.shape + (dim,). What an nn.Embedding forward needs, in one call.
   py::tuple lookup(int table, const py::object& ids) {
-    if (engine_->size() == 1) return lookup_local(table, ids);
+    if (client_->size() == 1) return lookup_local(table, ids);
     py::list one;
     one.append(ids);
     py::list results = pull({table}, one);
     auto result = results[0].cast<py::tuple>();
     auto inverse = result[1].cast<py::array_t<int64_t>>();
     auto rows = result[2].cast<py::array_t<float>>();
-    const int64_t dim = engine_->spec(table).dim;
+    const int64_t dim = rows.shape(1);
     std::vector<py::ssize_t> shape;
     py::array given = py::array::ensure(ids);
     for (py::ssize_t i = 0; i < given.ndim(); ++i) shape.push_back(given.shape(i));
@@ -165,7 +177,7 @@ class PyEngine {
   // lookup() in a world of one: rows copied straight from the local shard, nothing deduplicated
   // or exchanged. The first element is empty: no rows were pulled from anywhere.
   py::tuple lookup_local(int table, const py::object& ids_obj) {
-    const TableSpec& spec = engine_->spec(table);
+    const TableSpec spec = this->spec(table);
     std::string error;
     IdArray ids = ids_of(ids_obj, spec.name, &error);
     if (!error.empty()) throw PSError(error);
@@ -174,11 +186,8 @@ class PyEngine {
     for (py::ssize_t i = 0; i < given.ndim(); ++i) shape.push_back(given.shape(i));
     shape.push_back(static_cast<py::ssize_t>(spec.dim));
     py::array_t<float> out(shape);
-    {
-      py::gil_scoped_release nogil;
-      std::lock_guard<std::mutex> lock(mu_);
-      engine_->lookup_local(table, ids.data(), ids.size(), out.mutable_data());
-    }
+    float* dst = out.mutable_data();
+    nogil([&] { client_->lookup_local(table, ids.data(), ids.size(), dst); });
     return py::make_tuple(py::array_t<int64_t>(0), out);
   }
 
@@ -190,6 +199,7 @@ class PyEngine {
     std::vector<RowArray> keep_grads;
     std::vector<TableBatch> batches;
     std::vector<double> lr_values;
+    std::vector<int64_t> dims;
     if (tables.size() != ids.size() || tables.size() != grads.size()) {
       error = "push: tables, ids and grads must have the same length";
     } else if (!lrs.is_none()) {
@@ -197,112 +207,98 @@ class PyEngine {
       if (lr_values.size() != tables.size()) error = "push: one learning rate per table is required";
     }
     for (size_t b = 0; b < tables.size() && error.empty(); ++b) {
-      const std::string& name = spec_or_error(tables[b], &error);
+      const TableSpec spec = spec_or_error(tables[b], &error);
       if (!error.empty()) break;
-      const int64_t dim = engine_->spec(tables[b]).dim;
-      keep_ids.push_back(ids_of(ids[b], name, &error));
+      dims.push_back(spec.dim);
+      keep_ids.push_back(ids_of(ids[b], spec.name, &error));
       if (!error.empty()) break;
-      keep_grads.push_back(grads_of(grads[b], name, keep_ids.back().size(), dim, &error));
+      keep_grads.push_back(grads_of(grads[b], spec.name, keep_ids.back().size(), spec.dim, &error));
       if (!error.empty()) break;
       const double lr = lr_values.empty() ? -1.0 : lr_values[b];
       if (!lr_values.empty() && !(lr >= 0)) {
-        error = "table '" + name + "': learning rate must be >= 0, got " + std::to_string(lr);
+        error = "table '" + spec.name + "': learning rate must be >= 0, got " + std::to_string(lr);
         break;
       }
       batches.push_back({tables[b], keep_ids.back().data(), keep_ids.back().size(), keep_grads.back().data(), lr});
     }
-    std::vector<RowUpdates> updates;
-    {
-      py::gil_scoped_release nogil;
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error.empty()) batches.clear();  // the operation still runs, so peers stay in step
-      updates = engine_->push(batches, scale, return_updates, error);
-    }
+    if (!error.empty()) batches.clear();  // the operation still runs, so peers stay in step
+    std::vector<RowUpdates> updates = nogil([&] { return client_->push(batches, scale, return_updates, error); });
     if (!return_updates) return py::none();
     py::list out;
     for (size_t b = 0; b < updates.size(); ++b) {
       const auto n = static_cast<py::ssize_t>(updates[b].ids.size());
-      const auto dim = static_cast<py::ssize_t>(engine_->spec(tables[b]).dim);
-      out.append(py::make_tuple(to_numpy(std::move(updates[b].ids), {n}), to_numpy(std::move(updates[b].rows), {n, dim})));
+      out.append(py::make_tuple(to_numpy(std::move(updates[b].ids), {n}),
+                                to_numpy(std::move(updates[b].rows), {n, static_cast<py::ssize_t>(dims[b])})));
     }
     return out;
   }
 
   void flush() {
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mu_);
-    engine_->flush();
+    nogil([&] { client_->flush(); });
   }
 
+  // Collective. Only the root reads `values`; a bad array there becomes the operation's error,
+  // so every rank raises instead of the shards waiting for rows until the timeout.
   void load_from_root(int table, const py::object& values, int root) {
     std::string error;
-    const TableSpec& spec = engine_->spec(table);
     const float* data = nullptr;
-    if (engine_->rank() == root) data = table_buffer(values, spec, false, &error);
-    if (!error.empty()) throw PSError(error);  // only the root reads values
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mu_);
-    engine_->load_from_root(table, data, root);
+    if (client_->rank() == root) data = table_buffer(values, spec(table), false, &error);
+    nogil([&] { client_->load_from_root(table, data, root, error); });
   }
 
   void load_local(int table, int slot, const py::object& values) {
     std::string error;
-    const float* data = table_buffer(values, engine_->spec(table), false, &error);
+    const float* data = table_buffer(values, spec(table), false, &error);
     if (!error.empty()) throw PSError(error);
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mu_);
-    engine_->load_local(table, slot, data);
+    nogil([&] { client_->load_local(table, slot, data); });
   }
 
   // The shard's rows alias `replica` (kept alive by the caller, who re-attaches if its memory
-  // moves: see attached_address); None detaches.
+  // moves); None detaches.
   void attach_replica(int table, const py::object& replica) {
     float* data = nullptr;
     if (!replica.is_none()) {
       std::string error;
-      data = table_buffer(replica, engine_->spec(table), true, &error);
+      data = table_buffer(replica, spec(table), true, &error);
       if (!error.empty()) throw PSError(error);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    engine_->attach_replica(table, data);
+    nogil([&] { client_->attach_replica(table, data); });
   }
 
   void write_local(int table, const py::object& ids_obj, const py::object& rows_obj) {
     std::string error;
-    const TableSpec& spec = engine_->spec(table);
+    const TableSpec spec = this->spec(table);
     IdArray ids = ids_of(ids_obj, spec.name, &error);
     RowArray rows;
     if (error.empty()) rows = grads_of(rows_obj, spec.name, ids.size(), spec.dim, &error, "rows");
     if (!error.empty()) throw PSError(error);
-    std::lock_guard<std::mutex> lock(mu_);
-    engine_->write_local(table, ids.data(), ids.size(), rows.data());
+    nogil([&] { client_->write_local(table, ids.data(), ids.size(), rows.data()); });
   }
 
   py::array_t<float> gather(int table, int slot) {
-    const TableSpec& spec = engine_->spec(table);
-    std::vector<float> full;
-    {
-      py::gil_scoped_release nogil;
-      std::lock_guard<std::mutex> lock(mu_);
-      full = engine_->gather(table, slot);
-    }
+    const TableSpec spec = this->spec(table);
+    std::vector<float> full = nogil([&] { return client_->gather(table, slot); });
     return to_numpy(std::move(full), {static_cast<py::ssize_t>(spec.num_rows), static_cast<py::ssize_t>(spec.dim)});
   }
 
-  Engine& engine() { return *engine_; }
-
- private:
-  const std::string& spec_or_error(int table, std::string* error) {
-    static const std::string none;
-    if (table < 0 || table >= engine_->num_tables()) {
-      *error = "unknown PS table handle " + std::to_string(table);
-      return none;
-    }
-    return engine_->spec(table).name;
+  TableSpec spec(int table) {
+    return nogil([&] { return client_->spec(table); });
   }
 
-  std::unique_ptr<Engine> engine_;
-  std::mutex mu_;
+  Client& client() { return *client_; }
+
+ private:
+  // The spec of `table`, or (an empty one and) an error naming the bad handle.
+  TableSpec spec_or_error(int table, std::string* error) {
+    try {
+      return spec(table);
+    } catch (const PSError& e) {
+      *error = e.what();
+      return TableSpec{};
+    }
+  }
+
+  std::unique_ptr<Client> client_;
 };
 
 // A single shard on its own, for tests and single-process use: ids are its local rows.
@@ -333,14 +329,11 @@ class PyShard {
     RowArray grads;
     if (error.empty()) grads = grads_of(grads_obj, shard_.table(), ids.size(), shard_.dim(), &error);
     if (!error.empty()) throw PSError(error);
-    Dedup dd = deduplicate(shard_.table(), ids.data(), ids.size(), shard_.rows());
-    const int64_t dim = shard_.dim();
-    std::vector<float> summed(dd.unique.size() * dim, 0.0f);
-    for (py::ssize_t i = 0; i < ids.size(); ++i) {
-      for (int64_t j = 0; j < dim; ++j) summed[dd.inverse[i] * dim + j] += grads.data()[i * dim + j];
-    }
-    shard_.rule().begin_step();
-    shard_.apply(dd.unique.data(), static_cast<int64_t>(dd.unique.size()), summed.data());
+    // The servers' own code path: validate, add duplicate rows up, one step over the sums.
+    check_ids(shard_.table(), ids.data(), ids.size(), shard_.rows());
+    sums_.begin(shard_.dim(), static_cast<size_t>(ids.size()));
+    sums_.add(ids.data(), ids.size(), grads.data());
+    sums_.apply(shard_, 1.0f);
   }
 
   py::array_t<float> values(int slot) const {
@@ -369,6 +362,7 @@ class PyShard {
 
  private:
   Shard shard_;
+  RowAggregator sums_;
 };
 
 }  // namespace
@@ -403,9 +397,7 @@ PYBIND11_MODULE(_ps, m) {
       .def("global_id", &Partitioner::global_id)
       .def("shard_rows", &Partitioner::shard_rows);
 
-  m.def("optimizer_slots", [](const std::string& name, const std::map<std::string, double>& hparams) {
-    return make_update_rule(name, hparams)->slot_names();
-  });
+  m.def("optimizer_names", &update_rule_names, "Registered server optimizers.");
   m.def("optimizer_hyperparameters", [](const std::string& name, const std::map<std::string, double>& hparams) {
     return std::map<std::string, double>(make_update_rule(name, hparams)->hyperparameters());
   });
@@ -430,9 +422,8 @@ PYBIND11_MODULE(_ps, m) {
            }),
            py::arg("comm"), py::arg("spin_us") = 50.0, py::arg("max_sleep_us") = 200.0,
            py::arg("stall_warning_s") = 60.0, py::arg("timeout_s") = 600.0)
-      .def_property_readonly("rank", [](PyEngine& e) { return e.engine().rank(); })
-      .def_property_readonly("size", [](PyEngine& e) { return e.engine().size(); })
-      .def_property_readonly("num_tables", [](PyEngine& e) { return e.engine().num_tables(); })
+      .def_property_readonly("rank", [](PyEngine& e) { return e.client().rank(); })
+      .def_property_readonly("size", [](PyEngine& e) { return e.client().size(); })
       .def("add_table", &PyEngine::add_table, py::arg("name"), py::arg("num_rows"), py::arg("dim"),
            py::arg("num_shards") = 0, py::arg("partition") = "cyclic", py::arg("optimizer") = "sgd",
            py::arg("hparams") = std::map<std::string, double>{})
@@ -441,24 +432,25 @@ PYBIND11_MODULE(_ps, m) {
       .def("push", &PyEngine::push, py::arg("tables"), py::arg("ids"), py::arg("grads"),
            py::arg("scale") = 1.0f, py::arg("return_updates") = false, py::arg("lrs") = py::none())
       .def("set_rule", [](PyEngine& e, int t, const std::string& rule, const std::map<std::string, double>& hparams) {
-             e.engine().set_rule(t, rule, hparams);
+             nogil([&] { e.client().set_rule(t, rule, hparams); });
            }, py::arg("table"), py::arg("optimizer"), py::arg("hparams") = std::map<std::string, double>{})
       .def("flush", &PyEngine::flush)
       .def("attach_replica", &PyEngine::attach_replica, py::arg("table"), py::arg("replica"))
-      .def("attached_address", [](PyEngine& e, int t) { return reinterpret_cast<uintptr_t>(e.engine().attached_replica(t)); })
       .def("write_local", &PyEngine::write_local, py::arg("table"), py::arg("ids"), py::arg("rows"))
-      .def("rename_table", [](PyEngine& e, int t, const std::string& name) { e.engine().rename_table(t, name); })
+      .def("rename_table", [](PyEngine& e, int t, const std::string& name) { nogil([&] { e.client().rename_table(t, name); }); })
       .def("load_from_root", &PyEngine::load_from_root, py::arg("table"), py::arg("values"), py::arg("root") = 0)
       .def("load_local", &PyEngine::load_local, py::arg("table"), py::arg("slot"), py::arg("values"))
-      .def("init_normal", [](PyEngine& e, int t, uint64_t seed, float mean, float std) { e.engine().init_normal(t, seed, mean, std); },
-           py::arg("table"), py::arg("seed"), py::arg("mean") = 0.0f, py::arg("std") = 1.0f)
-      .def("init_uniform", [](PyEngine& e, int t, uint64_t seed, float low, float high) { e.engine().init_uniform(t, seed, low, high); },
-           py::arg("table"), py::arg("seed"), py::arg("low"), py::arg("high"))
+      .def("init_normal", [](PyEngine& e, int t, uint64_t seed, float mean, float std) {
+             nogil([&] { e.client().init_normal(t, seed, mean, std); });
+           }, py::arg("table"), py::arg("seed"), py::arg("mean") = 0.0f, py::arg("std") = 1.0f)
+      .def("init_uniform", [](PyEngine& e, int t, uint64_t seed, float low, float high) {
+             nogil([&] { e.client().init_uniform(t, seed, low, high); });
+           }, py::arg("table"), py::arg("seed"), py::arg("low"), py::arg("high"))
       .def("gather", &PyEngine::gather, py::arg("table"), py::arg("slot") = -1)
-      .def("set_step", [](PyEngine& e, int t, int64_t step) { e.engine().set_step(t, step); })
-      .def("step", [](PyEngine& e, int t) { return e.engine().step(t); })
+      .def("set_step", [](PyEngine& e, int t, int64_t step) { nogil([&] { e.client().set_step(t, step); }); })
+      .def("step", [](PyEngine& e, int t) { return nogil([&] { return e.client().step(t); }); })
       .def("spec", [](PyEngine& e, int t) {
-        const TableSpec& s = e.engine().spec(t);
+        const TableSpec s = e.spec(t);
         py::dict d;
         d["name"] = s.name;
         d["num_rows"] = s.num_rows;
@@ -469,27 +461,25 @@ PYBIND11_MODULE(_ps, m) {
         d["hparams"] = s.hparams;
         return d;
       })
-      .def("slot_names", [](PyEngine& e, int t) { return make_update_rule(e.engine().spec(t).rule, e.engine().spec(t).hparams)->slot_names(); })
-      .def("hyperparameters", [](PyEngine& e, int t) {
-        Shard* s = e.engine().local_shard(t);
-        return s ? std::map<std::string, double>(s->rule().hyperparameters()) : e.engine().spec(t).hparams;
-      })
-      .def("shard_rows", [](PyEngine& e, int t) { Shard* s = e.engine().local_shard(t); return s ? s->rows() : 0; })
-      .def("row_store_bytes", [](PyEngine& e) { return e.engine().row_store_bytes(); })
-      .def("state_bytes", [](PyEngine& e) { return e.engine().state_bytes(); })
+      .def("slot_names", [](PyEngine& e, int t) { return nogil([&] { return e.client().slot_names(t); }); })
+      .def("hyperparameters", [](PyEngine& e, int t) { return nogil([&] { return e.client().hyperparameters(t); }); })
+      .def("shard_rows", [](PyEngine& e, int t) { return nogil([&] { return e.client().shard_rows(t); }); })
+      .def("row_store_bytes", [](PyEngine& e) { return nogil([&] { return e.client().row_store_bytes(); }); })
+      .def("state_bytes", [](PyEngine& e) { return nogil([&] { return e.client().state_bytes(); }); })
       .def("traffic", [](PyEngine& e) {
-        TrafficStats t = e.engine().traffic();
+        const TrafficStats t = nogil([&] { return e.client().traffic(); });
         py::dict d;
         d["bytes_sent"] = t.bytes_sent;
         d["bytes_received"] = t.bytes_received;
         d["messages_sent"] = t.messages_sent;
         return d;
       })
-      .def("reset_traffic", [](PyEngine& e) { e.engine().reset_traffic(); })
-      .def("set_tracing", [](PyEngine& e, bool on) { e.engine().set_tracing(on); })
+      .def("reset_traffic", [](PyEngine& e) { nogil([&] { e.client().reset_traffic(); }); })
+      .def("set_tracing", [](PyEngine& e, bool on) { nogil([&] { e.client().set_tracing(on); }); })
       .def("take_trace", [](PyEngine& e) {
+        const std::vector<TraceEvent> events = nogil([&] { return e.client().take_trace(); });
         py::list out;
-        for (const TraceEvent& ev : e.engine().take_trace()) out.append(py::make_tuple(ev.name, ev.start_ns, ev.end_ns, ev.rows));
+        for (const TraceEvent& ev : events) out.append(py::make_tuple(ev.name, ev.start_ns, ev.end_ns, ev.rows));
         return out;
       });
 }

@@ -47,8 +47,9 @@ class RouteResolver:
                 why = reason
         return merged, why
 
-    def decide(self, v: VariablePlan, param, ps_module: bool = False) -> None:
-        """Fills v's route, placement, shards, partition, compression and server optimizer."""
+    def decide(self, v: VariablePlan, param, ps_module: bool = False, table_layout=None) -> None:
+        """Fills v's route, placement, shards, partition, compression and server optimizer.
+        table_layout: (shards, partition) of a PS module's table, which exists already."""
         s, why = self.settings_for(v)
         where = why if why.startswith(("rule", "config")) else "the built-in defaults"
 
@@ -80,6 +81,13 @@ class RouteResolver:
             if v.shards > self.world_size:
                 fail("partitions", f"{v.shards} is more than the world size ({self.world_size})")
             v.partition = s.partition or "cyclic"
+            if table_layout is not None:  # a PS module's table was made with its own layout
+                for key, want, have in (("partitions", s.partitions, table_layout[0]),
+                                        ("partition", s.partition, table_layout[1])):
+                    if want is not None and want != have:
+                        fail(key, f"{want!r}, but the PS embedding was built with {key}={have!r}: pass it "
+                                  "to the embedding's constructor instead")
+                v.shards, v.partition = table_layout
             if s.compression not in (None, "none"):
                 fail("compression", "compression applies to all-reduce routes, not to the parameter server")
             if len(v.shape) == 0:

@@ -1,29 +1,19 @@
-// The Engine's collective data operations. Protocol, per operation, on every rank:
+// The Client's collective data operations. Protocol, per operation, on every rank:
 //   1. as a worker, send one request to every rank (possibly empty, or an error notice);
 //   2. as a server, receive one request from every rank and answer it;
 //   3. as a worker, collect the answers.
-// Requests travel in operation order per (source, tag), so a server always applies a push
-// before it serves the next pull from any rank. A push is applied lazily: at the start of the
-// next operation, so the wire time overlaps the caller's compute.
+// Pull()/Push() do step 1 and return a handle; Wait() does steps 2 and 3, so the caller can
+// compute while the requests travel. Requests travel in operation order per (source, tag), so
+// a server always applies a push before it serves the next pull from any rank. A push that
+// returns no updates is applied lazily, at the start of the next operation.
 #include <cstring>
 #include <functional>
 
-#include "../transport/transport.h"
-#include "engine_internal.h"
-#include "routing.h"
+#include "client_impl.h"
 #include "wire.h"
 
 namespace hybridsync {
 namespace {
-
-// One batch of a worker's operation, routed; for a push, `rows` are its unique ids' gradients.
-struct Routed {
-  int table;
-  int64_t dim;
-  Routing routing;
-  const float* rows = nullptr;
-  std::vector<float> summed;  // gradients of duplicate ids added up (only when there are some)
-};
 
 // One table's entry in a request a server received.
 struct Entry {
@@ -80,15 +70,15 @@ std::vector<char> write_request(RequestKind kind, const std::vector<Routed>& bat
 // Routes every batch of this worker's operation; bad input becomes `error` (announced to the
 // peers instead of thrown, so no rank is left waiting). For a push, duplicate ids' gradients
 // are added up, so each row crosses the wire once.
-std::vector<Routed> route_batches(const Engine& engine, const std::vector<TableBatch>& batches, bool with_grads,
+std::vector<Routed> route_batches(const Client::Impl& c, const std::vector<TableBatch>& batches, bool with_grads,
                                   std::string* error, bool* index_error) {
   std::vector<Routed> routed;
   if (!error->empty()) return routed;
   try {
     for (const TableBatch& b : batches) {
-      const TableSpec& spec = engine.spec(b.table);
-      const int64_t dim = spec.dim;
-      Routed r{b.table, dim, route_ids(spec.name, engine.partitioner(b.table), b.ids, b.n, engine.size())};
+      const Table& t = c.table_at(b.table);
+      const int64_t dim = t.spec.dim;
+      Routed r{b.table, dim, route_ids(t.spec.name, t.part, b.ids, b.n, c.size()), nullptr, {}};
       const auto& dd = r.routing.dedup;
       if (with_grads && static_cast<int64_t>(dd.unique.size()) == b.n) {
         r.rows = b.grads;  // no duplicates: unique u is input u
@@ -122,155 +112,200 @@ void send_requests(Transport& transport, RequestKind kind, const std::vector<Rou
 
 }  // namespace
 
-std::vector<PullResult> Engine::pull(const std::vector<TableBatch>& batches, const std::string& error) {
-  return guarded(broken_, broken_reason_, [&] {
-    check_usable();
-    drain_pending();
-    const int P = size();
-    std::string local_error = error;
-    bool index_error = false;
-    std::vector<Routed> routed = route_batches(*this, batches, false, &local_error, &index_error);
-    send_requests(*transport_, RequestKind::kPull, routed, local_error);
-    // Serve every worker's request from this rank's shards.
-    std::vector<std::string> errors(P);
-    auto dim_of = [&](int table) { return table_at(table).spec.dim; };
-    int64_t served_rows = 0;
-    const int64_t serve_start = tracing_ ? now_ns() : 0;
-    for (int src = 0; src < P; ++src) {
-      auto msg = transport_->recv(src, kTagRequest);
-      Reader r(msg);
-      const auto kind = static_cast<RequestKind>(r.i64());
-      Writer reply;
-      if (kind == RequestKind::kError) {
-        errors[src] = r.text();
-      } else if (kind == RequestKind::kPull) {
-        std::vector<Entry> entries = read_entries(r, false, dim_of);
-        int64_t floats = 0;
-        for (const Entry& e : entries) floats += e.count * dim_of(e.table);
-        reply.reserve(static_cast<size_t>(floats) * sizeof(float));
-        for (const Entry& e : entries) {
-          Table& t = table_at(e.table);
-          check_rows(t.shard.get(), t.spec.name, e.local, e.count, "pull");
-          if (e.count) t.shard->gather(e.local, e.count, reply.f32_slot(e.count * t.spec.dim));
-          served_rows += e.count;
-        }
-      } else {
-        throw PSTransportError("hybridsync: ranks called different PS operations (pull vs push)");
-      }
-      transport_->send(src, kTagReply, reply.take());
-    }
-    trace("serve pulls", serve_start, served_rows);
-    // Collect the rows this worker asked for, into each batch's unique order.
-    std::vector<PullResult> results(routed.size());
-    for (size_t b = 0; b < routed.size(); ++b) {
-      results[b].rows.resize(routed[b].routing.dedup.unique.size() * routed[b].dim);
-    }
-    for (int d = 0; d < P; ++d) {
-      auto msg = transport_->recv(d, kTagReply);
-      if (!local_error.empty() || !errors[d].empty()) continue;
-      Reader r(msg);
-      for (size_t b = 0; b < routed.size(); ++b) {
-        const Routing& rt = routed[b].routing;
-        const int64_t dim = routed[b].dim;
-        const float* rows = r.f32s(static_cast<size_t>(rt.count(d) * dim));
-        for (int64_t k = rt.offset[d]; k < rt.offset[d + 1]; ++k, rows += dim) {
-          std::memcpy(results[b].rows.data() + rt.order[k] * dim, rows, dim * sizeof(float));
-        }
-      }
-    }
-    if (!local_error.empty()) {
-      if (index_error) throw PSIndexError(local_error);
-      throw PSError(local_error);
-    }
-    throw_remote(errors, rank(), "pull");
-    for (size_t b = 0; b < routed.size(); ++b) {
-      results[b].unique = std::move(routed[b].routing.dedup.unique);
-      results[b].inverse = std::move(routed[b].routing.dedup.inverse);
-    }
-    return results;
+Client::Handle Client::Pull(const std::vector<TableBatch>& batches, const std::string& error) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  return c.guarded([&] {
+    c.finish_in_flight();
+    c.drain_pending();
+    auto op = std::make_unique<InFlight>();
+    op->handle = c.next_handle++;
+    op->local_error = error;
+    op->routed = route_batches(c, batches, false, &op->local_error, &op->index_error);
+    send_requests(*c.transport, RequestKind::kPull, op->routed, op->local_error);
+    c.in_flight = std::move(op);
+    return c.in_flight->handle;
   });
 }
 
-void Engine::lookup_local(int table, const int64_t* ids, int64_t n, float* out) {
-  return guarded(broken_, broken_reason_, [&] {
-    check_usable();
-    drain_pending();
-    Table& t = table_at(table);
-    if (size() != 1 || !t.shard || t.shard->rows() != t.spec.num_rows) {
+Client::Handle Client::Push(const std::vector<TableBatch>& batches, float scale, bool return_updates,
+                            const std::string& error) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  return c.guarded([&] {
+    c.finish_in_flight();
+    c.drain_pending();
+    auto op = std::make_unique<InFlight>();
+    op->handle = c.next_handle++;
+    op->is_push = true;
+    op->return_updates = return_updates;
+    op->local_error = error;
+    op->routed = route_batches(c, batches, true, &op->local_error, &op->index_error);
+    send_requests(*c.transport, RequestKind::kPush, op->routed, op->local_error);
+    op->round.scale = scale;
+    op->round.self_error_reported = !op->local_error.empty();
+    if (op->local_error.empty()) {
+      for (const TableBatch& b : batches) {
+        op->tables.push_back(b.table);
+        if (b.lr >= 0) op->round.lr[b.table] = b.lr;
+      }
+    }
+    c.in_flight = std::move(op);
+    return c.in_flight->handle;
+  });
+}
+
+Completion Client::Wait(Handle handle) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  return c.guarded([&] {
+    // Operations complete in the order they started; at most one is in flight, so a handle
+    // older than it has completed already.
+    if (!c.in_flight || c.in_flight->handle != handle) {
+      if (handle >= 0 && handle < c.next_handle) return Completion{};
+      throw PSError("unknown PS operation handle " + std::to_string(handle));
+    }
+    return c.finish_in_flight();
+  });
+}
+
+std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, const std::string& error) {
+  return Wait(Pull(batches, error)).pulled;
+}
+
+std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, float scale, bool return_updates,
+                                     const std::string& error) {
+  return Wait(Push(batches, scale, return_updates, error)).updates;
+}
+
+void Client::flush() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  c.guarded([&] {
+    c.finish_in_flight();
+    c.drain_pending();
+  });
+}
+
+void Client::lookup_local(int table, const int64_t* ids, int64_t n, float* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  c.guarded([&] {
+    c.finish_in_flight();
+    c.drain_pending();
+    Table& t = c.table_at(table);
+    if (c.size() != 1 || !t.shard || t.shard->rows() != t.spec.num_rows) {
       throw PSError("lookup_local needs every row of table '" + t.spec.name + "' on this rank");
     }
+    check_ids(t.spec.name, ids, n, t.spec.num_rows);
     const int64_t dim = t.spec.dim;
-    for (int64_t i = 0; i < n; ++i) {
-      if (ids[i] < 0 || ids[i] >= t.spec.num_rows) {
-        throw PSIndexError("table '" + t.spec.name + "': id " + std::to_string(ids[i]) + " is out of range [0, " +
-                           std::to_string(t.spec.num_rows) + ")");
-      }
-      std::memcpy(out + i * dim, t.shard->row(t.part.local_index(ids[i])), dim * sizeof(float));
-    }
+    for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * dim, t.shard->row(t.part.local_index(ids[i])), dim * sizeof(float));
   });
 }
 
-std::vector<RowUpdates> Engine::push(const std::vector<TableBatch>& batches, float scale,
-                                     bool return_updates, const std::string& error) {
-  return guarded(broken_, broken_reason_, [&] {
-    check_usable();
-    drain_pending();
-    const int P = size();
-    std::string local_error = error;
-    bool index_error = false;
-    std::vector<Routed> routed = route_batches(*this, batches, true, &local_error, &index_error);
-    send_requests(*transport_, RequestKind::kPush, routed, local_error);
-    Round round;
-    round.scale = scale;
-    round.self_error_reported = !local_error.empty();
-    if (local_error.empty()) {
-      for (const TableBatch& b : batches) {
-        if (b.lr >= 0) round.lr[b.table] = b.lr;
+Completion Client::Impl::finish_in_flight() {
+  if (!in_flight) return Completion{};
+  std::unique_ptr<InFlight> op = std::move(in_flight);
+  return op->is_push ? finish_push(*op) : finish_pull(*op);
+}
+
+Completion Client::Impl::finish_pull(InFlight& op) {
+  const int P = size();
+  // Serve every worker's request from this rank's shards.
+  std::vector<std::string> errors(P);
+  auto dim_of = [&](int table) { return table_at(table).spec.dim; };
+  int64_t served_rows = 0;
+  const int64_t serve_start = tracer.start();
+  for (int src = 0; src < P; ++src) {
+    auto msg = transport->recv(src, kTagRequest);
+    Reader r(msg);
+    const auto kind = static_cast<RequestKind>(r.i64());
+    Writer reply;
+    if (kind == RequestKind::kError) {
+      errors[src] = r.text();
+    } else if (kind == RequestKind::kPull) {
+      std::vector<Entry> entries = read_entries(r, false, dim_of);
+      int64_t floats = 0;
+      for (const Entry& e : entries) floats += e.count * dim_of(e.table);
+      reply.reserve(static_cast<size_t>(floats) * sizeof(float));
+      for (const Entry& e : entries) {
+        Table& t = table_at(e.table);
+        check_rows(t.shard.get(), t.spec.name, e.local, e.count, "pull");
+        if (e.count) t.shard->gather(e.local, e.count, reply.f32_slot(e.count * t.spec.dim));
+        served_rows += e.count;
       }
-    }
-    std::vector<RowUpdates> out;
-    if (!return_updates) {
-      pending_.push_back(round);  // applied at the start of the next operation
     } else {
-      std::map<int, RowUpdates> updates;
-      apply_round(round, &updates);
-      if (local_error.empty()) {
-        for (const TableBatch& b : batches) out.push_back(std::move(updates[b.table]));
+      throw PSTransportError("hybridsync: ranks called different PS operations (pull vs push)");
+    }
+    transport->send(src, kTagReply, reply.take());
+  }
+  tracer.record("serve pulls", serve_start, served_rows);
+  // Collect the rows this worker asked for, into each batch's unique order.
+  std::vector<Routed>& routed = op.routed;
+  Completion done;
+  done.pulled.resize(routed.size());
+  for (size_t b = 0; b < routed.size(); ++b) {
+    done.pulled[b].rows.resize(routed[b].routing.dedup.unique.size() * routed[b].dim);
+  }
+  for (int d = 0; d < P; ++d) {
+    auto msg = transport->recv(d, kTagReply);
+    if (!op.local_error.empty() || !errors[d].empty()) continue;
+    Reader r(msg);
+    for (size_t b = 0; b < routed.size(); ++b) {
+      const Routing& rt = routed[b].routing;
+      const int64_t dim = routed[b].dim;
+      const float* rows = r.f32s(static_cast<size_t>(rt.count(d) * dim));
+      for (int64_t k = rt.offset[d]; k < rt.offset[d + 1]; ++k, rows += dim) {
+        std::memcpy(done.pulled[b].rows.data() + rt.order[k] * dim, rows, dim * sizeof(float));
       }
     }
-    if (!local_error.empty()) {
-      if (index_error) throw PSIndexError(local_error);
-      throw PSError(local_error);
-    }
-    return out;
-  });
+  }
+  if (!op.local_error.empty()) {
+    if (op.index_error) throw PSIndexError(op.local_error);
+    throw PSError(op.local_error);
+  }
+  throw_remote(errors, rank(), "pull");
+  for (size_t b = 0; b < routed.size(); ++b) {
+    done.pulled[b].unique = std::move(routed[b].routing.dedup.unique);
+    done.pulled[b].inverse = std::move(routed[b].routing.dedup.inverse);
+  }
+  return done;
 }
 
-void Engine::flush() {
-  return guarded(broken_, broken_reason_, [&] {
-    check_usable();
-    drain_pending();
-  });
+Completion Client::Impl::finish_push(InFlight& op) {
+  Completion done;
+  if (!op.return_updates) {
+    pending.push_back(op.round);  // applied at the start of the next operation
+  } else {
+    std::map<int, RowUpdates> updates;
+    apply_round(op.round, &updates);
+    for (int table : op.tables) done.updates.push_back(std::move(updates[table]));
+  }
+  if (!op.local_error.empty()) {
+    if (op.index_error) throw PSIndexError(op.local_error);
+    throw PSError(op.local_error);
+  }
+  return done;
 }
 
-void Engine::drain_pending() {
-  while (!pending_.empty()) {
-    Round round = pending_.front();
-    pending_.erase(pending_.begin());
+void Client::Impl::drain_pending() {
+  while (!pending.empty()) {
+    Round round = pending.front();
+    pending.pop_front();
     apply_round(round, nullptr);
   }
 }
 
-void Engine::apply_round(const Round& round, std::map<int, RowUpdates>* updates) {
+void Client::Impl::apply_round(const Round& round, std::map<int, RowUpdates>* updates) {
   const int P = size();
-  const int64_t start = tracing_ ? now_ns() : 0;
+  const int64_t start = tracer.start();
   int64_t applied_rows = 0;
   auto dim_of = [&](int table) { return table_at(table).spec.dim; };
   std::vector<std::vector<char>> msgs(P);
   std::map<int, std::vector<Entry>> by_table;  // ordered: deterministic apply order
   std::vector<std::string> errors(P);
   for (int src = 0; src < P; ++src) {  // sources in rank order: a deterministic sum order
-    msgs[src] = transport_->recv(src, kTagRequest);
+    msgs[src] = transport->recv(src, kTagRequest);
     Reader r(msgs[src]);
     const auto kind = static_cast<RequestKind>(r.i64());
     if (kind == RequestKind::kError) {
@@ -289,56 +324,36 @@ void Engine::apply_round(const Round& round, std::map<int, RowUpdates>* updates)
   bool failed = false;
   for (int src = 0; src < P; ++src) failed = failed || !errors[src].empty();
   // All-or-nothing: a round with any bad input changes no row on any shard.
-  std::map<int, int64_t> changed;  // table -> rows in sum_rows
+  std::map<int, int64_t> changed;  // table -> rows summed
   for (auto& [table, entries] : by_table) {
-    Table& t = *tables_[table];
+    Table& t = *tables[table];
     if (!t.shard || failed) continue;
-    const int64_t dim = t.spec.dim;
     int64_t total = 0;
     for (const Entry& e : entries) total += e.count;
-    t.sum_rows.clear();
-    t.sum_grads.resize(static_cast<size_t>(total * dim));
-    t.sum_index.reset(static_cast<size_t>(total));
-    for (const Entry& e : entries) {  // each worker sent unique rows; add up across workers
-      for (int64_t k = 0; k < e.count; ++k) {
-        auto [slot, fresh] = t.sum_index.insert(e.local[k]);
-        float* dst = t.sum_grads.data() + slot * dim;
-        const float* g = e.grads + k * dim;
-        if (fresh) {
-          t.sum_rows.push_back(e.local[k]);
-          std::memcpy(dst, g, dim * sizeof(float));
-        } else {
-          for (int64_t j = 0; j < dim; ++j) dst[j] += g[j];
-        }
-      }
-    }
-    const int64_t n = static_cast<int64_t>(t.sum_rows.size());
-    if (round.scale != 1.0f) {
-      for (int64_t i = 0; i < n * dim; ++i) t.sum_grads[i] *= round.scale;
-    }
+    t.sums.begin(t.spec.dim, static_cast<size_t>(total));
+    for (const Entry& e : entries) t.sums.add(e.local, e.count, e.grads);  // unique per worker; add across
     auto lr = round.lr.find(table);
     if (lr != round.lr.end()) t.shard->rule().set_hyperparameter("lr", lr->second);
-    t.shard->rule().begin_step();
-    t.shard->apply(t.sum_rows.data(), n, t.sum_grads.data());
-    changed[table] = n;
-    applied_rows += n;
+    t.sums.apply(*t.shard, round.scale);
+    changed[table] = t.sums.size();
+    applied_rows += t.sums.size();
   }
-  trace("server apply", start, applied_rows);
+  tracer.record("server apply", start, applied_rows);
   if (updates) {
     // Every shard tells every rank which rows changed, so all replicas stay identical.
     Writer w;
     w.i64(static_cast<int64_t>(changed.size()));
     for (const auto& [table, n] : changed) {
-      Table& t = *tables_[table];
+      Table& t = *tables[table];
       w.i64(table);
       w.i64(n);
-      for (int64_t k = 0; k < n; ++k) w.i64(t.part.global_id(rank(), t.sum_rows[k]));
-      t.shard->gather(t.sum_rows.data(), n, w.f32_slot(static_cast<size_t>(n * t.spec.dim)));
+      for (int64_t k = 0; k < n; ++k) w.i64(t.part.global_id(rank(), t.sums.rows()[k]));
+      t.shard->gather(t.sums.rows(), n, w.f32_slot(static_cast<size_t>(n * t.spec.dim)));
     }
     std::vector<char> payload = w.take();
-    for (int d = 0; d < P; ++d) transport_->send(d, kTagUpdates, payload);
+    for (int d = 0; d < P; ++d) transport->send(d, kTagUpdates, payload);
     for (int src = 0; src < P; ++src) {
-      auto msg = transport_->recv(src, kTagUpdates);
+      auto msg = transport->recv(src, kTagUpdates);
       Reader r(msg);
       const int64_t n = r.i64();
       for (int64_t k = 0; k < n; ++k) {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "dedup.h"
 #include "hybridsync/ps.h"
 
 namespace hybridsync {

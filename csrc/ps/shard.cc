@@ -2,7 +2,6 @@
 #include <cstring>
 
 #include "hybridsync/ps.h"
-#include "id_index.h"
 
 namespace hybridsync {
 
@@ -66,24 +65,6 @@ int64_t Shard::row_bytes() const { return static_cast<int64_t>(sizeof(float) * o
 
 int64_t Shard::state_bytes() const {
   return static_cast<int64_t>(sizeof(float) * rows_ * dim_ * slots_.size());
-}
-
-Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows) {
-  Dedup out;
-  out.inverse.resize(static_cast<size_t>(n));
-  thread_local IdIndex index;
-  index.reset(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t id = ids[i];
-    if (id < 0 || id >= num_rows) {
-      throw PSIndexError("table '" + table + "': id " + std::to_string(id) +
-                         " is out of range [0, " + std::to_string(num_rows) + ")");
-    }
-    auto [slot, inserted] = index.insert(id);
-    if (inserted) out.unique.push_back(id);
-    out.inverse[i] = slot;
-  }
-  return out;
 }
 
 }  // namespace hybridsync

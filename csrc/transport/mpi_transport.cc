@@ -101,3 +101,13 @@ void MPITransport::wait_sends() {
 }
 
 }  // namespace hybridsync
+
+namespace hybridsync {
+namespace {
+// "mpi": options.native is the MPI_Comm* to duplicate.
+const TransportRegistrar kMPITransport("mpi", [](const TransportOptions& options) -> std::unique_ptr<Transport> {
+  if (!options.native) throw PSError("the mpi transport needs a communicator");
+  return std::make_unique<MPITransport>(*static_cast<MPI_Comm*>(options.native), options.wait);
+});
+}  // namespace
+}  // namespace hybridsync

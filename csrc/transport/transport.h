@@ -1,8 +1,10 @@
-// Point-to-point messaging for the Engine. A transport delivers messages between ranks in
-// order per (source, tag); adding a transport (e.g. TCP) means implementing this in one file.
+// Point-to-point messaging for the Client. A transport delivers messages between ranks in
+// order per (source, tag). Transports are made by name: adding one (e.g. TCP) is one .cc file
+// implementing Transport plus one static TransportRegistrar line in it.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,5 +41,24 @@ class Transport {
   virtual int64_t messages_sent() const = 0;
   virtual void reset_counters() = 0;
 };
+
+// What a transport is made from: the caller's native endpoint (an MPI_Comm* for "mpi") and
+// how waits behave.
+struct TransportOptions {
+  void* native = nullptr;
+  WaitPolicy wait;
+};
+
+using TransportFactory = std::function<std::unique_ptr<Transport>(const TransportOptions&)>;
+
+// Adds a transport under `name` (done by each transport's file, through TransportRegistrar).
+void register_transport(const std::string& name, TransportFactory factory);
+struct TransportRegistrar {
+  TransportRegistrar(const char* name, TransportFactory factory) { register_transport(name, std::move(factory)); }
+};
+// Makes the transport registered as `name`; unknown names throw PSError listing the known ones.
+std::unique_ptr<Transport> make_transport(const std::string& name, const TransportOptions& options);
+// Registered transport names, sorted.
+std::vector<std::string> transport_names();
 
 }  // namespace hybridsync

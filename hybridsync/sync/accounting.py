@@ -2,8 +2,6 @@
 explain() shows them; the benchmark checks them against the transports' own counters."""
 from __future__ import annotations
 
-import numpy as np
-
 ID_BYTES = 8  # int64 row ids
 ROW_VALUE_BYTES = 4  # float32 row values on the parameter server
 
@@ -14,12 +12,12 @@ def ps_row_bytes(dim: int) -> int:
 
 def dense(plan, buffer, world_size: int) -> None:
     """All-reduce: the buffer's bytes (nothing in a world of one)."""
-    plan.bytes_per_step = int(np.prod(buffer.shape)) * buffer.dtype.itemsize if world_size > 1 else 0
+    plan.bytes_per_step = int(buffer.nbytes) if world_size > 1 else 0  # NumPy arrays and torch tensors
 
 
 def allgather(plan, ids, values) -> None:
     """All-gather: every rank's ids and rows, received by every rank."""
-    plan.bytes_per_step = int(ids.size * ids.dtype.itemsize + values.size * values.dtype.itemsize)
+    plan.bytes_per_step = int(ids.nbytes + values.nbytes)
 
 
 def ps_sharded(plan, unique_rows: int, dim: int) -> None:

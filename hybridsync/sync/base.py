@@ -7,6 +7,7 @@ synchronizers here never see a torch or TensorFlow object.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol
 
 import numpy as np
@@ -79,15 +80,15 @@ class Variable:
     table: object = None  # its PSTable once it has one
     passes: int = 0  # backward passes accumulated since the last synchronize()
 
-    @property
+    @functools.cached_property
     def codec(self) -> Codec:
+        """Read once the route is decided (at wrap time, or at the first backward)."""
         return NONE if self.plan.compression == "none" else Codec(self.plan.compression)
 
-    @property
+    @functools.cached_property
     def dim(self) -> int:
         """Row width when the variable is seen as a table: the first dimension is rows."""
-        shape = self.plan.shape
-        return int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        return int(np.prod(self.plan.shape[1:], dtype=np.int64))
 
 
 @dataclasses.dataclass

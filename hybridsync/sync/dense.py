@@ -21,11 +21,9 @@ class DenseAllreduce(Synchronizer):
     def __init__(self, ctx):
         super().__init__(ctx)
         self._handles: dict = {}
-
-    def _fused(self) -> bool:
         # A backend without a progress thread (MPI) gains nothing from launching in hooks: one
         # fused all-reduce per dtype at synchronize() costs the least.
-        return hasattr(self.ctx.backend, "allreduce_arrays")
+        self._fused = hasattr(ctx.backend, "allreduce_arrays")
 
     def _buffer(self, var: Variable):
         if not self.densify and var.access.kind() == "sparse":
@@ -44,7 +42,7 @@ class DenseAllreduce(Synchronizer):
             postscale_factor=post, verified_layout=self.verified)
 
     def grad_ready(self, var: Variable) -> None:
-        if self.ctx.world_size > 1 and not self._fused():
+        if self.ctx.world_size > 1 and not self._fused:
             self._launch(var)
 
     def synchronize(self) -> None:
@@ -53,7 +51,7 @@ class DenseAllreduce(Synchronizer):
                 var.plan.bytes_per_step = 0  # nothing to exchange
             return
         backend = self.ctx.backend
-        if self._fused():
+        if self._fused:
             with timeline.span(f"all-reduce ({len(self.variables)} tensors fused, {backend.name})", "dense"):
                 buffers = [self._buffer(var) for var in self.variables]
                 pre, post = self.ctx.allreduce_scales()

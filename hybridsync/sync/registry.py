@@ -41,6 +41,7 @@ class SyncSet:
         self.ctx = ctx
         self.by_route: dict = {}  # (route, placement) -> Synchronizer
         self.route_of: dict = {}  # Variable -> (route, placement)
+        self._order: list = []  # synchronizers, those that only send (PS pushes) first
 
     def assign(self, var: Variable) -> Synchronizer:
         """Puts var under its planned route's synchronizer (made on first use)."""
@@ -48,6 +49,7 @@ class SyncSet:
         sync = self.by_route.get(route)
         if sync is None:
             sync = self.by_route[route] = synchronizer_class(*route, var.name)(self.ctx)
+            self._order = sorted(self.by_route.values(), key=lambda s: s.waits)
         sync.add(var)
         self.route_of[var] = route
         return sync
@@ -66,7 +68,7 @@ class SyncSet:
     def synchronize(self) -> None:
         """Every route's exchange. Routes that only send (PS pushes) go first, so their messages
         travel while the routes that wait complete."""
-        for sync in sorted(self.by_route.values(), key=lambda s: s.waits):
+        for sync in self._order:
             sync.synchronize()
 
     def in_flight(self) -> bool:

@@ -68,6 +68,12 @@ class PSTable:
     def attached(self):
         return self._replica
 
+    @property
+    def layout(self) -> tuple[int, str]:
+        """(shards holding the table, partition kind)."""
+        spec = self.engine.spec(self.handle)
+        return spec["num_shards"], spec["partition"]
+
     # -- identity and server optimizer --------------------------------------------------------
     def rename(self, name: str) -> None:
         """Local: the name errors use (the variable's path, known after the table was made)."""

@@ -1,8 +1,8 @@
 """Collectives as TensorFlow ops (tf.numpy_function), so they run inside tf.function and
-model.fit: dense all-reduce (fused) and all-gather over the MPI backend. They are stateful
-ops, which tf.function runs in program order, and callers chain them with control dependencies
-too: every rank must issue its collectives in the same order. XLA cannot compile Python ops
-(use jit_compile=False; hybridsync says so if it is on).
+model.fit: dense all-reduce (fused) and the all-gather of row-sparse gradients over the MPI
+backend. They are stateful ops, which tf.function runs in program order, and callers chain them
+with control dependencies too: every rank must issue its collectives in the same order. XLA
+cannot compile Python ops (use jit_compile=False; hybridsync says so if it is on).
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import comm, runtime
+from ..sync.allgather import allgather_rows as _allgather_rows
 from ..types import ReduceOp
 
 
@@ -47,13 +48,14 @@ def allreduce(tensors, op=ReduceOp.AVERAGE, name="hybridsync_allreduce"):
     return outs
 
 
-def allgather(tensor, name="hybridsync_allgather"):
-    """Every rank's tensor concatenated along dim 0 (first dims may differ)."""
-    tensor = tf.convert_to_tensor(tensor)
+def allgather_rows(indices, values, name="hybridsync_allgather_rows"):
+    """Every rank's rows of a row-sparse gradient: (ids, values) concatenated in rank order."""
+    indices, values = tf.cast(indices, tf.int64), tf.convert_to_tensor(values)
     if runtime.world().size == 1:
-        return tensor
+        return indices, values
     check_not_xla("all-gather")
-    out = tf.numpy_function(lambda a: mpi().allgather(np.ascontiguousarray(a)), [tensor], Tout=tensor.dtype,
-                            stateful=True, name=name)
-    out.set_shape([None] + list(tensor.shape[1:]))
-    return out
+    ids, rows = tf.numpy_function(lambda i, v: _allgather_rows(mpi(), i, v, name), [indices, values],
+                                  Tout=[tf.int64, values.dtype], stateful=True, name=name)
+    ids.set_shape([None])
+    rows.set_shape([None] + list(values.shape[1:]))
+    return ids, rows

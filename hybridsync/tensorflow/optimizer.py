@@ -74,7 +74,7 @@ class _DistributedKerasOptimizer:
                 vp = VariablePlan(name=variable_name(v).rsplit("/", 1)[0] + "/embeddings",
                                   shape=(layer.input_dim, layer.output_dim), dtype="float32", kind=GradKind.SPARSE,
                                   route=None)
-                resolver.decide(vp, None, ps_module=True)
+                resolver.decide(vp, None, ps_module=True, table_layout=layer.table.layout)
                 if not vp.reason.startswith(("rule", "config")):
                     vp.reason = "hybridsync.tensorflow PS embedding: rows live on the shards"
                 rows.append(vp)

@@ -49,8 +49,7 @@ class DistributedGradientTape:
         for i, g in enumerate(flat):
             if isinstance(g, tf.IndexedSlices):
                 with tf.control_dependencies(reduced):
-                    indices = collectives.allgather(tf.cast(g.indices, tf.int64))
-                    values = collectives.allgather(g.values)
+                    indices, values = collectives.allgather_rows(g.indices, g.values)
                 if self._op is ReduceOp.AVERAGE:
                     values = values / size
                 out[i] = tf.IndexedSlices(values, indices, g.dense_shape)

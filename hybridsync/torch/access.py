@@ -5,18 +5,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..sync.compression import NONE
 from .server_optimizer import group_of
 
 _TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
 
+def viewable(tensor: torch.Tensor) -> bool:
+    """NumPy can see this tensor's memory as it is (cheapest checks first: every gradient, every step)."""
+    return tensor.is_cpu and tensor.dtype is not torch.bfloat16 and tensor.is_contiguous()
+
+
 def host_array(tensor: torch.Tensor) -> np.ndarray:
     """A NumPy view of a CPU tensor, else a contiguous CPU copy (bfloat16 widened: NumPy has none)."""
-    t = tensor.detach()
-    if t.device.type == "cpu" and t.is_contiguous() and t.dtype != torch.bfloat16:
-        return t.numpy()
-    t = t.to("cpu", copy=True).contiguous()
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    if viewable(tensor):
+        return (tensor.detach() if tensor.requires_grad else tensor).numpy()
+    t = tensor.detach().to("cpu", copy=True).contiguous()
+    return (t.float() if t.dtype is torch.bfloat16 else t).numpy()
 
 
 def as_tensor(buffer) -> torch.Tensor:
@@ -30,11 +35,11 @@ class ParamAccess:
     hands out the gradient tensor itself; otherwise a NumPy view (CPU) or a staged copy.
     compressor: a user's Horovod-style compressor (compress/decompress on tensors), if any."""
 
-    __slots__ = ("param", "optimizer", "tensor_buffers", "compressor", "_decode")
+    __slots__ = ("param", "optimizer", "tensor_buffers", "compressor", "_decode", "_in_place")
 
     def __init__(self, param, optimizer, tensor_buffers: bool, compressor=None):
         self.param, self.optimizer = param, optimizer
-        self.tensor_buffers, self.compressor, self._decode = tensor_buffers, compressor, None
+        self.tensor_buffers, self.compressor, self._decode, self._in_place = tensor_buffers, compressor, None, False
 
     def kind(self):
         g = self.param.grad
@@ -55,19 +60,21 @@ class ParamAccess:
         if codec.custom:  # the user's own compressor, on tensors
             t, ctx = self.compressor.compress(t)
             self._decode = lambda reduced: self.compressor.decompress(reduced, ctx)
-        else:
+        elif codec is not NONE:
             wire = codec.wire_dtype(str(t.dtype).replace("torch.", ""))
             if wire is not None:
                 t = t.to(_TORCH_DTYPES[wire])
+        # When the buffer is the gradient's own memory, the reduced values land in place.
+        self._in_place = self._decode is None and t is p.grad and (self.tensor_buffers or viewable(t))
         return t if self.tensor_buffers else host_array(t)
 
     def set_dense(self, buffer) -> None:
+        if self._in_place:
+            return
         t = as_tensor(buffer)
         if self._decode is not None:
             t = self._decode(t)
-        g = self.param.grad
-        if t.data_ptr() != g.data_ptr() or t.device != g.device:
-            g.copy_(t.view_as(g))  # casts back from the wire dtype
+        self.param.grad.copy_(t.view_as(self.param.grad))  # casts back from the wire dtype
 
     # -- rows -------------------------------------------------------------------------------
     def rows(self):

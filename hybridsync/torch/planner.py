@@ -56,7 +56,7 @@ def plan_for(optimizer, named, model, config: Config | None, compression_name: s
         variables.append(v)
     for name, module in ps_modules(model):
         v = VariablePlan(name=name, shape=module.shape, dtype="float32", kind=GradKind.SPARSE, route=None)
-        planner.decide(v, None, ps_module=True)
+        planner.decide(v, None, ps_module=True, table_layout=module.table.layout)
         if not v.reason.startswith(("rule", "config")):
             v.reason = "hybridsync.torch PS embedding: rows live on the shards"
         variables.append(v)

@@ -114,6 +114,37 @@ def rank_errors():
     print(f"rank {rank}: errors raised on every rank", flush=True)
 
 
+def rank_collective_setup_errors():
+    """Input a rank rejects in a whole-table collective (load_from_root, add_table) is
+    announced inside it: every rank raises at once instead of the others waiting for data."""
+    import time
+
+    import numpy as np
+    import pytest
+
+    from hybridsync import ps
+
+    engine = ps.engine()
+    rank, size = engine.rank, engine.size
+    t = engine.add_table("table", 7, 3, 0, "cyclic", "sgd", {"lr": 1.0})
+    start = time.monotonic()
+    root = size - 1
+    wrong = np.zeros((7, 2), np.float32)  # dim 2, the table has 3
+    if rank == root:
+        with pytest.raises(ValueError, match=r"table 'table': expected a C-contiguous float32 array of shape \(7, 3\)"):
+            engine.load_from_root(t, wrong, root)
+    else:
+        with pytest.raises(RuntimeError, match=rf"load_from_root failed on rank {root}: table 'table': expected"):
+            engine.load_from_root(t, None, root)
+    with pytest.raises((ValueError, RuntimeError), match="unknown partition 'hash'"):
+        engine.add_table("other", 7, 3, 0, "hash" if rank == 0 else "cyclic", "sgd", {"lr": 1.0})
+    assert time.monotonic() - start < 10, "a rank waited for a peer that had rejected its input"
+    good = np.arange(21, dtype=np.float32).reshape(7, 3)
+    engine.load_from_root(t, good if rank == root else None, root)  # still usable
+    np.testing.assert_array_equal(engine.gather(t, -1), good)
+    print(f"rank {rank}: setup errors raised on every rank", flush=True)
+
+
 def rank_module_errors():
     import pytest
     import torch
@@ -212,6 +243,11 @@ def test_fuzz_against_numpy(np_):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_bad_input_on_one_rank_raises_on_every_rank(np_):
     run_ranks(__file__, "rank_errors", np_)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_bad_input_to_a_whole_table_collective_raises_on_every_rank(np_):
+    run_ranks(__file__, "rank_collective_setup_errors", np_)
 
 
 def test_bad_ids_through_a_ps_embedding():

@@ -12,14 +12,15 @@ from tests.parallel.harness import rank_main, run_ranks
 ROWS, DIM, LOCAL, STEPS = 30, 4, 6, 6
 
 
-def _model(sharded=False):
+def _model(sharded=False, partitions=None):
     import keras
 
     import hybridsync.tensorflow as hvd
 
     keras.utils.set_random_seed(7)
     ids = keras.Input(shape=(3,), dtype="int64", name="ids")
-    layer = hvd.Embedding(ROWS, DIM, name="emb") if sharded else keras.layers.Embedding(ROWS, DIM, name="emb")
+    layer = (hvd.Embedding(ROWS, DIM, name="emb", partitions=partitions) if sharded
+             else keras.layers.Embedding(ROWS, DIM, name="emb"))
     x = layer(ids)
     x = keras.layers.Flatten()(x)
     x = keras.layers.Dense(5, activation="tanh", name="hidden")(x)
@@ -38,10 +39,12 @@ def _data(size):
 def _optimizer(name):
     import keras
 
+    if name == "adam":
+        return keras.optimizers.Adam(0.05)
     return keras.optimizers.SGD(0.2) if name == "sgd" else keras.optimizers.Adagrad(0.1)
 
 
-def _reference(name, size, start=None):
+def _reference(name, size, start=None, densify=True):
     import tensorflow as tf
 
     model, opt = _model(), _optimizer(name)
@@ -54,7 +57,9 @@ def _reference(name, size, start=None):
     for s in range(STEPS):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(ids[s * batch:(s + 1) * batch]) - y[s * batch:(s + 1) * batch]))
-        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]  # dense math
+        grads = tape.gradient(loss, model.trainable_variables)
+        if densify:  # the exact math; without, Keras applies the IndexedSlices as it would
+            grads = [tf.convert_to_tensor(g) for g in grads]
         opt.apply_gradients(zip(grads, model.trainable_variables))
     return model.get_weights()
 
@@ -68,11 +73,11 @@ def _my_rows(size, rank):
     return ids[pick], y[pick]
 
 
-def _fit(name, size, rank, sharded=False):
+def _fit(name, size, rank, sharded=False, config=None, partitions=None):
     import hybridsync.tensorflow as hvd
 
-    model = _model(sharded)
-    model.compile(optimizer=hvd.DistributedOptimizer(_optimizer(name)), loss="mse", jit_compile=False)
+    model = _model(sharded, partitions)
+    model.compile(optimizer=hvd.DistributedOptimizer(_optimizer(name), config=config), loss="mse", jit_compile=False)
     ids, y = _my_rows(size, rank)
     model.fit(ids, y, batch_size=LOCAL, epochs=1, shuffle=False, verbose=0)
     return model
@@ -137,6 +142,48 @@ def rank_sharded_parity():
         print(f"rank {rank}: PS-backed keras layer, {name}: matches the single-process run", flush=True)
 
 
+def rank_more_routes():
+    """The routes torch's parity tests cover, through Keras: Adam on the dense all-reduce, the
+    embedding all-gathered (Horovod's way), and tables on fewer shards than ranks."""
+    import numpy as np
+
+    import hybridsync
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+
+    def same(model, want, label):
+        weights = model.get_weights()
+        if hasattr(model.get_layer("emb"), "get_table"):  # rows on the shards, not its anchor
+            weights = [model.get_layer("emb").get_table()] + [w for n in ("hidden", "out")
+                                                               for w in model.get_layer(n).get_weights()]
+        assert len(weights) == len(want), label
+        for w, got in zip(want, weights):
+            np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6, err_msg=label)
+        print(f"rank {rank}: keras {label} matches the single-process run", flush=True)
+        return {v.name: v for v in model.optimizer.plan.variables}
+
+    # Keras Adam, every variable all-reduced (the embedding as dense): Keras's own dense Adam.
+    rows = same(_fit("adam", size, rank, config={"variables": [{"match": "emb*", "sync": "allreduce"}]}),
+                _reference("adam", size), "adam/allreduce")
+    assert rows["emb/embeddings"].route.value == "allreduce-as-dense" and rows["hidden/kernel"].route.value == "allreduce"
+    # All-gather: every rank's rows, applied by Keras as IndexedSlices (so Adagrad squares each
+    # occurrence, as the single process applying its own IndexedSlices does).
+    for name in ("sgd", "adagrad"):
+        rows = same(_fit(name, size, rank, config={"variables": [{"match": "emb*", "sync": "allgather"}]}),
+                    _reference(name, size, densify=False), f"{name}/allgather")
+        assert rows["emb/embeddings"].route.value == "allgather"
+    # Fewer shards than ranks: replicated on 1 (and 2) shards, the PS-backed layer on 1.
+    for partitions in sorted({1, min(2, size - 1)}):
+        for name in ("sgd", "adagrad"):
+            config = {"variables": [{"match": "emb*", "sync": "ps", "placement": "replicated", "partitions": partitions}]}
+            rows = same(_fit(name, size, rank, config=config), _reference(name, size), f"{name}/replicated/{partitions} shards")
+            assert rows["emb/embeddings"].shards == partitions
+    start = _model(sharded=True, partitions=1)
+    rows = same(_fit("adagrad", size, rank, sharded=True, partitions=1), _reference("adagrad", size, start=start),
+                "adagrad/sharded/1 shard")
+    assert (rows["emb/embeddings"].placement.value, rows["emb/embeddings"].shards) == ("sharded", 1)
+
+
 def rank_distributed_tape():
     import numpy as np
     import tensorflow as tf
@@ -164,6 +211,11 @@ def test_keras_parity_fit_and_tape(np_):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_keras_sharded_layer_parity(np_):
     run_ranks(__file__, "rank_sharded_parity", np_, timeout=300)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_keras_adam_allgather_and_fewer_partitions(np_):
+    run_ranks(__file__, "rank_more_routes", np_, timeout=420)
 
 
 def test_distributed_gradient_tape():

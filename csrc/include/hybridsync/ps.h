@@ -1,12 +1,14 @@
 // hybridsync parameter server: the public C++ surface.
 //
 // A table (int64 id -> float32 row of `dim` values) is split across shards by a Partitioner.
-// Every rank is both a worker and a server: an Engine on each rank holds that rank's shards
-// and runs collective, lock-step operations (pull, push) over a Transport. Nothing here knows
-// about torch or TensorFlow; adapters hand in contiguous buffers.
+// Every rank is both a worker and a server: a Client on each rank holds that rank's shards and
+// runs collective operations (pull, push) over a Transport. Nothing here knows about torch or
+// TensorFlow; adapters hand in contiguous buffers. Internals (deduplication, push rounds,
+// tracing, wire format) live in private headers under csrc/ps/.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -34,7 +36,7 @@ class PSRemoteError : public std::runtime_error {
 };
 
 // The transport failed or ranks disagreed on the protocol (timeout, a dead peer, mismatched
-// operations). The Engine is unusable afterwards; -> RuntimeError.
+// operations). The Client is unusable afterwards; -> RuntimeError.
 class PSTransportError : public PSRemoteError {
  public:
   using PSRemoteError::PSRemoteError;
@@ -74,7 +76,7 @@ class UpdateRule {
  public:
   explicit UpdateRule(std::map<std::string, double> hparams) : hp_(std::move(hparams)) {}
   virtual ~UpdateRule() = default;
-  // Canonical name: "sgd", "adagrad" or "adam".
+  // Canonical name, as registered ("sgd", "adagrad", "adam", ...).
   virtual std::string name() const = 0;
   // Names of the per-row state slots, in storage order.
   virtual std::vector<std::string> slot_names() const = 0;
@@ -97,17 +99,27 @@ class UpdateRule {
   int64_t step_ = 0;
 };
 
-// Builds "sgd" | "adagrad" | "adam" from hyper-parameters; unknown names or keys throw PSError.
-std::unique_ptr<UpdateRule> make_update_rule(const std::string& name,
-                                             const std::map<std::string, double>& hparams);
+// Makes a rule from its hyper-parameters (throws PSError naming unknown keys or bad values).
+using UpdateRuleFactory = std::function<std::unique_ptr<UpdateRule>(const std::map<std::string, double>&)>;
+// Adds a rule under `name`; each rule's own .cc file registers itself with a static
+// UpdateRuleRegistrar, so a new rule is one file.
+void register_update_rule(const std::string& name, UpdateRuleFactory factory);
+struct UpdateRuleRegistrar {
+  UpdateRuleRegistrar(const char* name, UpdateRuleFactory factory) { register_update_rule(name, std::move(factory)); }
+};
+// Builds the registered rule `name`; unknown names or keys throw PSError.
+std::unique_ptr<UpdateRule> make_update_rule(const std::string& name, const std::map<std::string, double>& hparams);
+// Registered rule names, sorted.
+std::vector<std::string> update_rule_names();
 
-// The rows of one table held by this rank, with their optimizer state. Single-threaded.
-// Rows are owned, or alias rows of a caller's full-table buffer (replicated placement:
-// local row l lives at base + (l * stride + offset) * dim).
+// The rows of one table held by this rank, with their optimizer state. Not thread-safe on its
+// own (the Client serialises access). Rows are owned, or alias rows of a caller's full-table
+// buffer (replicated placement: local row l lives at base + (l * stride + offset) * dim).
 class Shard {
  public:
   Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<UpdateRule> rule);
   const std::string& table() const { return table_; }
+  void rename(std::string table) { table_ = std::move(table); }
   int64_t rows() const { return rows_; }
   int64_t dim() const { return dim_; }
   UpdateRule& rule() { return *rule_; }
@@ -128,7 +140,6 @@ class Shard {
   void attach(float* base, int64_t stride, int64_t offset);
   void detach();
   bool attached() const { return owned_.empty() && rows_ > 0; }
-  const float* attached_base() const { return attached() ? base_ : nullptr; }
   float* slot(int k) { return slots_[k].data(); }
   const float* slot(int k) const { return slots_[k].data(); }
   int num_slots() const { return static_cast<int>(slots_.size()); }
@@ -146,18 +157,12 @@ class Shard {
   std::vector<std::vector<float>> slots_;
 };
 
-// Sums the rows of duplicate ids: ids[i] -> unique[inverse[i]], grads summed per unique id in
-// first-seen order. Validates 0 <= id < num_rows, throwing PSIndexError naming `table` and id.
-struct Dedup {
-  std::vector<int64_t> unique;
-  std::vector<int64_t> inverse;
-};
-Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows);
-
-// Point-to-point messaging used by the Engine; one implementation per transport (MPI today).
+// Point-to-point messaging used by the Client; made by name (see transport/transport.h).
 class Transport;
+// One timed piece of server-side work (see ps/trace.h).
+struct TraceEvent;
 
-// Description of a table registered with an Engine.
+// Description of a table registered with a Client.
 struct TableSpec {
   std::string name;
   int64_t num_rows = 0;
@@ -168,7 +173,7 @@ struct TableSpec {
   std::map<std::string, double> hparams;
 };
 
-// Per-table input of a pull or push round.
+// Per-table input of a pull or push.
 struct TableBatch {
   int table = -1;
   const int64_t* ids = nullptr;
@@ -190,11 +195,10 @@ struct RowUpdates {
   std::vector<float> rows;  // ids.size() x dim
 };
 
-// One timed piece of server-side work, for timelines (steady_clock nanoseconds).
-struct TraceEvent {
-  std::string name;
-  int64_t start_ns = 0, end_ns = 0;
-  int64_t rows = 0;
+// What Wait() returns: per batch, pulled rows (a pull) or changed rows (a push that asked).
+struct Completion {
+  std::vector<PullResult> pulled;
+  std::vector<RowUpdates> updates;
 };
 
 // Traffic counters of this rank (payload bytes, headers included).
@@ -207,45 +211,55 @@ struct TrafficStats {
 // One rank's side of the parameter server: its shards of every table, and the collective
 // operations. Every rank calls the collective methods in the same order with the same tables.
 // Local bad input (`error` non-empty, or an id out of range) is announced to every peer inside
-// the operation, so all ranks throw instead of one rank leaving the others waiting.
-class Engine {
+// the operation, so all ranks throw instead of one rank leaving the others waiting. Every
+// method is safe to call from several threads (one operation runs at a time).
+class Client {
  public:
-  explicit Engine(std::unique_ptr<Transport> transport);
-  ~Engine();
+  explicit Client(std::unique_ptr<Transport> transport);
+  ~Client();
   int rank() const;
   int size() const;
-  // Collective. Registers a table (same specs, same order on every rank; a mismatch throws
-  // on every rank naming the table). Returns its handle.
-  int add_table(const TableSpec& spec);
-  int num_tables() const { return static_cast<int>(tables_.size()); }
-  const TableSpec& spec(int table) const;
-  const Partitioner& partitioner(int table) const;
-  // This rank's shard of `table`, or nullptr when it holds none.
-  Shard* local_shard(int table);
-  // Collective. Rows for the ids of each batch, deduplicated per table.
-  std::vector<PullResult> pull(const std::vector<TableBatch>& batches,
+
+  // Collective. Registers a table (same specs, same order on every rank; a mismatch, or
+  // `error` on any rank, throws on every rank naming the table). Returns its handle.
+  int add_table(const TableSpec& spec, const std::string& error = "");
+  int num_tables() const;
+  TableSpec spec(int table) const;
+  Partitioner partitioner(int table) const;
+
+  // A started collective operation.
+  using Handle = int64_t;
+  // Collective. Starts a pull of the rows of each batch's ids (deduplicated per table): the
+  // requests leave now; Wait() serves the peers and collects the rows.
+  Handle Pull(const std::vector<TableBatch>& batches, const std::string& error = "");
+  // Collective. Starts a push of each batch's (id, gradient) rows to their shards; each shard
+  // sums them over ranks, multiplies by `scale` and applies its rule once per row. With
+  // `return_updates`, Wait() applies and returns every row any shard changed (for replicas);
+  // otherwise the shards apply it at the start of the next operation.
+  Handle Push(const std::vector<TableBatch>& batches, float scale, bool return_updates = false,
+              const std::string& error = "");
+  // Completes `handle` and every operation started before it; throws what the operation met.
+  Completion Wait(Handle handle);
+  // Pull and Wait.
+  std::vector<PullResult> pull(const std::vector<TableBatch>& batches, const std::string& error = "");
+  // Push and Wait.
+  std::vector<RowUpdates> push(const std::vector<TableBatch>& batches, float scale, bool return_updates = false,
                                const std::string& error = "");
-  // Local, for a world of one rank (every row is here): applies pending pushes, then copies
-  // the row of each id into out[i*dim...] -- a lookup with nothing to exchange.
-  void lookup_local(int table, const int64_t* ids, int64_t n, float* out);
-  // Collective. Sends each batch's (id, gradient) rows to their shards; each shard sums them
-  // over ranks, multiplies by `scale` and applies its rule once per row. With
-  // `return_updates`, waits for the apply and returns, per batch, every row any shard
-  // changed (for ranks that keep replicas); otherwise the apply happens at the start of this
-  // rank's next operation and the result is empty.
-  std::vector<RowUpdates> push(const std::vector<TableBatch>& batches, float scale,
-                               bool return_updates = false, const std::string& error = "");
   // Collective. Applies any push still pending.
   void flush();
-  // Collective. Rank `root`'s full table (num_rows x dim) becomes every shard's rows.
-  void load_from_root(int table, const float* values, int root);
+
+  // Collective. Rank `root`'s full table (num_rows x dim) becomes every shard's rows; `error`
+  // (root only) makes every rank throw instead.
+  void load_from_root(int table, const float* values, int root, const std::string& error = "");
+  // Collective. The full table (slot < 0) or optimizer slot on every rank.
+  std::vector<float> gather(int table, int slot);
+  // Local, for a world of one rank (every row is here): rows of ids into out[i*dim...].
+  void lookup_local(int table, const int64_t* ids, int64_t n, float* out);
   // Local. Each shard copies its rows (slot < 0) or slot `slot` from a full-table array.
   void load_local(int table, int slot, const float* values);
   // Local. The shard's rows alias `full_table` (num_rows x dim, identical on every rank) from
   // now on; nullptr copies them back into memory the shard owns.
   void attach_replica(int table, float* full_table);
-  // Local. The address the shard's rows alias, or nullptr when it owns them.
-  const float* attached_replica(int table);
   // Local. Writes the rows among `ids` that this rank's shard holds; other ids are skipped.
   void write_local(int table, const int64_t* ids, int64_t n, const float* rows);
   // Local. The name errors use for `table` (e.g. its path in the model, known after creation).
@@ -255,36 +269,27 @@ class Engine {
   // Local. Seeded rows that do not depend on the number of shards.
   void init_normal(int table, uint64_t seed, float mean, float stddev);
   void init_uniform(int table, uint64_t seed, float low, float high);
-  // Collective. The full table (slot < 0) or optimizer slot on every rank.
-  std::vector<float> gather(int table, int slot);
   // Local. The step counter of this rank's shard of `table` (-1 when it holds none).
   void set_step(int table, int64_t step);
   int64_t step(int table) const;
+  // Local. The server optimizer's slot names and current hyper-parameters for `table`.
+  std::vector<std::string> slot_names(int table) const;
+  std::map<std::string, double> hyperparameters(int table) const;
+  // Local. Rows of `table` this rank's shard holds (0 without one).
+  int64_t shard_rows(int table) const;
   // Bytes of rows, and of optimizer state, held by this rank's shards.
   int64_t row_store_bytes() const;
   int64_t state_bytes() const;
   TrafficStats traffic() const;
   void reset_traffic();
   // Records server-side work (applying pushes, serving pulls) for take_trace() while on.
-  void set_tracing(bool on) { tracing_ = on; }
+  void set_tracing(bool on);
   std::vector<TraceEvent> take_trace();
 
+  struct Impl;
+
  private:
-  struct Table;
-  struct Round;
-  // Receives and applies one push round; with `updates`, also exchanges the changed rows.
-  void apply_round(const Round& round, std::map<int, RowUpdates>* updates);
-  void drain_pending();
-  void check_usable() const;
-  Table& table_at(int table) const;
-  std::unique_ptr<Transport> transport_;
-  std::vector<std::unique_ptr<Table>> tables_;
-  std::vector<Round> pending_;
-  bool broken_ = false;
-  std::string broken_reason_;
-  bool tracing_ = false;
-  std::vector<TraceEvent> trace_;
-  void trace(const char* name, int64_t start_ns, int64_t rows);
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace hybridsync

@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "hparams.h"
-#include "rules.h"
 
 namespace hybridsync {
 namespace {
@@ -55,10 +54,10 @@ class AdagradRule : public UpdateRule {
   bool eps_in_sqrt_ = false;
 };
 
+// Registered by name, so the Client and the bindings find it without a list to edit.
+const UpdateRuleRegistrar kRegistered("adagrad", [](const std::map<std::string, double>& hparams) {
+  return std::unique_ptr<UpdateRule>(std::make_unique<AdagradRule>(hparams));
+});
+
 }  // namespace
-
-std::unique_ptr<UpdateRule> make_adagrad(const std::map<std::string, double>& hparams) {
-  return std::make_unique<AdagradRule>(hparams);
-}
-
 }  // namespace hybridsync

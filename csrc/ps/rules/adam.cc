@@ -5,7 +5,6 @@
 #include <cmath>
 
 #include "hparams.h"
-#include "rules.h"
 
 namespace hybridsync {
 namespace {
@@ -50,10 +49,10 @@ class AdamRule : public UpdateRule {
   float step_size_ = 0.0f, b1_ = 0.0f, b2_ = 0.0f, eps_ = 0.0f;
 };
 
+// Registered by name, so the Client and the bindings find it without a list to edit.
+const UpdateRuleRegistrar kRegistered("adam", [](const std::map<std::string, double>& hparams) {
+  return std::unique_ptr<UpdateRule>(std::make_unique<AdamRule>(hparams));
+});
+
 }  // namespace
-
-std::unique_ptr<UpdateRule> make_adam(const std::map<std::string, double>& hparams) {
-  return std::make_unique<AdamRule>(hparams);
-}
-
 }  // namespace hybridsync

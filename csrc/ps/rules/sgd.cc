@@ -1,6 +1,5 @@
 // Plain SGD: row -= lr * grad.
 #include "hparams.h"
-#include "rules.h"
 
 namespace hybridsync {
 namespace {
@@ -26,10 +25,10 @@ class SGDRule : public UpdateRule {
   float lr_ = 0.0f;
 };
 
+// Registered by name, so the Client and the bindings find it without a list to edit.
+const UpdateRuleRegistrar kRegistered("sgd", [](const std::map<std::string, double>& hparams) {
+  return std::unique_ptr<UpdateRule>(std::make_unique<SGDRule>(hparams));
+});
+
 }  // namespace
-
-std::unique_ptr<UpdateRule> make_sgd(const std::map<std::string, double>& hparams) {
-  return std::make_unique<SGDRule>(hparams);
-}
-
 }  // namespace hybridsync

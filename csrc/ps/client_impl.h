@@ -1,0 +1,103 @@
+// What the Client's source files share and no one else needs: its tables, the push rounds
+// waiting to be applied, the operation in flight, and the lock that serialises callers.
+#pragma once
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../transport/transport.h"
+#include "dedup.h"
+#include "hybridsync/ps.h"
+#include "routing.h"
+#include "trace.h"
+
+namespace hybridsync {
+
+struct Table {
+  TableSpec spec;
+  Partitioner part;
+  std::unique_ptr<Shard> shard;  // null when this rank holds no shard of the table
+  RowAggregator sums;            // server side: a round's gradients summed over workers
+};
+
+// A push whose requests were sent but not yet received and applied by this rank's shards.
+struct Round {
+  float scale = 1.0f;
+  std::map<int, double> lr;          // table -> learning rate for this round
+  bool self_error_reported = false;  // this rank already threw for its own bad input
+};
+
+// One batch of a worker's operation, routed; for a push, `rows` are its unique ids' gradients.
+struct Routed {
+  int table;
+  int64_t dim;
+  Routing routing;
+  const float* rows = nullptr;
+  std::vector<float> summed;  // gradients of duplicate ids added up (only when there are some)
+};
+
+// The operation between Pull()/Push() and Wait(): requests sent, replies not yet collected.
+struct InFlight {
+  Client::Handle handle = -1;
+  bool is_push = false;
+  bool return_updates = false;
+  std::vector<Routed> routed;
+  std::vector<int> tables;  // push: the batches' tables, in order
+  std::string local_error;
+  bool index_error = false;
+  Round round;
+};
+
+struct Client::Impl {
+  std::unique_ptr<Transport> transport;
+  std::vector<std::unique_ptr<Table>> tables;
+  std::deque<Round> pending;            // pushes applied at the start of the next operation
+  std::unique_ptr<InFlight> in_flight;  // at most one operation between start and Wait
+  Handle next_handle = 0;
+  bool broken = false;
+  std::string broken_reason;
+  Tracer tracer;
+  mutable std::mutex mu;
+
+  int rank() const { return transport->rank(); }
+  int size() const { return transport->size(); }
+  Table& table_at(int table) const;
+  void check_usable() const;
+  // Applies every pending push (collective: receives each rank's push request).
+  void drain_pending();
+  // Receives and applies one push round; with `updates`, also exchanges the changed rows.
+  void apply_round(const Round& round, std::map<int, RowUpdates>* updates);
+  // Completes the operation in flight, if any.
+  Completion finish_in_flight();
+  Completion finish_pull(InFlight& op);
+  Completion finish_push(InFlight& op);
+
+  // Runs one collective step; a transport or protocol failure leaves the Client unusable,
+  // because peers may be stuck half-way through the operation.
+  template <class F>
+  auto guarded(F&& body) -> decltype(body()) {
+    check_usable();
+    try {
+      return body();
+    } catch (const PSTransportError& e) {
+      broken = true;
+      broken_reason = e.what();
+      throw;
+    }
+  }
+};
+
+// A request announcing that the sender's input was bad (so no rank waits for its data).
+std::vector<char> error_request(const std::string& message);
+
+// Throws the first error a peer announced (this rank's own is thrown by the caller).
+void throw_remote(const std::vector<std::string>& errors, int self, const char* op);
+
+// A server's sanity check of row positions a worker sent (they come from our partitioner).
+void check_rows(const Shard* shard, const std::string& table, const int64_t* local, int64_t n, const char* op);
+
+}  // namespace hybridsync

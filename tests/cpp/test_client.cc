@@ -1,0 +1,108 @@
+// A real Client over the one-rank "loopback" transport: the transport factory, table
+// registration, split-phase pull/push with handles, lazy pushes, replicas and errors.
+#include <vector>
+
+#include "check.h"
+#include "hybridsync/ps.h"
+#include "transport/transport.h"
+
+using namespace hybridsync;
+
+namespace {
+
+std::unique_ptr<Client> loopback_client() {
+  return std::make_unique<Client>(make_transport("loopback", TransportOptions{}));
+}
+
+TableSpec spec(const std::string& rule = "sgd", std::map<std::string, double> hparams = {{"lr", 1.0}}) {
+  return TableSpec{"emb", 6, 2, 0, PartitionKind::kCyclic, rule, std::move(hparams)};
+}
+
+std::vector<float> iota_table() {
+  std::vector<float> v(12);
+  for (int i = 0; i < 12; ++i) v[i] = static_cast<float>(i);
+  return v;
+}
+
+}  // namespace
+
+TEST(transports_are_made_by_name_and_unknown_names_list_the_known) {
+  const std::vector<std::string> names = transport_names();
+  CHECK((names == std::vector<std::string>{"loopback", "mpi"}));
+  CHECK_THROWS(make_transport("tcp", TransportOptions{}), PSError, "unknown PS transport 'tcp' (known: loopback, mpi)");
+  CHECK_THROWS(make_transport("mpi", TransportOptions{}), PSError, "needs a communicator");
+}
+
+TEST(pull_returns_rows_of_unique_ids_and_wait_completes_the_handle) {
+  auto c = loopback_client();
+  const int t = c->add_table(spec());
+  const std::vector<float> init = iota_table();
+  c->load_local(t, -1, init.data());
+  const std::vector<int64_t> ids = {3, 1, 3};
+  const Client::Handle h = c->Pull({TableBatch{t, ids.data(), 3}});
+  Completion done = c->Wait(h);
+  CHECK(done.pulled.size() == 1);
+  CHECK((done.pulled[0].unique == std::vector<int64_t>{3, 1}));
+  CHECK((done.pulled[0].inverse == std::vector<int64_t>{0, 1, 0}));
+  CHECK((done.pulled[0].rows == std::vector<float>{6, 7, 2, 3}));
+  CHECK(c->Wait(h).pulled.empty());  // completed already
+  CHECK_THROWS(c->Wait(h + 5), PSError, "unknown PS operation handle");
+}
+
+TEST(a_lazy_push_is_applied_before_the_next_pull_and_sums_duplicates) {
+  auto c = loopback_client();
+  const int t = c->add_table(spec());
+  const std::vector<int64_t> ids = {2, 2, 5};
+  const std::vector<float> grads = {1, 1, 2, 2, 4, 4};
+  const TableBatch push{t, ids.data(), 3, grads.data(), 0.5};
+  c->Wait(c->Push({push}, 1.0f));
+  const std::vector<int64_t> all = {0, 1, 2, 3, 4, 5};
+  std::vector<PullResult> rows = c->pull({TableBatch{t, all.data(), 6}});
+  CHECK_NEAR(rows[0].rows[4], -1.5, 1e-6);  // row 2: lr 0.5 x (1 + 2)
+  CHECK_NEAR(rows[0].rows[10], -2.0, 1e-6);  // row 5: lr 0.5 x 4
+  CHECK_NEAR(c->hyperparameters(t).at("lr"), 0.5, 0.0);
+  CHECK(c->step(t) == 1);
+}
+
+TEST(a_push_with_updates_returns_every_changed_row) {
+  auto c = loopback_client();
+  const int t = c->add_table(spec());
+  const std::vector<int64_t> ids = {4};
+  const std::vector<float> grads = {1, 2};
+  std::vector<RowUpdates> updates = c->push({TableBatch{t, ids.data(), 1, grads.data()}}, 2.0f, true);
+  CHECK(updates.size() == 1);
+  CHECK((updates[0].ids == std::vector<int64_t>{4}));
+  CHECK((updates[0].rows == std::vector<float>{-2, -4}));
+}
+
+TEST(bad_input_throws_and_changes_no_row) {
+  auto c = loopback_client();
+  const int t = c->add_table(spec());
+  const std::vector<int64_t> bad = {1, 6};
+  const std::vector<float> grads = {1, 1, 1, 1};
+  CHECK_THROWS(c->push({TableBatch{t, bad.data(), 2, grads.data()}}, 1.0f, true), PSIndexError,
+               "table 'emb': id 6 is out of range [0, 6)");
+  CHECK_THROWS(c->pull({}, "gradients must be float32"), PSError, "gradients must be float32");
+  const std::vector<float> full = c->gather(t, -1);
+  for (float v : full) CHECK_NEAR(v, 0.0, 0.0);
+  CHECK_THROWS(c->gather(t, 3), PSError, "has no state slot 3");
+  CHECK_THROWS(c->load_from_root(t, nullptr, 0, "expected a float32 array"), PSError, "expected a float32 array");
+  CHECK_THROWS(c->add_table(spec("rmsprop", {})), PSError, "table 'emb': unknown server optimizer 'rmsprop'");
+  CHECK_THROWS(c->add_table(spec(), "unknown partition 'hash'"), PSError, "table 'emb': unknown partition 'hash'");
+}
+
+TEST(load_from_root_and_a_replica_attachment) {
+  auto c = loopback_client();
+  const int t = c->add_table(spec("adagrad", {{"lr", 1.0}}));
+  std::vector<float> replica = iota_table();
+  c->load_from_root(t, replica.data(), 0);
+  CHECK((c->gather(t, -1) == replica));
+  c->attach_replica(t, replica.data());
+  CHECK(c->row_store_bytes() == 0);
+  CHECK(c->state_bytes() == 12 * 4);  // Adagrad's accumulator
+  const std::vector<int64_t> ids = {0, 1, 2, 3};
+  const std::vector<float> rows = {9, 9, 8, 8, 7, 7, 6, 6};
+  c->write_local(t, ids.data(), 4, rows.data());
+  CHECK_NEAR(replica[5], 7, 0.0);  // written through the alias
+  CHECK((c->slot_names(t) == std::vector<std::string>{"sum"}));
+}

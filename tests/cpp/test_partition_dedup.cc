@@ -1,0 +1,78 @@
+// The partitioner, deduplication, row aggregation and the client's routing of ids to shards.
+#include <numeric>
+#include <vector>
+
+#include "check.h"
+#include "hybridsync/ps.h"
+#include "ps/dedup.h"
+#include "ps/routing.h"
+
+using namespace hybridsync;
+
+TEST(partitioners_round_trip_and_cover_every_row_once) {
+  for (PartitionKind kind : {PartitionKind::kCyclic, PartitionKind::kBlock}) {
+    for (int shards : {1, 3, 4}) {
+      Partitioner p(10, shards, kind);
+      int64_t total = 0;
+      for (int s = 0; s < shards; ++s) total += p.shard_rows(s);
+      CHECK(total == 10);
+      for (int64_t id = 0; id < 10; ++id) {
+        const int s = p.shard_of(id);
+        CHECK(s >= 0 && s < shards);
+        CHECK(p.local_index(id) < p.shard_rows(s));
+        CHECK(p.global_id(s, p.local_index(id)) == id);
+      }
+    }
+  }
+  Partitioner cyclic(10, 3, PartitionKind::kCyclic);
+  CHECK(cyclic.shard_of(7) == 1 && cyclic.local_index(7) == 2);
+  CHECK(cyclic.shard_rows(0) == 4 && cyclic.shard_rows(2) == 3);
+  Partitioner block(10, 4, PartitionKind::kBlock);  // blocks of 3: the last shard holds 1
+  CHECK(block.shard_of(7) == 2 && block.local_index(7) == 1);
+  CHECK(block.shard_rows(3) == 1);
+  CHECK_THROWS(Partitioner(10, 0, PartitionKind::kCyclic), PSError, "num_shards must be >= 1");
+}
+
+TEST(deduplicate_keeps_first_seen_order_and_names_bad_ids) {
+  const std::vector<int64_t> ids = {5, 2, 5, 9, 2};
+  Dedup d = deduplicate("emb", ids.data(), 5, 10);
+  CHECK((d.unique == std::vector<int64_t>{5, 2, 9}));
+  CHECK((d.inverse == std::vector<int64_t>{0, 1, 0, 2, 1}));
+  const std::vector<int64_t> bad = {1, 10};
+  CHECK_THROWS(deduplicate("emb", bad.data(), 2, 10), PSIndexError, "table 'emb': id 10 is out of range [0, 10)");
+  const int64_t negative = -1;
+  CHECK_THROWS(deduplicate("emb", &negative, 1, 10), PSIndexError, "id -1");
+}
+
+TEST(row_aggregator_sums_duplicates_across_workers_then_applies_once_per_row) {
+  Shard s("emb", 3, 1, make_update_rule("sgd", {{"lr", 1.0}}));
+  RowAggregator sums;
+  sums.begin(1, 4);
+  const std::vector<int64_t> a = {2, 0}, b = {2};
+  const std::vector<float> ga = {1, 3}, gb = {5};
+  sums.add(a.data(), 2, ga.data());
+  sums.add(b.data(), 1, gb.data());
+  CHECK(sums.size() == 2);
+  sums.apply(s, 0.5f);  // scaled sums: row 2 -> 3, row 0 -> 1.5
+  CHECK_NEAR(*s.row(2), -3.0, 1e-6);
+  CHECK_NEAR(*s.row(0), -1.5, 1e-6);
+  CHECK_NEAR(*s.row(1), 0.0, 0.0);
+  CHECK(s.rule().step() == 1);  // one step for the whole round
+}
+
+TEST(routing_groups_unique_ids_by_destination_with_their_local_rows) {
+  Partitioner p(12, 3, PartitionKind::kCyclic);
+  const std::vector<int64_t> ids = {4, 3, 4, 8, 0, 11};
+  Routing r = route_ids("emb", p, ids.data(), 6, 3);
+  CHECK((r.dedup.unique == std::vector<int64_t>{4, 3, 8, 0, 11}));
+  CHECK(r.count(0) == 2 && r.count(1) == 1 && r.count(2) == 2);
+  for (int d = 0; d < 3; ++d) {
+    for (int64_t k = r.offset[d]; k < r.offset[d + 1]; ++k) {
+      const int64_t id = r.dedup.unique[r.order[k]];
+      CHECK(p.shard_of(id) == d);
+      CHECK(r.local[k] == p.local_index(id));
+    }
+  }
+  const std::vector<int64_t> bad = {12};
+  CHECK_THROWS(route_ids("emb", p, bad.data(), 1, 3), PSIndexError, "id 12");
+}

@@ -1,0 +1,94 @@
+// The shard store and the update rules, against numbers worked out by hand.
+#include <cmath>
+#include <vector>
+
+#include "check.h"
+#include "hybridsync/ps.h"
+
+using namespace hybridsync;
+
+namespace {
+
+Shard make_shard(const std::string& rule, std::map<std::string, double> hparams, int64_t rows = 4, int64_t dim = 2) {
+  return Shard("emb", rows, dim, make_update_rule(rule, hparams));
+}
+
+}  // namespace
+
+TEST(sgd_moves_each_row_by_lr_times_its_gradient) {
+  Shard s = make_shard("sgd", {{"lr", 0.5}});
+  const std::vector<float> init = {1, 2, 3, 4, 5, 6, 7, 8};
+  const std::vector<int64_t> all = {0, 1, 2, 3};
+  s.scatter(all.data(), 4, init.data());
+  const std::vector<int64_t> rows = {2, 0};
+  const std::vector<float> grads = {1, -2, 4, 4};
+  s.rule().begin_step();
+  s.apply(rows.data(), 2, grads.data());
+  std::vector<float> out(8);
+  s.gather(all.data(), 4, out.data());
+  const std::vector<float> expected = {1 - 2, 2 - 2, 3, 4, 5 - 0.5f, 6 + 1, 7, 8};
+  for (int i = 0; i < 8; ++i) CHECK_NEAR(out[i], expected[i], 1e-6);
+  CHECK(s.rule().step() == 1);
+}
+
+TEST(adagrad_with_epsilon_outside_or_inside_the_square_root) {
+  for (double in_sqrt : {0.0, 1.0}) {
+    Shard s = make_shard("adagrad", {{"lr", 0.1}, {"eps", 0.5}, {"initial_accumulator_value", 1.0}, {"eps_in_sqrt", in_sqrt}}, 1, 1);
+    const int64_t row = 0;
+    const float g = 2.0f;
+    s.rule().begin_step();
+    s.apply(&row, 1, &g);
+    // acc = 1 + 4 = 5; torch: g / (sqrt(acc) + eps); Keras: g / sqrt(acc + eps).
+    const double step = in_sqrt ? 2.0 / std::sqrt(5.5) : 2.0 / (std::sqrt(5.0) + 0.5);
+    CHECK_NEAR(*s.row(0), -0.1 * step, 1e-6);
+    CHECK_NEAR(s.slot(0)[0], 5.0, 1e-6);
+  }
+}
+
+TEST(adam_is_lazy_and_bias_corrected) {
+  Shard s = make_shard("adam", {{"lr", 0.01}, {"beta1", 0.9}, {"beta2", 0.999}, {"eps", 1e-8}}, 2, 1);
+  const int64_t row = 1;
+  const float g = 0.5f;
+  s.rule().begin_step();
+  s.apply(&row, 1, &g);
+  // m = 0.05, v = 0.00025; lr * sqrt(1 - b2) / (1 - b1) * m / (sqrt(v) + eps) = 0.01 (the sign of g).
+  CHECK_NEAR(*s.row(1), -0.01, 1e-6);
+  CHECK_NEAR(*s.row(0), 0.0, 0.0);  // no gradient: untouched, moments too
+  CHECK_NEAR(s.slot(0)[0], 0.0, 0.0);
+  CHECK_NEAR(s.slot(0)[1], 0.05, 1e-7);
+  CHECK_NEAR(s.slot(1)[1], 0.00025, 1e-8);
+}
+
+TEST(rules_register_themselves_and_unknown_names_list_them) {
+  const std::vector<std::string> names = update_rule_names();
+  CHECK((names == std::vector<std::string>{"adagrad", "adam", "sgd"}));
+  CHECK_THROWS(make_update_rule("rmsprop", {}), PSError, "unknown server optimizer 'rmsprop' (known: adagrad, adam, sgd)");
+  CHECK_THROWS(make_update_rule("sgd", {{"momentum", 0.9}}), PSError, "unknown hyper-parameter 'momentum'");
+  CHECK_THROWS(make_update_rule("adam", {{"beta1", 1.0}}), PSError, "beta1");
+}
+
+TEST(a_rejected_hyperparameter_change_keeps_the_old_value) {
+  auto rule = make_update_rule("sgd", {{"lr", 0.1}});
+  CHECK_THROWS(rule->set_hyperparameter("lr", -1.0), PSError, "lr must be >= 0");
+  CHECK_NEAR(rule->hyperparameters().at("lr"), 0.1, 0.0);
+  CHECK_THROWS(rule->set_hyperparameter("beta1", 0.5), PSError, "no hyper-parameter 'beta1'");
+}
+
+TEST(an_attached_shard_reads_and_writes_the_callers_rows_and_detach_copies_them) {
+  // Shard of rank 1 of 2 under cyclic partitioning: local row l is global row 2l + 1.
+  std::vector<float> table = {0, 0, 10, 11, 0, 0, 30, 31};  // 4 rows x 2
+  Shard s = make_shard("sgd", {{"lr", 1.0}}, 2, 2);
+  s.attach(table.data(), 2, 1);
+  CHECK(s.attached());
+  CHECK(s.row_bytes() == 0);
+  CHECK_NEAR(s.row(1)[1], 31, 0.0);
+  const int64_t row = 1;
+  const float g[2] = {1, 1};
+  s.rule().begin_step();
+  s.apply(&row, 1, g);
+  CHECK_NEAR(table[6], 29, 0.0);  // written in the caller's memory
+  s.detach();
+  CHECK(!s.attached());
+  table[6] = -1;
+  CHECK_NEAR(s.row(1)[0], 29, 0.0);  // owns a copy now
+}
