@@ -74,9 +74,13 @@ def plan_runs(args):
     # Repeats run in rounds of every configuration, so a slow spell of this noisy machine
     # lands on all systems alike instead of on every repeat of one.
     runs = []
-    for _ in range(args.repeats):
+    for round_ in range(args.repeats):
+        # Each round starts with another system: whatever the run after a rank-count switch
+        # pays (the previous job's teardown, a cold page cache) falls on each in turn.
+        k = round_ % len(args.systems)
+        systems = args.systems[k:] + args.systems[:k]
         for ranks in args.ranks:
-            for system in args.systems:
+            for system in systems:
                 runs.append(("main", system, ranks, args.steps, args.warmup, 0))
         if 2 in args.ranks and "horovod-sparse-as-dense" not in args.skip:
             runs.append(("main", "horovod-sparse-as-dense", 2, args.dense_steps, 3, 0))
