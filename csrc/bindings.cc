@@ -105,7 +105,7 @@ class PyEngine {
   PyEngine(py::object comm, const WaitPolicy& policy) {
     MPI_Comm* c = PyMPIComm_Get(comm.ptr());
     if (!c) throw py::error_already_set();
-    client_ = std::make_unique<Client>(make_transport("mpi", TransportOptions{c, policy}));
+    client_ = std::make_unique<Client>(make_transport("mpi", TransportConfig{c, policy}));
   }
 
   // Collective. A bad partition name becomes the operation's error, so every rank raises.
@@ -203,8 +203,12 @@ class PyEngine {
     if (tables.size() != ids.size() || tables.size() != grads.size()) {
       error = "push: tables, ids and grads must have the same length";
     } else if (!lrs.is_none()) {
-      lr_values = lrs.cast<std::vector<double>>();
-      if (lr_values.size() != tables.size()) error = "push: one learning rate per table is required";
+      try {  // a bad value must not make this rank skip the collective
+        lr_values = lrs.cast<std::vector<double>>();
+      } catch (const py::cast_error&) {
+        error = "push: learning rates must be a sequence of numbers";
+      }
+      if (error.empty() && lr_values.size() != tables.size()) error = "push: one learning rate per table is required";
     }
     for (size_t b = 0; b < tables.size() && error.empty(); ++b) {
       const TableSpec spec = spec_or_error(tables[b], &error);
@@ -265,14 +269,23 @@ class PyEngine {
     nogil([&] { client_->attach_replica(table, data); });
   }
 
-  void write_local(int table, const py::object& ids_obj, const py::object& rows_obj) {
+  // Rows (slot < 0) or optimizer slot values of the ids this rank holds (checkpoint restores).
+  void write_local(int table, const py::object& ids_obj, const py::object& rows_obj, int slot) {
     std::string error;
     const TableSpec spec = this->spec(table);
     IdArray ids = ids_of(ids_obj, spec.name, &error);
     RowArray rows;
     if (error.empty()) rows = grads_of(rows_obj, spec.name, ids.size(), spec.dim, &error, "rows");
     if (!error.empty()) throw PSError(error);
-    nogil([&] { client_->write_local(table, ids.data(), ids.size(), rows.data()); });
+    nogil([&] { client_->write_local(table, slot, ids.data(), ids.size(), rows.data()); });
+  }
+
+  // This rank's rows (slot < 0) or optimizer slot, (shard_rows, dim) in storage order.
+  py::array_t<float> local_values(int table, int slot) {
+    const TableSpec spec = this->spec(table);
+    std::vector<float> values = nogil([&] { return client_->local_values(table, slot); });
+    const auto rows = static_cast<py::ssize_t>(values.size() / static_cast<size_t>(spec.dim));
+    return to_numpy(std::move(values), {rows, static_cast<py::ssize_t>(spec.dim)});
   }
 
   py::array_t<float> gather(int table, int slot) {
@@ -329,11 +342,9 @@ class PyShard {
     RowArray grads;
     if (error.empty()) grads = grads_of(grads_obj, shard_.table(), ids.size(), shard_.dim(), &error);
     if (!error.empty()) throw PSError(error);
-    // The servers' own code path: validate, add duplicate rows up, one step over the sums.
+    // The servers' own step: duplicate rows added up, one optimizer step over the sums.
     check_ids(shard_.table(), ids.data(), ids.size(), shard_.rows());
-    sums_.begin(shard_.dim(), static_cast<size_t>(ids.size()));
-    sums_.add(ids.data(), ids.size(), grads.data());
-    sums_.apply(shard_, 1.0f);
+    sums_.step(shard_, {GradientRows{ids.data(), ids.size(), grads.data()}}, 1.0f);
   }
 
   py::array_t<float> values(int slot) const {
@@ -348,7 +359,10 @@ class PyShard {
 
   void set_values(int slot, const py::object& values) {
     std::string error;
-    TableSpec spec{shard_.table(), shard_.rows(), shard_.dim()};
+    TableSpec spec;
+    spec.name = shard_.table();
+    spec.num_rows = shard_.rows();
+    spec.dim = shard_.dim();
     const float* data = table_buffer(values, spec, false, &error);
     if (!error.empty()) throw PSError(error);
     if (slot >= shard_.num_slots()) throw PSError("no optimizer state slot " + std::to_string(slot));
@@ -397,7 +411,6 @@ PYBIND11_MODULE(_ps, m) {
       .def("global_id", &Partitioner::global_id)
       .def("shard_rows", &Partitioner::shard_rows);
 
-  m.def("optimizer_names", &update_rule_names, "Registered server optimizers.");
   m.def("optimizer_hyperparameters", [](const std::string& name, const std::map<std::string, double>& hparams) {
     return std::map<std::string, double>(make_update_rule(name, hparams)->hyperparameters());
   });
@@ -436,7 +449,9 @@ PYBIND11_MODULE(_ps, m) {
            }, py::arg("table"), py::arg("optimizer"), py::arg("hparams") = std::map<std::string, double>{})
       .def("flush", &PyEngine::flush)
       .def("attach_replica", &PyEngine::attach_replica, py::arg("table"), py::arg("replica"))
-      .def("write_local", &PyEngine::write_local, py::arg("table"), py::arg("ids"), py::arg("rows"))
+      .def("write_local", &PyEngine::write_local, py::arg("table"), py::arg("ids"), py::arg("rows"),
+           py::arg("slot") = -1)
+      .def("local_values", &PyEngine::local_values, py::arg("table"), py::arg("slot") = -1)
       .def("rename_table", [](PyEngine& e, int t, const std::string& name) { nogil([&] { e.client().rename_table(t, name); }); })
       .def("load_from_root", &PyEngine::load_from_root, py::arg("table"), py::arg("values"), py::arg("root") = 0)
       .def("load_local", &PyEngine::load_local, py::arg("table"), py::arg("slot"), py::arg("values"))

@@ -90,7 +90,22 @@ def explain(file=None, as_json: bool = False) -> str:
     return _explain(file=file, as_json=as_json)
 
 
+def save_checkpoint(path, model, optimizer, extra=None):
+    """Collective: a sharded, atomic checkpoint of model, optimizer and parameter-server state
+    (PyTorch or Keras; see hybridsync.checkpoint). extra: JSON data kept with it."""
+    from .checkpoint import save_checkpoint as _save
+
+    return _save(path, model, optimizer, extra)
+
+
+def load_checkpoint(path, model, optimizer):
+    """Collective: restores a checkpoint at any world size; returns its `extra`."""
+    from .checkpoint import load_checkpoint as _load
+
+    return _load(path, model, optimizer)
+
+
 from .config import ConfigError  # noqa: E402
 
 __all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
-           "DistributedOptimizer", "explain", "ConfigError"]
+           "DistributedOptimizer", "explain", "ConfigError", "save_checkpoint", "load_checkpoint"]

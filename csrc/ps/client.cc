@@ -100,27 +100,16 @@ Client::~Client() = default;
 int Client::rank() const { return impl_->rank(); }
 int Client::size() const { return impl_->size(); }
 
-int Client::num_tables() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return static_cast<int>(impl_->tables.size());
-}
-
 TableSpec Client::spec(int table) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->table_at(table).spec;
-}
-
-Partitioner Client::partitioner(int table) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->table_at(table).part;
 }
 
 int Client::add_table(const TableSpec& given, const std::string& given_error) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& c = *impl_;
   return c.guarded([&] {
-    c.finish_in_flight();
-    c.drain_pending();
+    c.begin_collective();
     TableSpec spec = given;
     if (spec.num_shards == 0) spec.num_shards = c.size();
     std::string error = given_error;
@@ -179,9 +168,12 @@ void Client::load_from_root(int table, const float* values, int root, const std:
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& c = *impl_;
   c.guarded([&] {
-    c.finish_in_flight();
-    c.drain_pending();
+    c.begin_collective();
     Table& t = c.table_at(table);
+    if (root < 0 || root >= c.size()) {  // every rank sees the same root: all throw, none waits
+      throw PSError("table '" + t.spec.name + "': load_from_root needs a root rank in [0, " + std::to_string(c.size()) +
+                    "), got " + std::to_string(root));
+    }
     const int64_t dim = t.spec.dim;
     // The root tells every rank (shard or not) its verdict, so a bad array on the root makes
     // every rank throw instead of leaving the shards waiting for rows.
@@ -216,8 +208,7 @@ std::vector<float> Client::gather(int table, int slot) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& c = *impl_;
   return c.guarded([&] {
-    c.finish_in_flight();
-    c.drain_pending();
+    c.begin_collective();
     Table& t = c.table_at(table);
     const int64_t dim = t.spec.dim;
     std::string error;
@@ -283,15 +274,27 @@ void Client::attach_replica(int table, float* full_table) {
   }
 }
 
-void Client::write_local(int table, const int64_t* ids, int64_t n, const float* rows) {
+void Client::write_local(int table, int slot, const int64_t* ids, int64_t n, const float* rows) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Table& t = impl_->table_at(table);
   check_ids(t.spec.name, ids, n, t.spec.num_rows);
+  check_slot(t, slot);
   if (!t.shard) return;
   for (int64_t i = 0; i < n; ++i) {
     if (t.part.shard_of(ids[i]) != impl_->rank()) continue;
-    std::memcpy(t.shard->row(t.part.local_index(ids[i])), rows + i * t.spec.dim, t.spec.dim * sizeof(float));
+    std::memcpy(row_of(*t.shard, slot, t.part.local_index(ids[i])), rows + i * t.spec.dim, t.spec.dim * sizeof(float));
   }
+}
+
+std::vector<float> Client::local_values(int table, int slot) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Table& t = impl_->table_at(table);
+  check_slot(t, slot);
+  if (!t.shard) return {};
+  const int64_t dim = t.spec.dim;
+  std::vector<float> out(static_cast<size_t>(t.shard->rows() * dim));
+  for (int64_t l = 0; l < t.shard->rows(); ++l) std::memcpy(out.data() + l * dim, row_of(*t.shard, slot, l), dim * sizeof(float));
+  return out;
 }
 
 void Client::rename_table(int table, const std::string& name) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <deque>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17,6 +18,7 @@
 
 namespace hybridsync {
 
+// A registered table and this rank's part of it.
 struct Table {
   TableSpec spec;
   Partitioner part;
@@ -40,7 +42,7 @@ struct Routed {
   std::vector<float> summed;  // gradients of duplicate ids added up (only when there are some)
 };
 
-// The operation between Pull()/Push() and Wait(): requests sent, replies not yet collected.
+// An operation between its start (requests sent) and its completion (replies collected).
 struct InFlight {
   Client::Handle handle = -1;
   bool is_push = false;
@@ -52,29 +54,43 @@ struct InFlight {
   Round round;
 };
 
+// An operation completed before its owner's Wait() (another caller needed the wire): what
+// Wait() hands over, rows or the exception.
+struct Finished {
+  Completion done;
+  std::exception_ptr error;
+};
+
 struct Client::Impl {
   std::unique_ptr<Transport> transport;
   std::vector<std::unique_ptr<Table>> tables;
   std::deque<Round> pending;            // pushes applied at the start of the next operation
   std::unique_ptr<InFlight> in_flight;  // at most one operation between start and Wait
+  std::map<Handle, Finished> finished;  // completed early, not yet waited for
   Handle next_handle = 0;
   bool broken = false;
   std::string broken_reason;
   Tracer tracer;
+  // Serialises every method; taken once per call, never inside a loop.
   mutable std::mutex mu;
 
   int rank() const { return transport->rank(); }
   int size() const { return transport->size(); }
   Table& table_at(int table) const;
   void check_usable() const;
-  // Applies every pending push (collective: receives each rank's push request).
-  void drain_pending();
-  // Receives and applies one push round; with `updates`, also exchanges the changed rows.
-  void apply_round(const Round& round, std::map<int, RowUpdates>* updates);
-  // Completes the operation in flight, if any.
-  Completion finish_in_flight();
+  // What every collective does first: completes the operation in flight (keeping its outcome
+  // for its Wait) and applies the pending pushes, so the wire carries one operation at a time.
+  void begin_collective();
+  // Step 1 of a pull or push: routes the batches and sends every rank its request.
+  std::unique_ptr<InFlight> start_pull(const std::vector<TableBatch>& batches, const std::string& error);
+  std::unique_ptr<InFlight> start_push(const std::vector<TableBatch>& batches, float scale, bool return_updates,
+                                       const std::string& error);
+  // Serves the peers and collects the replies (steps 2 and 3); throws what the operation met.
+  Completion finish(InFlight& op);
   Completion finish_pull(InFlight& op);
   Completion finish_push(InFlight& op);
+  // Receives and applies one push round; with `updates`, also exchanges the changed rows.
+  void apply_round(const Round& round, std::map<int, RowUpdates>* updates);
 
   // Runs one collective step; a transport or protocol failure leaves the Client unusable,
   // because peers may be stuck half-way through the operation.

@@ -1,3 +1,4 @@
+// Deduplication, duplicate summing and the shards' per-round aggregation (see dedup.h).
 #include "dedup.h"
 
 #include <cstring>
@@ -27,35 +28,45 @@ Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64
   return out;
 }
 
-void RowAggregator::begin(int64_t dim, size_t expected) {
-  dim_ = dim;
-  rows_.clear();
-  sums_.resize(expected * static_cast<size_t>(dim));
-  index_.reset(expected);
-}
-
-void RowAggregator::add(const int64_t* rows, int64_t n, const float* grads) {
-  for (int64_t k = 0; k < n; ++k) {
-    auto [slot, fresh] = index_.insert(rows[k]);
-    if (static_cast<size_t>((slot + 1) * dim_) > sums_.size()) sums_.resize(static_cast<size_t>((slot + 1) * dim_) * 2);
-    float* dst = sums_.data() + slot * dim_;
-    const float* g = grads + k * dim_;
-    if (fresh) {
-      rows_.push_back(rows[k]);
-      std::memcpy(dst, g, dim_ * sizeof(float));
-    } else {
-      for (int64_t j = 0; j < dim_; ++j) dst[j] += g[j];
-    }
+std::vector<float> sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim) {
+  std::vector<float> sums(dedup.unique.size() * static_cast<size_t>(dim), 0.0f);
+  const int64_t n = static_cast<int64_t>(dedup.inverse.size());
+  for (int64_t i = 0; i < n; ++i) {
+    float* dst = sums.data() + dedup.inverse[i] * dim;
+    const float* g = grads + i * dim;
+    for (int64_t j = 0; j < dim; ++j) dst[j] += g[j];
   }
+  return sums;
 }
 
-void RowAggregator::apply(Shard& shard, float scale) {
+void RowAggregator::step(Shard& shard, const std::vector<GradientRows>& sources, float scale) {
+  size_t expected = 0;
+  for (const GradientRows& s : sources) expected += static_cast<size_t>(s.n);
+  dim_ = shard.dim();
+  rows_.clear();
+  sums_.resize(expected * static_cast<size_t>(dim_));
+  index_.reset(expected);
+  for (const GradientRows& s : sources) add(s);
   const int64_t n = size();
   if (scale != 1.0f) {
     for (int64_t i = 0; i < n * dim_; ++i) sums_[i] *= scale;
   }
   shard.rule().begin_step();
   shard.apply(rows_.data(), n, sums_.data());
+}
+
+void RowAggregator::add(const GradientRows& source) {
+  for (int64_t k = 0; k < source.n; ++k) {
+    auto [slot, fresh] = index_.insert(source.rows[k]);
+    float* dst = sums_.data() + slot * dim_;
+    const float* g = source.grads + k * dim_;
+    if (fresh) {
+      rows_.push_back(source.rows[k]);
+      std::memcpy(dst, g, dim_ * sizeof(float));
+    } else {
+      for (int64_t j = 0; j < dim_; ++j) dst[j] += g[j];
+    }
+  }
 }
 
 }  // namespace hybridsync

@@ -23,22 +23,32 @@ struct Dedup {
 // Validates 0 <= id < num_rows (PSIndexError naming `table` and the id) and deduplicates.
 Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows);
 
-// Adds gradient rows up per row index (rows may repeat, within and across add() calls, e.g.
-// one call per worker), then applies the sums to a shard once per row. Reused round after
+// A worker's gradients (n x dim, one row per input id) added up per unique id of `dedup`, so
+// each row crosses the wire once: row u of the result sums the rows i with inverse[i] == u.
+std::vector<float> sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim);
+
+// Gradient rows from one source (a worker's request, or a caller): rows[i] gets grads[i*dim...].
+struct GradientRows {
+  const int64_t* rows = nullptr;
+  int64_t n = 0;
+  const float* grads = nullptr;
+};
+
+// A shard's optimizer step over gradients from any number of sources. Reused round after
 // round, so its buffers are allocated once.
 class RowAggregator {
  public:
-  // Starts a new sum for rows of `dim` floats, sized for about `expected` rows.
-  void begin(int64_t dim, size_t expected);
-  // Adds grads[i*dim...] to the sum of row rows[i].
-  void add(const int64_t* rows, int64_t n, const float* grads);
-  // The distinct rows summed so far (first-seen order) and their sums.
+  // Sums the sources' gradients per row (in source order, so every run adds in the same order;
+  // rows may repeat within and across sources), multiplies the sums by `scale`, then runs one
+  // step of `shard`'s rule, once per distinct row. Row indices must be valid.
+  void step(Shard& shard, const std::vector<GradientRows>& sources, float scale);
+  // The distinct rows of the last step (first-seen order), e.g. to send replicas.
   int64_t size() const { return static_cast<int64_t>(rows_.size()); }
   const int64_t* rows() const { return rows_.data(); }
-  // Multiplies the sums by `scale`, then runs one optimizer step of `shard` over them.
-  void apply(Shard& shard, float scale);
 
  private:
+  // Adds one source's rows into the sums.
+  void add(const GradientRows& source);
   IdIndex index_;
   std::vector<int64_t> rows_;
   std::vector<float> sums_;

@@ -15,12 +15,10 @@
 namespace hybridsync {
 namespace {
 
-// One table's entry in a request a server received.
+// One table's entry in a request a server received: its rows (and, for a push, gradients).
 struct Entry {
   int table;
-  int64_t count;
-  const int64_t* local;
-  const float* grads;  // push only
+  GradientRows rows;
 };
 
 // Parses a pull/push request (after its kind) into entries; grads follow all row indices.
@@ -29,11 +27,11 @@ std::vector<Entry> read_entries(Reader& r, bool with_grads, const std::function<
   std::vector<Entry> entries(static_cast<size_t>(n));
   for (auto& e : entries) {
     e.table = static_cast<int>(r.i64());
-    e.count = r.i64();
+    e.rows.n = r.i64();
   }
-  for (auto& e : entries) e.local = r.i64_view(static_cast<size_t>(e.count));
+  for (auto& e : entries) e.rows.rows = r.i64_view(static_cast<size_t>(e.rows.n));
   if (with_grads) {
-    for (auto& e : entries) e.grads = r.f32s(static_cast<size_t>(e.count * dim_of(e.table)));
+    for (auto& e : entries) e.rows.grads = r.f32s(static_cast<size_t>(e.rows.n * dim_of(e.table)));
   }
   return entries;
 }
@@ -83,12 +81,7 @@ std::vector<Routed> route_batches(const Client::Impl& c, const std::vector<Table
       if (with_grads && static_cast<int64_t>(dd.unique.size()) == b.n) {
         r.rows = b.grads;  // no duplicates: unique u is input u
       } else if (with_grads) {
-        r.summed.assign(dd.unique.size() * dim, 0.0f);
-        for (int64_t i = 0; i < b.n; ++i) {
-          float* dst = r.summed.data() + dd.inverse[i] * dim;
-          const float* g = b.grads + i * dim;
-          for (int64_t j = 0; j < dim; ++j) dst[j] += g[j];
-        }
+        r.summed = sum_duplicates(dd, b.grads, dim);
         r.rows = r.summed.data();
       }
       routed.push_back(std::move(r));
@@ -112,18 +105,62 @@ void send_requests(Transport& transport, RequestKind kind, const std::vector<Rou
 
 }  // namespace
 
+std::unique_ptr<InFlight> Client::Impl::start_pull(const std::vector<TableBatch>& batches,
+                                                   const std::string& error) {
+  auto op = std::make_unique<InFlight>();
+  op->handle = next_handle++;
+  op->local_error = error;
+  op->routed = route_batches(*this, batches, false, &op->local_error, &op->index_error);
+  send_requests(*transport, RequestKind::kPull, op->routed, op->local_error);
+  return op;
+}
+
+std::unique_ptr<InFlight> Client::Impl::start_push(const std::vector<TableBatch>& batches, float scale,
+                                                   bool return_updates, const std::string& error) {
+  auto op = std::make_unique<InFlight>();
+  op->handle = next_handle++;
+  op->is_push = true;
+  op->return_updates = return_updates;
+  op->local_error = error;
+  op->routed = route_batches(*this, batches, true, &op->local_error, &op->index_error);
+  send_requests(*transport, RequestKind::kPush, op->routed, op->local_error);
+  op->round.scale = scale;
+  op->round.self_error_reported = !op->local_error.empty();
+  if (op->local_error.empty()) {
+    for (const TableBatch& b : batches) {
+      op->tables.push_back(b.table);
+      if (b.lr >= 0) op->round.lr[b.table] = b.lr;
+    }
+  }
+  return op;
+}
+
+void Client::Impl::begin_collective() {
+  if (in_flight) {
+    std::unique_ptr<InFlight> op = std::move(in_flight);
+    Finished outcome;
+    try {
+      outcome.done = finish(*op);
+    } catch (const PSTransportError&) {
+      throw;  // the Client is unusable: every later call, the owner's Wait too, says so
+    } catch (...) {
+      outcome.error = std::current_exception();  // the owner's Wait() throws it, not this caller
+    }
+    finished.emplace(op->handle, std::move(outcome));
+  }
+  while (!pending.empty()) {
+    Round round = pending.front();
+    pending.pop_front();
+    apply_round(round, nullptr);
+  }
+}
+
 Client::Handle Client::Pull(const std::vector<TableBatch>& batches, const std::string& error) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& c = *impl_;
   return c.guarded([&] {
-    c.finish_in_flight();
-    c.drain_pending();
-    auto op = std::make_unique<InFlight>();
-    op->handle = c.next_handle++;
-    op->local_error = error;
-    op->routed = route_batches(c, batches, false, &op->local_error, &op->index_error);
-    send_requests(*c.transport, RequestKind::kPull, op->routed, op->local_error);
-    c.in_flight = std::move(op);
+    c.begin_collective();
+    c.in_flight = c.start_pull(batches, error);
     return c.in_flight->handle;
   });
 }
@@ -133,24 +170,8 @@ Client::Handle Client::Push(const std::vector<TableBatch>& batches, float scale,
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& c = *impl_;
   return c.guarded([&] {
-    c.finish_in_flight();
-    c.drain_pending();
-    auto op = std::make_unique<InFlight>();
-    op->handle = c.next_handle++;
-    op->is_push = true;
-    op->return_updates = return_updates;
-    op->local_error = error;
-    op->routed = route_batches(c, batches, true, &op->local_error, &op->index_error);
-    send_requests(*c.transport, RequestKind::kPush, op->routed, op->local_error);
-    op->round.scale = scale;
-    op->round.self_error_reported = !op->local_error.empty();
-    if (op->local_error.empty()) {
-      for (const TableBatch& b : batches) {
-        op->tables.push_back(b.table);
-        if (b.lr >= 0) op->round.lr[b.table] = b.lr;
-      }
-    }
-    c.in_flight = std::move(op);
+    c.begin_collective();
+    c.in_flight = c.start_push(batches, scale, return_updates, error);
     return c.in_flight->handle;
   });
 }
@@ -159,40 +180,53 @@ Completion Client::Wait(Handle handle) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& c = *impl_;
   return c.guarded([&] {
-    // Operations complete in the order they started; at most one is in flight, so a handle
-    // older than it has completed already.
-    if (!c.in_flight || c.in_flight->handle != handle) {
-      if (handle >= 0 && handle < c.next_handle) return Completion{};
-      throw PSError("unknown PS operation handle " + std::to_string(handle));
+    if (c.in_flight && c.in_flight->handle == handle) {
+      std::unique_ptr<InFlight> op = std::move(c.in_flight);
+      return c.finish(*op);
     }
-    return c.finish_in_flight();
+    auto it = c.finished.find(handle);
+    if (it == c.finished.end()) {
+      throw PSError("unknown PS operation handle " + std::to_string(handle) + " (or one already waited for)");
+    }
+    Finished outcome = std::move(it->second);
+    c.finished.erase(it);
+    if (outcome.error) std::rethrow_exception(outcome.error);
+    return std::move(outcome.done);
   });
 }
 
+// The synchronous forms hold the lock from start to finish, so a caller on another thread
+// cannot slip an operation in between (which would complete this one on its behalf).
 std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, const std::string& error) {
-  return Wait(Pull(batches, error)).pulled;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  return c.guarded([&] {
+    c.begin_collective();
+    return c.finish(*c.start_pull(batches, error)).pulled;
+  });
 }
 
 std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, float scale, bool return_updates,
                                      const std::string& error) {
-  return Wait(Push(batches, scale, return_updates, error)).updates;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  return c.guarded([&] {
+    c.begin_collective();
+    return c.finish(*c.start_push(batches, scale, return_updates, error)).updates;
+  });
 }
 
 void Client::flush() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& c = *impl_;
-  c.guarded([&] {
-    c.finish_in_flight();
-    c.drain_pending();
-  });
+  c.guarded([&] { c.begin_collective(); });
 }
 
 void Client::lookup_local(int table, const int64_t* ids, int64_t n, float* out) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& c = *impl_;
   c.guarded([&] {
-    c.finish_in_flight();
-    c.drain_pending();
+    c.begin_collective();
     Table& t = c.table_at(table);
     if (c.size() != 1 || !t.shard || t.shard->rows() != t.spec.num_rows) {
       throw PSError("lookup_local needs every row of table '" + t.spec.name + "' on this rank");
@@ -203,11 +237,7 @@ void Client::lookup_local(int table, const int64_t* ids, int64_t n, float* out) 
   });
 }
 
-Completion Client::Impl::finish_in_flight() {
-  if (!in_flight) return Completion{};
-  std::unique_ptr<InFlight> op = std::move(in_flight);
-  return op->is_push ? finish_push(*op) : finish_pull(*op);
-}
+Completion Client::Impl::finish(InFlight& op) { return op.is_push ? finish_push(op) : finish_pull(op); }
 
 Completion Client::Impl::finish_pull(InFlight& op) {
   const int P = size();
@@ -226,13 +256,13 @@ Completion Client::Impl::finish_pull(InFlight& op) {
     } else if (kind == RequestKind::kPull) {
       std::vector<Entry> entries = read_entries(r, false, dim_of);
       int64_t floats = 0;
-      for (const Entry& e : entries) floats += e.count * dim_of(e.table);
+      for (const Entry& e : entries) floats += e.rows.n * dim_of(e.table);
       reply.reserve(static_cast<size_t>(floats) * sizeof(float));
       for (const Entry& e : entries) {
         Table& t = table_at(e.table);
-        check_rows(t.shard.get(), t.spec.name, e.local, e.count, "pull");
-        if (e.count) t.shard->gather(e.local, e.count, reply.f32_slot(e.count * t.spec.dim));
-        served_rows += e.count;
+        check_rows(t.shard.get(), t.spec.name, e.rows.rows, e.rows.n, "pull");
+        if (e.rows.n) t.shard->gather(e.rows.rows, e.rows.n, reply.f32_slot(e.rows.n * t.spec.dim));
+        served_rows += e.rows.n;
       }
     } else {
       throw PSTransportError("hybridsync: ranks called different PS operations (pull vs push)");
@@ -288,21 +318,13 @@ Completion Client::Impl::finish_push(InFlight& op) {
   return done;
 }
 
-void Client::Impl::drain_pending() {
-  while (!pending.empty()) {
-    Round round = pending.front();
-    pending.pop_front();
-    apply_round(round, nullptr);
-  }
-}
-
 void Client::Impl::apply_round(const Round& round, std::map<int, RowUpdates>* updates) {
   const int P = size();
   const int64_t start = tracer.start();
   int64_t applied_rows = 0;
   auto dim_of = [&](int table) { return table_at(table).spec.dim; };
   std::vector<std::vector<char>> msgs(P);
-  std::map<int, std::vector<Entry>> by_table;  // ordered: deterministic apply order
+  std::map<int, std::vector<GradientRows>> by_table;  // ordered: deterministic apply order
   std::vector<std::string> errors(P);
   for (int src = 0; src < P; ++src) {  // sources in rank order: a deterministic sum order
     msgs[src] = transport->recv(src, kTagRequest);
@@ -317,24 +339,20 @@ void Client::Impl::apply_round(const Round& round, std::map<int, RowUpdates>* up
     }
     for (const Entry& e : read_entries(r, true, dim_of)) {
       Table& t = table_at(e.table);
-      check_rows(t.shard.get(), t.spec.name, e.local, e.count, "push");
-      by_table[e.table].push_back(e);
+      check_rows(t.shard.get(), t.spec.name, e.rows.rows, e.rows.n, "push");
+      by_table[e.table].push_back(e.rows);
     }
   }
   bool failed = false;
   for (int src = 0; src < P; ++src) failed = failed || !errors[src].empty();
   // All-or-nothing: a round with any bad input changes no row on any shard.
   std::map<int, int64_t> changed;  // table -> rows summed
-  for (auto& [table, entries] : by_table) {
+  for (auto& [table, sources] : by_table) {
     Table& t = *tables[table];
     if (!t.shard || failed) continue;
-    int64_t total = 0;
-    for (const Entry& e : entries) total += e.count;
-    t.sums.begin(t.spec.dim, static_cast<size_t>(total));
-    for (const Entry& e : entries) t.sums.add(e.local, e.count, e.grads);  // unique per worker; add across
     auto lr = round.lr.find(table);
     if (lr != round.lr.end()) t.shard->rule().set_hyperparameter("lr", lr->second);
-    t.sums.apply(*t.shard, round.scale);
+    t.sums.step(*t.shard, sources, round.scale);
     changed[table] = t.sums.size();
     applied_rows += t.sums.size();
   }

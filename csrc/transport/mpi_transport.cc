@@ -1,3 +1,4 @@
+// The "mpi" transport: nonblocking sends, matched probes, waits that yield the core.
 #include "mpi_transport.h"
 
 #include <climits>
@@ -100,14 +101,11 @@ void MPITransport::wait_sends() {
       policy_, "sends to complete");
 }
 
-}  // namespace hybridsync
-
-namespace hybridsync {
 namespace {
-// "mpi": options.native is the MPI_Comm* to duplicate.
-const TransportRegistrar kMPITransport("mpi", [](const TransportOptions& options) -> std::unique_ptr<Transport> {
-  if (!options.native) throw PSError("the mpi transport needs a communicator");
-  return std::make_unique<MPITransport>(*static_cast<MPI_Comm*>(options.native), options.wait);
+// "mpi": config.native is the MPI_Comm* to duplicate.
+const TransportRegistrar kMPITransport("mpi", [](const TransportConfig& config) -> std::unique_ptr<Transport> {
+  if (!config.native) throw PSError("the mpi transport needs a communicator");
+  return std::make_unique<MPITransport>(*static_cast<MPI_Comm*>(config.native), config.wait);
 });
 }  // namespace
 }  // namespace hybridsync

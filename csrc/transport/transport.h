@@ -25,9 +25,11 @@ struct WaitPolicy {
   double timeout_s = 600.0;       // give up (throw) after this long; <= 0 waits forever
 };
 
+// The Client's only view of the network, so the PS core does not depend on MPI.
 class Transport {
  public:
   virtual ~Transport() = default;
+  // This rank and the number of ranks.
   virtual int rank() const = 0;
   virtual int size() const = 0;
   // Starts sending `payload` to `dest`; the transport keeps the buffer until it is delivered.
@@ -36,6 +38,7 @@ class Transport {
   virtual std::vector<char> recv(int source, int tag) = 0;
   // Waits until every send started so far has completed.
   virtual void wait_sends() = 0;
+  // Traffic counters (messages a rank sends itself may be left out), for benchmarks.
   virtual int64_t bytes_sent() const = 0;
   virtual int64_t bytes_received() const = 0;
   virtual int64_t messages_sent() const = 0;
@@ -43,22 +46,23 @@ class Transport {
 };
 
 // What a transport is made from: the caller's native endpoint (an MPI_Comm* for "mpi") and
-// how waits behave.
-struct TransportOptions {
+// how its waits behave.
+struct TransportConfig {
   void* native = nullptr;
   WaitPolicy wait;
 };
 
-using TransportFactory = std::function<std::unique_ptr<Transport>(const TransportOptions&)>;
+// Makes one transport from its config (registered under a name).
+using TransportFactory = std::function<std::unique_ptr<Transport>(const TransportConfig&)>;
 
-// Adds a transport under `name` (done by each transport's file, through TransportRegistrar).
+// Adds a transport under `name`; each transport's .cc file does so with one static
+// TransportRegistrar, so a new transport is one file and no list to edit.
 void register_transport(const std::string& name, TransportFactory factory);
 struct TransportRegistrar {
   TransportRegistrar(const char* name, TransportFactory factory) { register_transport(name, std::move(factory)); }
 };
+
 // Makes the transport registered as `name`; unknown names throw PSError listing the known ones.
-std::unique_ptr<Transport> make_transport(const std::string& name, const TransportOptions& options);
-// Registered transport names, sorted.
-std::vector<std::string> transport_names();
+std::unique_ptr<Transport> make_transport(const std::string& name, const TransportConfig& config);
 
 }  // namespace hybridsync

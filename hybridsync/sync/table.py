@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ps
+from ..partition import Partition
 from .server_rules import hyperparameters
 
 # The rule a table has until a DistributedOptimizer sets the one matching its optimizer.
@@ -54,9 +55,21 @@ class PSTable:
         """Collective: the whole table (slot < 0) or optimizer slot, on every rank."""
         return self.engine.gather(self.handle, slot)
 
-    def write_rows(self, ids, rows) -> None:
-        """Local: writes the rows among `ids` that this rank's shard holds."""
-        self.engine.write_local(self.handle, np.asarray(ids, dtype=np.int64), rows)
+    def write_rows(self, ids, rows, slot: int = -1) -> None:
+        """Local: writes the rows (slot < 0) or optimizer slot values among `ids` that this
+        rank's shard holds."""
+        self.engine.write_local(self.handle, np.asarray(ids, dtype=np.int64), np.ascontiguousarray(rows, np.float32),
+                                slot)
+
+    def local_state(self) -> dict:
+        """Local: this rank's shard as arrays: "ids" (its global row ids, in storage order),
+        "rows", and "slot.<name>" per server optimizer slot."""
+        shards, kind = self.layout
+        rank = self.engine.rank
+        out = {"ids": Partition(self.num_rows, shards, kind).rows_of(rank), "rows": self.engine.local_values(self.handle, -1)}
+        for k, name in enumerate(self.slot_names):
+            out[f"slot.{name}"] = self.engine.local_values(self.handle, k)
+        return out
 
     def attach(self, replica) -> None:
         """Local: the shard's rows alias `replica` (the whole table, identical on every rank)
@@ -87,6 +100,20 @@ class PSTable:
     @property
     def optimizer(self) -> str:
         return self.engine.spec(self.handle)["optimizer"]
+
+    rule = optimizer
+
+    @property
+    def slot_names(self) -> list:
+        return list(self.engine.slot_names(self.handle))
+
+    @property
+    def step(self) -> int:
+        """The server optimizer's step on this rank's shard (-1 without one)."""
+        return int(self.engine.step(self.handle))
+
+    def set_step(self, step: int) -> None:
+        self.engine.set_step(self.handle, int(step))
 
     def state(self, broadcast_object) -> dict:
         """Collective: the server optimizer's state, gathered whole: {"optimizer", "step",

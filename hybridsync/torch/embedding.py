@@ -60,6 +60,13 @@ class _Lookup(torch.autograd.Function):
         return None, None, None
 
 
+def _weights_of(module):
+    """The rows a PS copy of `module` starts from: its weights, or none for a module built on the
+    `meta` device (TorchRec's convention), whose table is created on the shards directly --
+    seeded N(0, 1) as nn.Embedding initialises -- so no rank ever holds it whole."""
+    return None if module.weight.is_meta else module.weight
+
+
 def _check_shardable(module, name: str) -> None:
     if module.max_norm is not None:
         raise ValueError(f"embedding '{name}': max_norm renormalises rows in place during forward, which "
@@ -196,7 +203,7 @@ class Embedding(_PSTableModule):
         """A PS-backed copy of `module` whose shards start from rank 0's weights."""
         _check_shardable(module, name)
         return cls(module.num_embeddings, module.embedding_dim, module.padding_idx, module.scale_grad_by_freq,
-                   name=name, partitions=partitions, partition=partition, _initial_weight=module.weight)
+                   name=name, partitions=partitions, partition=partition, _initial_weight=_weights_of(module))
 
     def forward(self, input):
         return _Lookup.apply(self._anchor, self, input)
@@ -220,7 +227,7 @@ class EmbeddingBag(_PSTableModule):
         _check_shardable(module, name)
         return cls(module.num_embeddings, module.embedding_dim, module.mode, module.scale_grad_by_freq,
                    module.include_last_offset, module.padding_idx, name=name, partitions=partitions,
-                   partition=partition, _initial_weight=module.weight)
+                   partition=partition, _initial_weight=_weights_of(module))
 
     def forward(self, input, offsets=None, per_sample_weights=None):
         weight, index, padding = self._lookup(input)

@@ -138,7 +138,7 @@ class _DistributedOptimizer:
             for key, child in list(parent._modules.items()):
                 if child is old:
                     parent._modules[key] = new
-        p.data = torch.empty(0, dtype=p.dtype)  # from now on the rows live on the shards only
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # from now on the rows live on the shards only
         p.grad = None
         var.access = _ModuleRows(self, new)
         new._sink = var.access

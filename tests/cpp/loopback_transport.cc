@@ -37,7 +37,7 @@ class LoopbackTransport : public Transport {
   int64_t bytes_ = 0, messages_ = 0;
 };
 
-const TransportRegistrar kLoopback("loopback", [](const TransportOptions&) -> std::unique_ptr<Transport> {
+const TransportRegistrar kLoopback("loopback", [](const TransportConfig&) -> std::unique_ptr<Transport> {
   return std::make_unique<LoopbackTransport>();
 });
 

@@ -44,20 +44,29 @@ TEST(deduplicate_keeps_first_seen_order_and_names_bad_ids) {
   CHECK_THROWS(deduplicate("emb", &negative, 1, 10), PSIndexError, "id -1");
 }
 
+TEST(a_worker_sums_the_gradients_of_duplicate_ids_before_sending) {
+  const std::vector<int64_t> ids = {7, 3, 7, 7};
+  const std::vector<float> grads = {1, 10, 2, 20, 4, 40, 8, 80};  // dim 2
+  const Dedup d = deduplicate("emb", ids.data(), 4, 10);
+  CHECK((sum_duplicates(d, grads.data(), 2) == std::vector<float>{13, 130, 2, 20}));
+}
+
 TEST(row_aggregator_sums_duplicates_across_workers_then_applies_once_per_row) {
   Shard s("emb", 3, 1, make_update_rule("sgd", {{"lr", 1.0}}));
   RowAggregator sums;
-  sums.begin(1, 4);
-  const std::vector<int64_t> a = {2, 0}, b = {2};
-  const std::vector<float> ga = {1, 3}, gb = {5};
-  sums.add(a.data(), 2, ga.data());
-  sums.add(b.data(), 1, gb.data());
+  const std::vector<int64_t> a = {2, 0, 2}, b = {2};
+  const std::vector<float> ga = {1, 3, 1}, gb = {5};
+  sums.step(s, {GradientRows{a.data(), 3, ga.data()}, GradientRows{b.data(), 1, gb.data()}}, 0.5f);
   CHECK(sums.size() == 2);
-  sums.apply(s, 0.5f);  // scaled sums: row 2 -> 3, row 0 -> 1.5
-  CHECK_NEAR(*s.row(2), -3.0, 1e-6);
+  CHECK(sums.rows()[0] == 2 && sums.rows()[1] == 0);  // first-seen order
+  CHECK_NEAR(*s.row(2), -3.5, 1e-6);  // scaled sums: row 2 -> (1 + 1 + 5) / 2, row 0 -> 3 / 2
   CHECK_NEAR(*s.row(0), -1.5, 1e-6);
   CHECK_NEAR(*s.row(1), 0.0, 0.0);
   CHECK(s.rule().step() == 1);  // one step for the whole round
+  sums.step(s, {GradientRows{b.data(), 1, gb.data()}}, 1.0f);  // buffers reused: only this round counts
+  CHECK(sums.size() == 1);
+  CHECK_NEAR(*s.row(2), -8.5, 1e-6);
+  CHECK_NEAR(*s.row(0), -1.5, 1e-6);
 }
 
 TEST(routing_groups_unique_ids_by_destination_with_their_local_rows) {

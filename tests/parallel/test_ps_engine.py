@@ -145,6 +145,65 @@ def rank_collective_setup_errors():
     print(f"rank {rank}: setup errors raised on every rank", flush=True)
 
 
+def rank_collective_argument_errors():
+    """Arguments a binding converts before a collective (learning rates, the root rank, a slot)
+    never make one rank skip it: every rank raises within seconds and the engine stays usable."""
+    import time
+
+    import numpy as np
+    import pytest
+
+    from hybridsync import ps
+
+    engine = ps.engine()
+    rank, size = engine.rank, engine.size
+    t = engine.add_table("lrs", 8, 2, 0, "cyclic", "sgd", {"lr": 1.0})
+    before = engine.gather(t, -1)
+    start = time.monotonic()
+    ids, grads = np.array([rank]), np.ones((1, 2), np.float32)
+    if rank == 0:
+        with pytest.raises(ValueError, match="push: learning rates must be a sequence of numbers"):
+            engine.push([t], [ids], [grads], 1.0, True, ["fast"])
+    else:
+        with pytest.raises(RuntimeError, match="push failed on rank 0: push: learning rates must be"):
+            engine.push([t], [ids], [grads], 1.0, True, [0.5])
+    with pytest.raises(ValueError, match=rf"table 'lrs': load_from_root needs a root rank in \[0, {size}\), got {size}"):
+        engine.load_from_root(t, before, size)
+    with pytest.raises(ValueError, match="has no state slot 2"):
+        engine.gather(t, 2)
+    assert time.monotonic() - start < 10, "a rank waited for a peer that had rejected its input"
+    np.testing.assert_array_equal(engine.gather(t, -1), before)  # nothing applied
+    engine.push([t], [ids], [grads], 1.0, False, [0.5])
+    expected = before.copy()
+    expected[:size] -= 0.5
+    np.testing.assert_array_equal(engine.gather(t, -1), expected)
+    print(f"rank {rank}: argument errors raised on every rank", flush=True)
+
+
+def rank_local_state():
+    """local_values and write_local with a slot: a rank's shard (rows and optimizer state) read
+    and written in storage order, as checkpoints save and restore it."""
+    import numpy as np
+
+    from hybridsync import ps
+
+    engine = ps.engine()
+    rank, size = engine.rank, engine.size
+    t = engine.add_table("state", 11, 2, 0, "cyclic", "adagrad", {"lr": 0.1})
+    engine.load_from_root(t, np.arange(22, dtype=np.float32).reshape(11, 2), 0)
+    engine.push([t], [np.arange(11)], [np.ones((11, 2), np.float32)], 1.0, True)
+    own = np.arange(rank, 11, size)  # cyclic: local row l is global row l * size + rank
+    rows, acc = engine.local_values(t, -1), engine.local_values(t, 0)
+    np.testing.assert_array_equal(rows, engine.gather(t, -1)[own])
+    np.testing.assert_array_equal(acc, engine.gather(t, 0)[own])
+    assert rows.shape == (len(own), 2) and engine.local_values(t).shape == rows.shape
+    engine.write_local(t, np.arange(11), np.full((11, 2), 7.0, np.float32), 0)
+    engine.write_local(t, np.arange(11), np.full((11, 2), 3.0, np.float32))
+    np.testing.assert_array_equal(engine.gather(t, 0), np.full((11, 2), 7.0, np.float32))
+    np.testing.assert_array_equal(engine.gather(t, -1), np.full((11, 2), 3.0, np.float32))
+    print(f"rank {rank}: local state read and written", flush=True)
+
+
 def rank_module_errors():
     import pytest
     import torch
@@ -248,6 +307,15 @@ def test_bad_input_on_one_rank_raises_on_every_rank(np_):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_bad_input_to_a_whole_table_collective_raises_on_every_rank(np_):
     run_ranks(__file__, "rank_collective_setup_errors", np_)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_bad_arguments_to_collectives_raise_on_every_rank(np_):
+    run_ranks(__file__, "rank_collective_argument_errors", np_)
+
+
+def test_a_ranks_shard_state_is_read_and_written_in_storage_order():
+    run_ranks(__file__, "rank_local_state", 2)
 
 
 def test_bad_ids_through_a_ps_embedding():

@@ -1,14 +1,10 @@
-// hybridsync parameter server: the public C++ surface.
-//
-// A table (int64 id -> float32 row of `dim` values) is split across shards by a Partitioner.
-// Every rank is both a worker and a server: a Client on each rank holds that rank's shards and
-// runs collective operations (pull, push) over a Transport. Nothing here knows about torch or
-// TensorFlow; adapters hand in contiguous buffers. Internals (deduplication, push rounds,
-// tracing, wire format) live in private headers under csrc/ps/.
+// hybridsync parameter server, public C++ surface. A table (int64 id -> float32 row of `dim`)
+// is split over shards by a Partitioner; a Client on every rank holds that rank's shards and
+// runs the collective operations over a Transport. No torch or TensorFlow here: adapters hand
+// in contiguous buffers. Internals (dedup, routing, push rounds, wire, tracing) are in csrc/ps/.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -18,79 +14,57 @@
 namespace hybridsync {
 
 // Bad input from the caller (unknown hyper-parameter, shape or dtype mismatch); -> ValueError.
-class PSError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
+struct PSError : std::runtime_error { using std::runtime_error::runtime_error; };
 // An id outside [0, num_rows) of its table; -> IndexError.
-class PSIndexError : public PSError {
- public:
-  using PSError::PSError;
-};
-
+struct PSIndexError : PSError { using PSError::PSError; };
 // A peer reported bad input in a collective operation (every rank throws); -> RuntimeError.
-class PSRemoteError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+struct PSRemoteError : std::runtime_error { using std::runtime_error::runtime_error; };
+// The transport failed or ranks disagreed on the protocol: the Client is unusable afterwards.
+struct PSTransportError : PSRemoteError { using PSRemoteError::PSRemoteError; };
 
-// The transport failed or ranks disagreed on the protocol (timeout, a dead peer, mismatched
-// operations). The Client is unusable afterwards; -> RuntimeError.
-class PSTransportError : public PSRemoteError {
- public:
-  using PSRemoteError::PSRemoteError;
-};
-
-// How ids are spread over shards. kCyclic (id mod shards) keeps hot small ids apart;
-// kBlock gives each shard one contiguous range.
+// kCyclic (id mod shards) keeps hot small ids apart; kBlock gives each shard one range.
 enum class PartitionKind : int { kBlock = 0, kCyclic = 1 };
 
-// Maps a global row id to (shard, local index) and back. Mirrored by hybridsync/partition.py.
+// Maps a global row id to (shard, local index) and back; mirrored by hybridsync/partition.py.
 class Partitioner {
  public:
   Partitioner(int64_t num_rows, int num_shards, PartitionKind kind);
-  // Shard that owns `id` (id must be in range).
+  // Shard owning `id`, its position in that shard, and the inverse (ids must be in range).
   int shard_of(int64_t id) const;
-  // Position of `id` within its shard's row store.
   int64_t local_index(int64_t id) const;
-  // Inverse of (shard_of, local_index).
   int64_t global_id(int shard, int64_t local) const;
-  // Number of rows shard `shard` stores.
+  // Rows shard `shard` stores.
   int64_t shard_rows(int shard) const;
   int64_t num_rows() const { return num_rows_; }
-  int num_shards() const { return num_shards_; }
-  PartitionKind kind() const { return kind_; }
 
  private:
   int64_t num_rows_;
   int num_shards_;
   PartitionKind kind_;
-  int64_t block_;  // rows per shard for kBlock (last shard may hold fewer)
+  int64_t block_;  // rows per shard for kBlock (the last shard may hold fewer)
 };
 
-// A server-side optimizer for one table shard. Rules keep per-row state slots (each `dim`
-// floats, e.g. Adagrad's accumulator) next to the rows; scalars (hyper-parameters, the step)
-// live here. begin_step() runs once per push round and precomputes what apply() needs.
+// A server-side optimizer for one shard: per-row state lives in the shard's slots, scalars
+// here. begin_step() runs once per push round, so apply(), the per-row loop, reads constants.
 class UpdateRule {
  public:
   explicit UpdateRule(std::map<std::string, double> hparams) : hp_(std::move(hparams)) {}
   virtual ~UpdateRule() = default;
-  // Canonical name, as registered ("sgd", "adagrad", "adam", ...).
+  // The registered name (specs and errors show it).
   virtual std::string name() const = 0;
-  // Names of the per-row state slots, in storage order.
+  // Per-row state slots (each `dim` floats), in storage order, and their initial value.
   virtual std::vector<std::string> slot_names() const = 0;
-  // Initial value of every element of slot `slot`.
-  virtual float slot_init(int slot) const { (void)slot; return 0.0f; }
+  virtual float slot_init(int) const { return 0.0f; }
   // Advances the step counter and refreshes per-step constants.
   virtual void begin_step() { ++step_; }
-  // Updates one row in place from its aggregated gradient; `slots[k]` points at slot k's row.
+  // Updates one row in place from its summed gradient; slots[k] points at slot k's row.
   virtual void apply(float* row, float* const* slots, const float* grad, int64_t dim) const = 0;
   // Throws PSError naming the first out-of-range hyper-parameter.
   virtual void validate() const = 0;
   const std::map<std::string, double>& hyperparameters() const { return hp_; }
-  // Changes one hyper-parameter (e.g. "lr" from an LR schedule); unknown names throw.
+  // Changes one hyper-parameter (e.g. "lr" from a schedule); a bad name or value throws.
   void set_hyperparameter(const std::string& key, double value);
+  // Steps taken (bias corrections and decays use it); settable for checkpoint restores.
   int64_t step() const { return step_; }
   void set_step(int64_t step) { step_ = step; }
 
@@ -99,51 +73,40 @@ class UpdateRule {
   int64_t step_ = 0;
 };
 
-// Makes a rule from its hyper-parameters (throws PSError naming unknown keys or bad values).
-using UpdateRuleFactory = std::function<std::unique_ptr<UpdateRule>(const std::map<std::string, double>&)>;
-// Adds a rule under `name`; each rule's own .cc file registers itself with a static
-// UpdateRuleRegistrar, so a new rule is one file.
-void register_update_rule(const std::string& name, UpdateRuleFactory factory);
-struct UpdateRuleRegistrar {
-  UpdateRuleRegistrar(const char* name, UpdateRuleFactory factory) { register_update_rule(name, std::move(factory)); }
-};
-// Builds the registered rule `name`; unknown names or keys throw PSError.
+// The rule registered as `name` (each rule's .cc registers itself); PSError lists known names.
 std::unique_ptr<UpdateRule> make_update_rule(const std::string& name, const std::map<std::string, double>& hparams);
-// Registered rule names, sorted.
-std::vector<std::string> update_rule_names();
 
-// The rows of one table held by this rank, with their optimizer state. Not thread-safe on its
-// own (the Client serialises access). Rows are owned, or alias rows of a caller's full-table
-// buffer (replicated placement: local row l lives at base + (l * stride + offset) * dim).
+// One table's rows held by this rank, with their optimizer state; the Client serialises access.
+// Rows are owned, or alias a caller's full-table buffer (row l at base + (l*stride + offset)*dim).
 class Shard {
  public:
   Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<UpdateRule> rule);
+  // The table's name, for errors (known only after the model is built).
   const std::string& table() const { return table_; }
   void rename(std::string table) { table_ = std::move(table); }
   int64_t rows() const { return rows_; }
   int64_t dim() const { return dim_; }
   UpdateRule& rule() { return *rule_; }
   const UpdateRule& rule() const { return *rule_; }
-  // Address of local row l.
+  // Local row l; inline because the hot loops call it per row.
   float* row(int64_t l) { return base_ + (l * stride_ + offset_) * dim_; }
   const float* row(int64_t l) const { return base_ + (l * stride_ + offset_) * dim_; }
-  // Copies rows `local[i]` into out[i*dim...]; indices must be in range.
+  // Copies rows local[i] to out[i*dim...], or overwrites them from values[i*dim...].
   void gather(const int64_t* local, int64_t n, float* out) const;
-  // Overwrites rows `local[i]` with values[i*dim...].
   void scatter(const int64_t* local, int64_t n, const float* values);
-  // One optimizer step: rows `local[i]` (unique) get gradient grads[i*dim...].
+  // Runs the rule on unique rows local[i] with gradients grads[i*dim...] (no begin_step()).
   void apply(const int64_t* local, int64_t n, const float* grads);
   // Replaces the optimizer; its state slots start fresh.
   void set_rule(std::unique_ptr<UpdateRule> rule);
-  // Uses the caller's memory for the rows (which must outlive the attachment); detach()
-  // copies them back into owned memory.
+  // Rows live in the caller's memory until detach() copies them back into owned memory.
   void attach(float* base, int64_t stride, int64_t offset);
   void detach();
   bool attached() const { return owned_.empty() && rows_ > 0; }
+  // Optimizer state slot k (rows x dim, row-major), for checkpoints.
   float* slot(int k) { return slots_[k].data(); }
   const float* slot(int k) const { return slots_[k].data(); }
   int num_slots() const { return static_cast<int>(slots_.size()); }
-  // Bytes held by the rows (0 when attached), and by the optimizer state slots.
+  // Bytes held by owned rows (0 when attached), and by the optimizer state.
   int64_t row_bytes() const;
   int64_t state_bytes() const;
 
@@ -157,135 +120,122 @@ class Shard {
   std::vector<std::vector<float>> slots_;
 };
 
-// Point-to-point messaging used by the Client; made by name (see transport/transport.h).
+// Point-to-point messaging, made by name (csrc/transport/transport.h).
 class Transport;
-// One timed piece of server-side work (see ps/trace.h).
+// One timed piece of server-side work (csrc/ps/trace.h).
 struct TraceEvent;
 
-// Description of a table registered with a Client.
+// A table registered with a Client; num_shards 0 means every rank holds a shard.
 struct TableSpec {
   std::string name;
-  int64_t num_rows = 0;
-  int64_t dim = 0;
-  int num_shards = 0;  // ranks 0..num_shards-1 hold a shard; 0 means every rank
+  int64_t num_rows = 0, dim = 0;
+  int num_shards = 0;
   PartitionKind partition = PartitionKind::kCyclic;
   std::string rule = "sgd";
   std::map<std::string, double> hparams;
 };
 
-// Per-table input of a pull or push.
+// One table's input to a pull or push; grads (n x dim) and lr (< 0: unchanged) are push-only.
 struct TableBatch {
   int table = -1;
   const int64_t* ids = nullptr;
   int64_t n = 0;
-  const float* grads = nullptr;  // push only: n x dim
-  double lr = -1.0;              // push only: learning rate for this round (< 0: unchanged)
+  const float* grads = nullptr;
+  double lr = -1.0;
 };
 
-// Per-table result of a pull: rows of the unique ids and where each input id went.
+// One table's pull: rows (unique.size() x dim) of the unique ids; ids[i] is unique[inverse[i]].
 struct PullResult {
-  std::vector<int64_t> unique;
-  std::vector<int64_t> inverse;
-  std::vector<float> rows;  // unique.size() x dim
+  std::vector<int64_t> unique, inverse;
+  std::vector<float> rows;
 };
 
-// Rows changed by a push, for ranks that keep a replica of the table.
+// Rows a push changed (ids.size() x dim), for ranks keeping a replica of the table.
 struct RowUpdates {
   std::vector<int64_t> ids;
-  std::vector<float> rows;  // ids.size() x dim
+  std::vector<float> rows;
 };
 
-// What Wait() returns: per batch, pulled rows (a pull) or changed rows (a push that asked).
+// Per batch: pulled rows (a pull), or changed rows (a push that asked for them).
 struct Completion {
   std::vector<PullResult> pulled;
   std::vector<RowUpdates> updates;
 };
 
-// Traffic counters of this rank (payload bytes, headers included).
+// This rank's PS traffic, payload bytes.
 struct TrafficStats {
-  int64_t bytes_sent = 0;
-  int64_t bytes_received = 0;
-  int64_t messages_sent = 0;
+  int64_t bytes_sent = 0, bytes_received = 0, messages_sent = 0;
 };
 
-// One rank's side of the parameter server: its shards of every table, and the collective
-// operations. Every rank calls the collective methods in the same order with the same tables.
-// Local bad input (`error` non-empty, or an id out of range) is announced to every peer inside
-// the operation, so all ranks throw instead of one rank leaving the others waiting. Every
-// method is safe to call from several threads (one operation runs at a time).
+// One rank's endpoint: its shards of every table and the operations on them. Every rank calls
+// the collective methods in the same order. Local bad input (`error`, a bad id) is announced to
+// every peer inside the operation, so all ranks throw and none waits. One lock inside makes
+// every method safe to call from several threads.
 class Client {
  public:
   explicit Client(std::unique_ptr<Transport> transport);
   ~Client();
   int rank() const;
   int size() const;
-
-  // Collective. Registers a table (same specs, same order on every rank; a mismatch, or
-  // `error` on any rank, throws on every rank naming the table). Returns its handle.
+  // Collective. Registers a table (the same on every rank, else all throw naming it); its handle.
   int add_table(const TableSpec& spec, const std::string& error = "");
-  int num_tables() const;
   TableSpec spec(int table) const;
-  Partitioner partitioner(int table) const;
 
-  // A started collective operation.
+  // A started operation; Wait() completes it exactly once.
   using Handle = int64_t;
-  // Collective. Starts a pull of the rows of each batch's ids (deduplicated per table): the
-  // requests leave now; Wait() serves the peers and collects the rows.
+  // Collective. Sends the pull requests now; Wait() serves peers and collects the rows.
   Handle Pull(const std::vector<TableBatch>& batches, const std::string& error = "");
-  // Collective. Starts a push of each batch's (id, gradient) rows to their shards; each shard
-  // sums them over ranks, multiplies by `scale` and applies its rule once per row. With
-  // `return_updates`, Wait() applies and returns every row any shard changed (for replicas);
-  // otherwise the shards apply it at the start of the next operation.
+  // Collective. Sends the push: shards sum rows over ranks, scale, apply their rule once per row.
+  // With return_updates Wait() applies it and returns changed rows; else the next operation does.
   Handle Push(const std::vector<TableBatch>& batches, float scale, bool return_updates = false,
               const std::string& error = "");
-  // Completes `handle` and every operation started before it; throws what the operation met.
+  // Completes `handle`: its rows, or the exception the operation met.
   Completion Wait(Handle handle);
-  // Pull and Wait.
+  // Pull or Push, then Wait, with no other thread's operation in between.
   std::vector<PullResult> pull(const std::vector<TableBatch>& batches, const std::string& error = "");
-  // Push and Wait.
   std::vector<RowUpdates> push(const std::vector<TableBatch>& batches, float scale, bool return_updates = false,
                                const std::string& error = "");
   // Collective. Applies any push still pending.
   void flush();
-
-  // Collective. Rank `root`'s full table (num_rows x dim) becomes every shard's rows; `error`
-  // (root only) makes every rank throw instead.
+  // Collective. Rank `root`'s full table becomes the shards' rows; its `error` throws everywhere.
   void load_from_root(int table, const float* values, int root, const std::string& error = "");
-  // Collective. The full table (slot < 0) or optimizer slot on every rank.
+  // Collective. The full table (slot < 0) or an optimizer slot, on every rank.
   std::vector<float> gather(int table, int slot);
-  // Local, for a world of one rank (every row is here): rows of ids into out[i*dim...].
+
+  // Local, world of one: rows of ids into out[i*dim...].
   void lookup_local(int table, const int64_t* ids, int64_t n, float* out);
-  // Local. Each shard copies its rows (slot < 0) or slot `slot` from a full-table array.
+  // Local. This rank's rows (slot < 0) or a slot, copied from a full-table array.
   void load_local(int table, int slot, const float* values);
-  // Local. The shard's rows alias `full_table` (num_rows x dim, identical on every rank) from
-  // now on; nullptr copies them back into memory the shard owns.
+  // Local. Rows alias `full_table` (a replica) from now on; nullptr copies them back.
   void attach_replica(int table, float* full_table);
-  // Local. Writes the rows among `ids` that this rank's shard holds; other ids are skipped.
-  void write_local(int table, const int64_t* ids, int64_t n, const float* rows);
-  // Local. The name errors use for `table` (e.g. its path in the model, known after creation).
+  // Local. Writes the rows (slot < 0) or slot values among `ids` that this rank holds.
+  void write_local(int table, int slot, const int64_t* ids, int64_t n, const float* rows);
+  // Local. This rank's rows (slot < 0) or a slot, in storage order (shard_rows x dim), to save.
+  std::vector<float> local_values(int table, int slot) const;
+  // Local. The name errors use for `table` (its path in the model, known after creation).
   void rename_table(int table, const std::string& name);
-  // Local. Replaces the server optimizer of this rank's shard of `table` (state restarts).
+  // Local. Replaces `table`'s server optimizer (state restarts).
   void set_rule(int table, const std::string& rule, const std::map<std::string, double>& hparams);
   // Local. Seeded rows that do not depend on the number of shards.
   void init_normal(int table, uint64_t seed, float mean, float stddev);
   void init_uniform(int table, uint64_t seed, float low, float high);
-  // Local. The step counter of this rank's shard of `table` (-1 when it holds none).
+  // Local. The shard's step counter (-1 without a shard), for checkpoints.
   void set_step(int table, int64_t step);
   int64_t step(int table) const;
-  // Local. The server optimizer's slot names and current hyper-parameters for `table`.
+  // Local. The optimizer's slot names and current hyper-parameters.
   std::vector<std::string> slot_names(int table) const;
   std::map<std::string, double> hyperparameters(int table) const;
-  // Local. Rows of `table` this rank's shard holds (0 without one).
+  // Local. Rows of `table` held here; bytes of rows and of optimizer state held here.
   int64_t shard_rows(int table) const;
-  // Bytes of rows, and of optimizer state, held by this rank's shards.
   int64_t row_store_bytes() const;
   int64_t state_bytes() const;
+  // Local. Traffic counters; server-side work recorded for timelines while tracing is on.
   TrafficStats traffic() const;
   void reset_traffic();
-  // Records server-side work (applying pushes, serving pulls) for take_trace() while on.
   void set_tracing(bool on);
   std::vector<TraceEvent> take_trace();
 
+  // Private state (csrc/ps/client_impl.h), named here so internal helpers can take it.
   struct Impl;
 
  private:

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "hparams.h"
+#include "registry.h"
 
 namespace hybridsync {
 namespace {

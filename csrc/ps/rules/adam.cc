@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "hparams.h"
+#include "registry.h"
 
 namespace hybridsync {
 namespace {

@@ -1,5 +1,6 @@
 // Plain SGD: row -= lr * grad.
 #include "hparams.h"
+#include "registry.h"
 
 namespace hybridsync {
 namespace {

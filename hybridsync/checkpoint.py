@@ -1,0 +1,288 @@
+"""Sharded, atomic, re-shardable checkpoints for both frameworks.
+
+    hybridsync.save_checkpoint(path, model, optimizer, extra=None)   # collective
+    extra = hybridsync.load_checkpoint(path, model, optimizer)         # collective, any world size
+
+Layout of a checkpoint (a directory; safetensors files and JSON, nothing pickled):
+
+    manifest.json                 format, world size, plan, every table's layout, server optimizer,
+                                  step and files with their SHA-256, the dense files, `extra`
+    dense.safetensors             dense weights and the wrapped optimizer's tensors (rank 0)
+    table-<i>-shard-<s>.safetensors  shard s of PS table i: its global row ids, rows and server
+                                  optimizer slots, written by the rank that owns it
+
+Why safetensors + JSON: a format many tools read, no code runs on load, and each shard file is
+written by its owner in parallel with no rank ever holding a whole table (torch's distributed
+checkpoint needs torch.distributed, which an MPI job of hybridsync does not start, and TF).
+
+Atomic: every rank writes into a fresh hidden directory next to `path`; once all of them report
+success, rank 0 writes the manifest and publishes the directory by swapping the symlink `path`
+onto it (one rename). A crash before that leaves the previous checkpoint in place.
+
+Loading re-shards: each PS table is read back under this run's partitioner and world size. When
+the layout is unchanged each rank reads only its own shard file; otherwise every rank streams
+the saved shard files in bounded chunks (CHUNK_ROWS rows at a time) and keeps the rows it owns,
+so memory per rank stays its own shard plus one chunk.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from . import comm, runtime
+from .partition import Partition
+
+FORMAT = "hybridsync-checkpoint/1"
+MANIFEST = "manifest.json"
+DENSE = "dense.safetensors"
+CHUNK_ROWS = 65536
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the file or variable."""
+
+
+# -- what a frontend hands over ----------------------------------------------------------------
+def _frontend(optimizer):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(optimizer, torch.optim.Optimizer):
+        from .torch import checkpointing
+        return checkpointing
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(optimizer, keras.optimizers.Optimizer):
+        from .tensorflow import checkpointing
+        return checkpointing
+    raise TypeError("save_checkpoint / load_checkpoint take a hybridsync DistributedOptimizer (PyTorch or Keras); "
+                    f"got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
+
+
+def _tables(optimizer) -> list:
+    """(variable, PSTable) of every table the optimizer's plan put on the parameter server."""
+    variables = getattr(optimizer, "_hs_vars", None)
+    if variables is None:
+        raise CheckpointError("the optimizer is not a hybridsync DistributedOptimizer (wrap it first; for Keras, "
+                              "after its first step, when the plan exists)")
+    return [(var, var.table) for var in variables if var.table is not None]
+
+
+# -- collective plumbing -------------------------------------------------------------------------
+def _agree(error: str, what: str) -> None:
+    """Collective: every rank raises if any rank failed, naming the first that did."""
+    errors = comm.objects().allgather_object(error, name=f"hybridsync.checkpoint.{what}")
+    for rank, e in enumerate(errors):
+        if e:
+            raise CheckpointError(e if rank == runtime.world().rank else f"rank {rank}: {e}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_safetensors(arrays: dict, path: Path) -> str:
+    from safetensors.numpy import save_file
+
+    save_file({k: np.asarray(v, order="C") for k, v in arrays.items()}, str(path))  # 0-d stays 0-d
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+    return _sha256(path)
+
+
+def _shard_file(i: int, shard: int) -> str:
+    return f"table-{i}-shard-{shard}.safetensors"
+
+
+# -- save -----------------------------------------------------------------------------------------
+def save_checkpoint(path, model, optimizer, extra=None) -> Path:
+    """Collective: writes model, optimizer and server state to `path` (see the module doc).
+    extra: JSON-serialisable data to keep with it (e.g. {"epoch": 3, "batch": 0})."""
+    frontend = _frontend(optimizer)
+    world = runtime.world()
+    objects = comm.objects()
+    final = Path(path).absolute()
+    stamp = objects.broadcast_object(uuid.uuid4().hex[:12] if world.rank == 0 else None, 0,
+                                     name="hybridsync.checkpoint.stamp")
+    version = final.parent / f".{final.name}.{stamp}"
+    error, records = "", {}
+    try:
+        json.dumps(extra)
+        if world.rank == 0:
+            if final.exists() and not final.is_symlink():
+                raise CheckpointError(f"{final} exists and is not a hybridsync checkpoint link; choose another path")
+            version.mkdir(parents=True)
+    except Exception as exc:
+        error = f"{final}: {exc}"
+    _agree(error, "mkdir")
+    try:
+        tables = _tables(optimizer)
+        for i, (var, table) in enumerate(tables):
+            if world.rank < table.layout[0]:
+                arrays = table.local_state()
+                records[_shard_file(i, world.rank)] = {"sha256": _write_safetensors(arrays, version / _shard_file(i, world.rank)),
+                                                        "rows": int(len(arrays["ids"]))}
+        if world.rank == 0:
+            arrays, meta = frontend.dense_state(model, optimizer, [var for var, _ in tables])
+            records[DENSE] = {"sha256": _write_safetensors(arrays, version / DENSE), "meta": meta}
+    except Exception as exc:
+        error = f"{exc}"
+    everyone = objects.allgather_object((error, records), name="hybridsync.checkpoint.written")
+    failed = next((f"rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e), "")
+    if failed:
+        if world.rank == 0:
+            shutil.rmtree(version, ignore_errors=True)
+        raise CheckpointError(f"saving {final} failed on {failed}; the previous checkpoint is unchanged")
+    error = ""
+    if world.rank == 0:
+        try:
+            files = {name: rec for _, recs in everyone for name, rec in recs.items()}
+            _publish(final, version, _manifest(optimizer, tables, files, extra))
+        except Exception as exc:
+            error = f"publishing {final}: {exc}"
+    _agree(error, "published")
+    return final
+
+
+def _manifest(optimizer, tables, files: dict, extra) -> dict:
+    entries = []
+    for i, (var, table) in enumerate(tables):
+        shards, partition = table.layout
+        entries.append({
+            "variable": var.name, "num_rows": table.num_rows, "dim": table.dim, "shards": shards,
+            "partition": partition, "optimizer": table.rule, "slots": table.slot_names, "step": table.step,
+            "files": [{"name": _shard_file(i, s), **files[_shard_file(i, s)]} for s in range(shards)],
+        })
+    dense = files[DENSE]
+    plan = getattr(optimizer, "plan", None)
+    return {"format": FORMAT, "world_size": runtime.world().size, "plan": plan.to_json() if plan else None,
+            "tables": entries, "dense": {"name": DENSE, "sha256": dense["sha256"], "meta": dense["meta"]},
+            "extra": extra}
+
+
+def _publish(final: Path, version: Path, manifest: dict) -> None:
+    tmp = version / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, version / MANIFEST)
+    _fsync_dir(version)
+    previous = final.resolve() if final.is_symlink() else None
+    link = final.parent / f".{final.name}.link-{version.name}"
+    os.symlink(version.name, link)
+    os.replace(link, final)  # the one rename that publishes the checkpoint
+    _fsync_dir(final.parent)
+    if previous is not None and previous != version and previous.parent == final.parent:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- load -----------------------------------------------------------------------------------------
+def load_checkpoint(path, model, optimizer):
+    """Collective: restores model, optimizer and server state from `path`, at any world size
+    (rows re-sharded by this run's partitioner). Returns the checkpoint's `extra`."""
+    frontend = _frontend(optimizer)
+    error, manifest, tables = "", None, []
+    try:
+        manifest = _read_manifest(Path(path))
+        tables = _tables(optimizer)
+        _check_same_model(manifest, tables)
+        for (var, table), saved in zip(tables, manifest["tables"]):
+            _load_table(Path(path), var, table, saved)
+        dense = Path(path) / DENSE
+        _verify(dense, manifest["dense"]["sha256"])
+        from safetensors.numpy import load_file
+
+        frontend.load_dense_state(model, optimizer, [var for var, _ in tables], load_file(str(dense)),
+                                  manifest["dense"]["meta"])
+    except Exception as exc:
+        error = str(exc)
+    _agree(error, "loaded")
+    for var, table in tables:  # replicas (replicated placement) take the loaded rows whole
+        frontend.refresh_replica(var, table)
+    return manifest["extra"]
+
+
+def _read_manifest(path: Path) -> dict:
+    file = path / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if not file.exists():
+        raise CheckpointError(f"{path}: incomplete checkpoint: {file} is missing")
+    try:
+        manifest = json.loads(file.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{file} is corrupt: {exc}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def _check_same_model(manifest: dict, tables: list) -> None:
+    saved = manifest["tables"]
+    for k, (var, table) in enumerate(tables):
+        if k >= len(saved):
+            raise CheckpointError(f"variable '{var.name}' is on the parameter server here but not in the checkpoint "
+                                  "(a checkpoint of another model?)")
+        entry = saved[k]
+        if entry["variable"] != var.name or (entry["num_rows"], entry["dim"]) != (table.num_rows, table.dim):
+            raise CheckpointError(
+                f"variable '{var.name}' {table.num_rows}x{table.dim} does not match the checkpoint's table #{k} "
+                f"'{entry['variable']}' {entry['num_rows']}x{entry['dim']} (a checkpoint of another model?)")
+        if entry["optimizer"] != table.rule:
+            raise CheckpointError(f"variable '{var.name}': checkpoint has server optimizer '{entry['optimizer']}', "
+                                  f"this run uses '{table.rule}'")
+    if len(saved) > len(tables):
+        raise CheckpointError(f"the checkpoint's table '{saved[len(tables)]['variable']}' is not on the parameter "
+                              "server in this model (a checkpoint of another model?)")
+
+
+def _verify(file: Path, sha256: str) -> None:
+    if not file.exists():
+        raise CheckpointError(f"incomplete checkpoint: {file} is missing")
+    if _sha256(file) != sha256:
+        raise CheckpointError(f"{file} is corrupt (its SHA-256 does not match the manifest)")
+
+
+def _load_table(path: Path, var, table, saved: dict) -> None:
+    """Writes the saved rows (and slots) this rank owns under this run's layout."""
+    from safetensors import safe_open
+
+    rank = runtime.world().rank
+    shards, kind = table.layout
+    if rank >= shards:
+        table.set_step(saved["step"])
+        return
+    mine = Partition(table.num_rows, shards, kind)
+    same_layout = (saved["shards"], saved["partition"]) == (shards, kind)
+    files = [saved["files"][rank]] if same_layout else saved["files"]
+    for entry in files:
+        file = path / entry["name"]
+        _verify(file, entry["sha256"])
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                names = ["rows"] + [f"slot.{s}" for s in saved["slots"]]
+                for start in range(0, entry["rows"], CHUNK_ROWS):
+                    stop = min(start + CHUNK_ROWS, entry["rows"])
+                    ids = f.get_slice("ids")[start:stop]
+                    keep = mine.shard_of(ids) == rank
+                    if not keep.any():
+                        continue
+                    for k, name in enumerate(names):
+                        table.write_rows(ids[keep], f.get_slice(name)[start:stop][keep], slot=k - 1)
+        except Exception as exc:
+            raise CheckpointError(f"{file}: {exc}") from exc
+    table.set_step(saved["step"])
