@@ -16,10 +16,12 @@ import datetime
 import json
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
@@ -55,6 +57,10 @@ def run(system, ranks, steps, warmup, global_ranks=0, timeout=900):
                            "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port())]
     if global_ranks:
         cmd += ["--global-ranks", str(global_ranks)]
+    scratch = None
+    if system.startswith("hybridsync") and tree == ROOT and not global_ranks:
+        scratch = tempfile.mkdtemp(prefix="hybridsync-bench-ckpt-")  # checkpoint save/load, timed
+        cmd += ["--checkpoint-dir", scratch]
     # '-yield': Horovod with waiting MPI calls yielding the core (its MPI controller thread
     # busy-waits otherwise). hybridsync sets this for itself; plain Horovod does not.
     env.pop("OMPI_MCA_mpi_yield_when_idle", None)
@@ -64,6 +70,9 @@ def run(system, ranks, steps, warmup, global_ranks=0, timeout=900):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return {"system": label, "ranks": ranks, "error": f"timed out after {timeout} s"}
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
     found = re.search(r"BENCH-RESULT (\{.*\})", out.stdout)
     if out.returncode != 0 or not found:
         return {"system": label, "ranks": ranks, "error": (out.stdout + out.stderr)[-2000:]}
@@ -127,6 +136,16 @@ def summarise(raw):
             "unique_row_min": median([r["unique_row_min_bytes_per_rank_step"] for r in rs]),
             "table_bytes": rs[0]["table_bytes"],
         }
+        checkpoints = [r["checkpoint"] for r in rs if r.get("checkpoint")]
+        if checkpoints:
+            s["checkpoint"] = {
+                "save_s": median([c["save_s"] for c in checkpoints]),
+                "load_s": median([c["load_s"] for c in checkpoints]),
+                "bytes": median([c["bytes"] for c in checkpoints]),
+                "peak_rss_growth_during_save": median([max(p - b for p, b in zip(c["rss_peak_save_per_rank"],
+                                                                                 c["rss_before_save_per_rank"]))
+                                                       for c in checkpoints]),
+            }
         ref = refs.get((system, ranks))
         s["reference_loss"] = ref["loss"] if ref else None
         summary.append(s)
@@ -169,6 +188,20 @@ def markdown(summary, meta) -> str:
             f"{fmt(s['rss_saved_vs_horovod'], '.2f')} | {fmt(s['ps_bytes_sent'] and s['ps_bytes_sent'] / 1024, '.1f')} KiB | "
             f"{fmt(s['bytes_over_min'], '.2f')} | {fmt(s['loss'], '.4f')} | "
             f"{fmt(s['loss_vs_reference'] and 100 * s['loss_vs_reference'], '+.2f')}% |")
+    return "\n".join(lines)
+
+
+def checkpoint_table(summary) -> str:
+    rows = [s for s in summary if s.get("checkpoint")]
+    if not rows:
+        return ""
+    lines = ["", "", "Checkpoints (hybridsync.save_checkpoint / load_checkpoint of the trained model, after the timed "
+             "steps; medians; RSS growth is the largest of any rank's peak during the save over its RSS before it):", "",
+             "| system | ranks | save s | load s | size | RSS growth during save |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for s in rows:
+        c = s["checkpoint"]
+        lines.append(f"| {s['system']} | {s['ranks']} | {c['save_s']:.2f} | {c['load_s']:.2f} | "
+                     f"{c['bytes'] / 2**20:.0f} MiB | {c['peak_rss_growth_during_save'] / 2**20:.0f} MiB |")
     return "\n".join(lines)
 
 
@@ -297,7 +330,7 @@ def main():
     summary = summarise(raw)
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} cores",
             "repeats": args.repeats, "steps": args.steps}
-    table = markdown(summary, meta) + failures(raw)
+    table = markdown(summary, meta) + checkpoint_table(summary) + failures(raw)
     checks = targets(summary)
     RESULTS.mkdir(parents=True, exist_ok=True)
     before_lines = compared(summary)

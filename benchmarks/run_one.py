@@ -38,7 +38,43 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=29500)
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="hybridsync systems: after the timed steps, save a checkpoint here and load it back, timed")
     return p.parse_args()
+
+
+def measure_checkpoint(path, model, opt, comm):
+    """Seconds to save and to load a checkpoint, its bytes, and this rank's RSS before the save
+    and its peak during it (sampled every 2 ms: ru_maxrss only keeps the lifetime peak)."""
+    import threading
+
+    import psutil
+
+    import hybridsync
+
+    me = psutil.Process()
+    before, peak, done = me.memory_info().rss, [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], me.memory_info().rss)
+            done.wait(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    comm.barrier()
+    sampler.start()
+    start = time.perf_counter()
+    hybridsync.save_checkpoint(path, model, opt)
+    saved = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    comm.barrier()
+    start = time.perf_counter()
+    hybridsync.load_checkpoint(path, model, opt)
+    loaded = time.perf_counter() - start
+    files = Path(path).resolve()
+    size = sum(f.stat().st_size for f in files.iterdir())
+    return {"save_s": saved, "load_s": loaded, "bytes": size, "rss_before": before, "rss_peak": max(peak[0], before)}
 
 
 def global_batches(args, ranks, rank, share):
@@ -189,7 +225,11 @@ def main():
     elapsed = time.perf_counter() - start
 
     traffic = engine.traffic() if engine is not None else None
+    checkpoint = None
+    if args.checkpoint_dir and args.system.startswith("hybridsync"):
+        checkpoint = measure_checkpoint(f"{args.checkpoint_dir}/ckpt", model, opt, comm)
     mine = {
+        "checkpoint": checkpoint,
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "loss": float(np.mean(losses[-20:])),
         "sent": traffic["bytes_sent"] / args.steps if traffic else None,
@@ -213,6 +253,14 @@ def main():
                                                    if traffic and not args.global_ranks else None),
             "table_bytes": args.tables * args.rows * args.dim * 4,
         }
+        if checkpoint:
+            result["checkpoint"] = {
+                "save_s": max(e["checkpoint"]["save_s"] for e in everyone),
+                "load_s": max(e["checkpoint"]["load_s"] for e in everyone),
+                "bytes": checkpoint["bytes"],
+                "rss_before_save_per_rank": [e["checkpoint"]["rss_before"] for e in everyone],
+                "rss_peak_save_per_rank": [e["checkpoint"]["rss_peak"] for e in everyone],
+            }
         print("BENCH-RESULT " + json.dumps(result), flush=True)
     if args.system == "ddp-gloo":
         import torch.distributed as dist

@@ -75,6 +75,10 @@ def main():
                         help="build the tables directly on the PS shards (no rank ever holds a whole table)")
     parser.add_argument("--config", default=None, help="YAML config with per-variable overrides")
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--checkpoint", metavar="DIR", default=None,
+                        help="commit a checkpoint here every --checkpoint-every steps and resume from it on "
+                             "restart, at any number of ranks")
+    parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -98,9 +102,20 @@ def main():
         optimizer = hybridsync.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                     config=args.config)
     data = SyntheticCriteo(args.batch_size, args.tables, args.rows, seed=args.seed * 1000 + rank)
+    first = 1
+    if args.checkpoint:
+        import hybridsync.elastic as elastic
+
+        state = elastic.State(args.checkpoint, model, optimizer, step=0)
+        if state.restore():
+            first = state.step + 1
+            for _ in range(state.step):  # the data position: this rank's stream, replayed
+                data.batch()
+            if rank == 0:
+                print(f"resumed from {args.checkpoint} at step {state.step} on {size} rank(s)\n", end="", flush=True)
 
     losses, start = [], time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         dense, sparse, label = data.batch()
         optimizer.zero_grad()
         loss = F.binary_cross_entropy_with_logits(model(dense, sparse), label)
@@ -113,9 +128,12 @@ def main():
             mean = hvd.allreduce(torch.tensor(np.mean(losses[-args.log_every:])), name="loss").item()
             if rank == 0:  # the newline in the same write: horovodrun tags each chunk it reads
                 print(f"step {step:5d}  loss {mean:.4f}\n", end="", flush=True)
+        if args.checkpoint and (step % args.checkpoint_every == 0 or step == args.steps):
+            state.step = step
+            state.commit()
     elapsed = time.perf_counter() - start
     if rank == 0:
-        rate = args.steps * args.batch_size * size / elapsed
+        rate = (args.steps - first + 1) * args.batch_size * size / elapsed
         print(f"{args.steps} steps on {size} rank(s): {rate:,.0f} samples/s\n", end="", flush=True)
 
 

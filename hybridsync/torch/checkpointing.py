@@ -3,7 +3,6 @@ arrays plus JSON, and back. Tables on the parameter server are not here: their s
 written by their owners (a replicated table's replica is refreshed from them after a load)."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..types import Placement
