@@ -21,3 +21,14 @@ def test_dlrm_replicated_loss_falls():
                       "--placement", "replicated")
     losses = _losses(out)
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], out
+
+
+def test_dlrm_checkpoints_and_resumes_at_another_world_size(tmp_path):
+    ckpt = str(tmp_path / "dlrm")
+    common = ["examples/torch_dlrm.py", "--rows", "20000", "--log-every", "50", "--checkpoint", ckpt,
+              "--checkpoint-every", "50"]
+    first = _losses(run_program(2, *common, "--steps", "100"))
+    out = run_program(3, *common, "--steps", "150")
+    assert "resumed from" in out and "at step 100 on 3 rank(s)" in out, out
+    resumed = _losses(out)
+    assert len(resumed) == 1 and resumed[0] < 0.9 * first[0], (first, out)  # kept what it had learnt
