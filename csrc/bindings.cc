@@ -13,6 +13,7 @@
 #include "hybridsync/ps.h"
 #include "ps/dedup.h"
 #include "ps/trace.h"
+#include "transport/heartbeat.h"
 #include "transport/transport.h"
 
 namespace py = pybind11;
@@ -429,12 +430,27 @@ PYBIND11_MODULE(_ps, m) {
       .def_property_readonly("dim", [](PyShard& s) { return s.shard().dim(); })
       .def_property_readonly("slot_names", [](PyShard& s) { return s.shard().rule().slot_names(); });
 
+  m.def("start_heartbeat", [](py::object comm, double interval_s) {
+        MPI_Comm* c = PyMPIComm_Get(comm.ptr());
+        if (!c) throw py::error_already_set();
+        nogil([&] { start_heartbeat(*c, interval_s); });
+      }, py::arg("comm"), py::arg("interval_s"),
+      "Collective: starts this process's heartbeat thread (peers' liveness, see silent_peers).");
+  m.def("stop_heartbeat", [] { nogil([] { stop_heartbeat(); }); });
+  m.def("silent_peers", [](double timeout_s) {
+        py::list out;
+        for (const SilentPeer& p : silent_peers(timeout_s)) out.append(py::make_tuple(p.rank, p.host, p.seconds));
+        return out;
+      }, py::arg("timeout_s"), "(rank, host, seconds) of peers not heard from for longer than timeout_s.");
+
   py::class_<PyEngine>(m, "Engine")
-      .def(py::init([](py::object comm, double spin_us, double max_sleep_us, double stall_warning_s, double timeout_s) {
-             return std::make_unique<PyEngine>(comm, WaitPolicy{spin_us, max_sleep_us, stall_warning_s, timeout_s});
+      .def(py::init([](py::object comm, double spin_us, double max_sleep_us, double stall_warning_s, double timeout_s,
+                       double peer_timeout_s) {
+             return std::make_unique<PyEngine>(
+                 comm, WaitPolicy{spin_us, max_sleep_us, stall_warning_s, timeout_s, peer_timeout_s});
            }),
            py::arg("comm"), py::arg("spin_us") = 50.0, py::arg("max_sleep_us") = 200.0,
-           py::arg("stall_warning_s") = 60.0, py::arg("timeout_s") = 600.0)
+           py::arg("stall_warning_s") = 60.0, py::arg("timeout_s") = 600.0, py::arg("peer_timeout_s") = 60.0)
       .def_property_readonly("rank", [](PyEngine& e) { return e.client().rank(); })
       .def_property_readonly("size", [](PyEngine& e) { return e.client().size(); })
       .def("add_table", &PyEngine::add_table, py::arg("name"), py::arg("num_rows"), py::arg("dim"),

@@ -45,7 +45,9 @@ def engine():
         if _engine is None:
             comm = runtime.mpi_comm()
             s = settings()
-            _engine = _ps.Engine(comm, spin_us=wait_spin_us(), max_sleep_us=s.max_sleep_us, timeout_s=s.timeout_s)
+            # A peer that is alive but slow is reported after the peer timeout too (stall warning).
+            _engine = _ps.Engine(comm, spin_us=wait_spin_us(), max_sleep_us=s.max_sleep_us, timeout_s=s.timeout_s,
+                                 peer_timeout_s=s.peer_timeout_s, stall_warning_s=s.peer_timeout_s or 60.0)
             runtime.on_shutdown(_release)
             if s.timeline:
                 _engine.set_tracing(True)

@@ -80,6 +80,7 @@ def init(comm=None) -> World:
             _world = World(comm if comm is not None else MPI.COMM_WORLD)
             if _world.size > 1:
                 _abort_job_on_uncaught_exception(_world.comm)
+                _start_heartbeat(_world.comm)
         atexit.register(shutdown)
         return _world
 
@@ -125,6 +126,19 @@ def shutdown() -> None:
             except Exception:
                 pass
         _world = None
+
+
+def _start_heartbeat(comm) -> None:
+    """Collective: a C++ thread that tells every peer this rank is alive, so a peer that
+    freezes or becomes unreachable is named within HYBRIDSYNC_PEER_TIMEOUT_S instead of hanging
+    the job (hybridsync/_ps: csrc/transport/heartbeat.cc)."""
+    from . import _ps
+    from .settings import settings
+
+    timeout = settings().peer_timeout_s
+    if timeout > 0:
+        _ps.start_heartbeat(comm, min(1.0, max(0.05, timeout / 10)))
+        on_shutdown(_ps.stop_heartbeat)
 
 
 def _abort_job_on_uncaught_exception(comm) -> None:

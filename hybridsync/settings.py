@@ -10,6 +10,9 @@ HYBRIDSYNC_TIMELINE      write a Chrome trace of each step's phases to this file
 HYBRIDSYNC_BATCH_LOOKUPS 0 turns off batching all PS embedding pulls of a forward into one
 HYBRIDSYNC_EXPLAIN       1: rank 0 prints each plan once it is made (hybridsync-run sets it)
 HYBRIDSYNC_FUSION_MB     MPI backend: size of one fused all-reduce bucket in MiB (default 64)
+HYBRIDSYNC_PEER_TIMEOUT_S a peer not heard from (heartbeat) this long fails the wait with an error
+                         naming it; a peer that is alive but slow gets a warning after as long
+                         (default 60; 0 = off)
 
 Launch facts read from the launcher's variables (not set by users) are parsed here too:
 launched_by_mpi(), launched_by_gloo() and gloo_world().
@@ -34,6 +37,7 @@ class Settings:
     batch_lookups: bool
     explain: bool
     fusion_bytes: int
+    peer_timeout_s: float
 
 
 BACKENDS = ("horovod", "mpi")
@@ -67,6 +71,7 @@ def settings() -> Settings:
         batch_lookups=os.environ.get("HYBRIDSYNC_BATCH_LOOKUPS", "1") not in ("0", "false", "no"),
         explain=os.environ.get("HYBRIDSYNC_EXPLAIN", "0") in ("1", "true", "yes"),
         fusion_bytes=max(1, int(_float("HYBRIDSYNC_FUSION_MB", 64.0) * 2**20)),
+        peer_timeout_s=_float("HYBRIDSYNC_PEER_TIMEOUT_S", 60.0),
     )
 
 

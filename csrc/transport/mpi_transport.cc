@@ -83,7 +83,7 @@ std::vector<char> MPITransport::recv(int source, int tag) {
         if (!found) reap_completed_sends();  // let our own sends progress while we wait
         return found != 0;
       },
-      policy_, "a message from rank " + std::to_string(source));
+      policy_, "a message from rank " + std::to_string(source), source);
   int count = 0;
   MPI_Get_count(&status, MPI_BYTE, &count);
   std::vector<char> data(static_cast<size_t>(count));

@@ -23,6 +23,7 @@ struct WaitPolicy {
   double max_sleep_us = 200.0;    // back-off cap between polls
   double stall_warning_s = 60.0;  // print a warning naming the peer after this long
   double timeout_s = 600.0;       // give up (throw) after this long; <= 0 waits forever
+  double peer_timeout_s = 60.0;   // a peer the heartbeat has not heard from this long fails the wait
 };
 
 // The Client's only view of the network, so the PS core does not depend on MPI.

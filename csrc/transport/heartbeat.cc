@@ -1,0 +1,137 @@
+#include "heartbeat.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace hybridsync {
+namespace {
+
+constexpr int kTagHeartbeat = 105;
+
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+class Heartbeat {
+ public:
+  Heartbeat(MPI_Comm comm, double interval_s) : interval_us_(static_cast<int64_t>(interval_s * 1e6)) {
+    MPI_Comm_dup(comm, &comm_);
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);  // a dead peer must not abort this rank
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    char name[MPI_MAX_PROCESSOR_NAME] = {0};
+    int len = 0;
+    MPI_Get_processor_name(name, &len);
+    std::vector<char> all(static_cast<size_t>(size_) * MPI_MAX_PROCESSOR_NAME);
+    MPI_Allgather(name, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, all.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm_);
+    for (int r = 0; r < size_; ++r) hosts_.emplace_back(all.data() + static_cast<size_t>(r) * MPI_MAX_PROCESSOR_NAME);
+    last_seen_ = std::make_unique<std::atomic<int64_t>[]>(static_cast<size_t>(size_));
+    const int64_t start = now_us();
+    for (int r = 0; r < size_; ++r) last_seen_[r] = start;
+    sends_.assign(static_cast<size_t>(size_), MPI_REQUEST_NULL);
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~Heartbeat() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+    for (MPI_Request& r : sends_) {
+      if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);  // small eager sends: gone already or never matched
+    }
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&comm_);
+  }
+
+  double silent_for(int peer) const {
+    if (peer < 0 || peer >= size_ || peer == rank_) return 0.0;
+    return static_cast<double>(now_us() - last_seen_[peer].load()) / 1e6;
+  }
+
+  std::string host_of(int peer) const { return peer >= 0 && peer < size_ ? hosts_[peer] : "?"; }
+  int size() const { return size_; }
+  int rank() const { return rank_; }
+
+ private:
+  void run() {
+    char byte = 1, sink = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      lock.unlock();
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        int done = 1;
+        if (sends_[p] != MPI_REQUEST_NULL) MPI_Test(&sends_[p], &done, MPI_STATUS_IGNORE);
+        if (done) MPI_Isend(&byte, 1, MPI_CHAR, p, kTagHeartbeat, comm_, &sends_[p]);  // one in flight per peer
+      }
+      while (true) {  // everything that arrived since the last round
+        int flag = 0;
+        MPI_Status status;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, kTagHeartbeat, comm_, &flag, &status) != MPI_SUCCESS || !flag) break;
+        MPI_Recv(&sink, 1, MPI_CHAR, status.MPI_SOURCE, kTagHeartbeat, comm_, MPI_STATUS_IGNORE);
+        last_seen_[status.MPI_SOURCE] = now_us();
+      }
+      lock.lock();
+      wake_.wait_for(lock, std::chrono::microseconds(interval_us_), [this] { return stopping_; });
+    }
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+  int64_t interval_us_;
+  std::vector<std::string> hosts_;
+  std::unique_ptr<std::atomic<int64_t>[]> last_seen_;
+  std::vector<MPI_Request> sends_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+std::mutex g_lock;
+std::unique_ptr<Heartbeat> g_heartbeat;
+
+}  // namespace
+
+void start_heartbeat(MPI_Comm comm, double interval_s) {
+  std::lock_guard<std::mutex> lock(g_lock);
+  if (!g_heartbeat) g_heartbeat = std::make_unique<Heartbeat>(comm, interval_s);
+}
+
+void stop_heartbeat() {
+  std::lock_guard<std::mutex> lock(g_lock);
+  g_heartbeat.reset();
+}
+
+std::vector<SilentPeer> silent_peers(double timeout_s) {
+  std::lock_guard<std::mutex> lock(g_lock);
+  std::vector<SilentPeer> out;
+  if (!g_heartbeat) return out;
+  for (int p = 0; p < g_heartbeat->size(); ++p) {
+    const double s = g_heartbeat->silent_for(p);
+    if (s > timeout_s) out.push_back({p, g_heartbeat->host_of(p), s});
+  }
+  return out;
+}
+
+double silent_for(int peer) {
+  std::lock_guard<std::mutex> lock(g_lock);
+  return g_heartbeat ? g_heartbeat->silent_for(peer) : 0.0;
+}
+
+std::string host_of(int peer) {
+  std::lock_guard<std::mutex> lock(g_lock);
+  return g_heartbeat ? g_heartbeat->host_of(peer) : "?";
+}
+
+}  // namespace hybridsync

@@ -1,0 +1,65 @@
+"""Peers that freeze, die or are merely slow: a frozen peer (SIGSTOP) is named, with its host,
+by every other rank within the peer timeout and the job ends; a peer busy in Python for longer
+than that (holding the GIL) is only reported in a warning, and the job finishes."""
+import os
+import signal
+import socket
+import sys
+import time
+
+from tests.parallel.harness import launch, mpirun_prefix, rank_main, run_ranks
+
+PEER_TIMEOUT_S = 3
+
+
+def rank_frozen_peer():
+    import numpy as np
+
+    import hybridsync
+    from hybridsync import ps
+
+    engine = ps.engine()
+    table = engine.add_table("t", 10, 2, 0, "cyclic", "sgd", {"lr": 0.1})
+    if hybridsync.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive for the OS, silent for its peers
+    engine.pull([table], [np.arange(4)])  # waits for rank 1: raises, and the job ends
+
+
+def rank_busy_peer():
+    import numpy as np
+
+    import hybridsync
+    from hybridsync import ps
+
+    engine = ps.engine()
+    table = engine.add_table("t", 10, 2, 0, "cyclic", "sgd", {"lr": 0.1})
+    if hybridsync.rank() == 0:
+        end = time.monotonic() + 2.5 * PEER_TIMEOUT_S
+        while time.monotonic() < end:  # pure Python: holds the GIL throughout
+            sum(range(1000))
+    engine.pull([table], [np.arange(4)])
+    print(f"rank {hybridsync.rank()}: the slow peer caught up", flush=True)
+
+
+def test_a_frozen_peer_is_named_by_every_other_rank_within_the_peer_timeout():
+    env = {"HYBRIDSYNC_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S), "HYBRIDSYNC_TIMEOUT_S": "120"}
+    start = time.monotonic()
+    rc, out = launch(mpirun_prefix(3) + ["-x", "HYBRIDSYNC_PEER_TIMEOUT_S", sys.executable, "-u", __file__,
+                                         "rank_frozen_peer"], 120, env)
+    elapsed = time.monotonic() - start
+    assert rc != 0, out
+    host = socket.gethostname()
+    named = f"rank 1 on host {host} has not been heard from"
+    assert f"[1,0]<stderr>:" in out and named in out, out
+    assert sum(named in line for line in out.splitlines() if line.startswith(("[1,0]", "[1,2]"))) >= 2, out
+    assert elapsed < PEER_TIMEOUT_S + 25, f"took {elapsed:.0f} s\n{out}"
+
+
+def test_a_peer_busy_in_python_past_the_timeout_is_a_warning_not_an_error():
+    env = {"HYBRIDSYNC_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
+    out = run_ranks(__file__, "rank_busy_peer", 2, env=env, timeout=120)
+    assert "is alive: busy" in out and "rank 0 on host" in out, out
+
+
+if __name__ == "__main__":
+    rank_main(globals())
