@@ -1,5 +1,6 @@
 // The Client: table registration and the operations on whole tables (initialisation, loading,
 // gathering, replicas, local state). The per-step pull and push live in exchange.cc.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -175,32 +176,57 @@ void Client::load_from_root(int table, const float* values, int root, const std:
                     "), got " + std::to_string(root));
     }
     const int64_t dim = t.spec.dim;
-    // The root tells every rank (shard or not) its verdict, so a bad array on the root makes
-    // every rank throw instead of leaving the shards waiting for rows.
+    // The root tells every rank (shard or not) its verdict first, so a bad array on the root
+    // makes every rank throw instead of leaving the shards waiting for rows.
     if (c.rank() == root) {
       for (int r = 0; r < c.size(); ++r) {
         Writer w;
         w.text(error);
-        if (error.empty() && r < t.spec.num_shards) {
-          const int64_t n = t.part.shard_rows(r);
-          float* rows = w.f32_slot(n * dim);
-          for (int64_t l = 0; l < n; ++l) std::memcpy(rows + l * dim, values + t.part.global_id(r, l) * dim, dim * sizeof(float));
-        }
         c.transport->send(r, kTagControl, w.take());
       }
     }
     auto msg = c.transport->recv(root, kTagControl);
-    c.transport->wait_sends();
-    Reader r(msg);
-    const std::string verdict = r.text();
+    const std::string verdict = Reader(msg).text();
     if (!verdict.empty()) {
+      c.transport->wait_sends();
       if (c.rank() == root) throw PSError(verdict);
       throw PSRemoteError("hybridsync load_from_root failed on rank " + std::to_string(root) + ": " + verdict);
     }
-    if (t.shard) {
-      const float* rows = r.f32s(static_cast<size_t>(t.shard->rows() * dim));
-      for (int64_t l = 0; l < t.shard->rows(); ++l) std::memcpy(t.shard->row(l), rows + l * dim, dim * sizeof(float));
+    // Rows travel in chunks of about kChunkBytes, at most one chunk in flight: the root never
+    // holds a second copy of the table (the caller frees each table as its shards take it over,
+    // so wrapping a model peaks no higher than the model itself).
+    constexpr int64_t kChunkBytes = 4 << 20;
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / static_cast<int64_t>(dim * sizeof(float)));
+    if (c.rank() == root) {
+      for (int s = 0; s < t.spec.num_shards; ++s) {
+        const int64_t n = t.part.shard_rows(s);
+        for (int64_t start = 0; start < n; start += chunk) {
+          const int64_t count = std::min(chunk, n - start);
+          if (s == root) {  // our own shard: straight from the caller's array
+            for (int64_t l = start; l < start + count; ++l) {
+              std::memcpy(t.shard->row(l), values + t.part.global_id(s, l) * dim, dim * sizeof(float));
+            }
+            continue;
+          }
+          Writer w;
+          float* rows = w.f32_slot(count * dim);
+          for (int64_t l = 0; l < count; ++l) {
+            std::memcpy(rows + l * dim, values + t.part.global_id(s, start + l) * dim, dim * sizeof(float));
+          }
+          c.transport->send(s, kTagControl, w.take());
+          c.transport->wait_sends();
+        }
+      }
+    } else if (t.shard) {
+      for (int64_t start = 0; start < t.shard->rows(); start += chunk) {
+        const int64_t count = std::min(chunk, t.shard->rows() - start);
+        auto rows_msg = c.transport->recv(root, kTagControl);
+        Reader r(rows_msg);
+        const float* rows = r.f32s(static_cast<size_t>(count * dim));
+        for (int64_t l = 0; l < count; ++l) std::memcpy(t.shard->row(start + l), rows + l * dim, dim * sizeof(float));
+      }
     }
+    c.transport->wait_sends();
   });
 }
 
@@ -249,6 +275,7 @@ std::vector<float> Client::gather(int table, int slot) {
 
 void Client::load_local(int table, int slot, const float* values) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->settle();
   Table& t = impl_->table_at(table);
   if (!t.shard) return;
   check_slot(t, slot);
@@ -260,6 +287,7 @@ void Client::load_local(int table, int slot, const float* values) {
 
 void Client::attach_replica(int table, float* full_table) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->settle();
   Table& t = impl_->table_at(table);
   if (!t.shard) return;
   if (!full_table) {
@@ -276,6 +304,7 @@ void Client::attach_replica(int table, float* full_table) {
 
 void Client::write_local(int table, int slot, const int64_t* ids, int64_t n, const float* rows) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->settle();
   Table& t = impl_->table_at(table);
   check_ids(t.spec.name, ids, n, t.spec.num_rows);
   check_slot(t, slot);
@@ -288,6 +317,7 @@ void Client::write_local(int table, int slot, const int64_t* ids, int64_t n, con
 
 std::vector<float> Client::local_values(int table, int slot) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->settle();
   Table& t = impl_->table_at(table);
   check_slot(t, slot);
   if (!t.shard) return {};
@@ -306,6 +336,7 @@ void Client::rename_table(int table, const std::string& name) {
 
 void Client::set_rule(int table, const std::string& rule, const std::map<std::string, double>& hparams) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->settle();
   Table& t = impl_->table_at(table);
   auto made = make_update_rule(rule, hparams);  // validates on every rank, shard or not
   t.spec.rule = rule;
@@ -315,6 +346,7 @@ void Client::set_rule(int table, const std::string& rule, const std::map<std::st
 
 void Client::init_normal(int table, uint64_t seed, float mean, float stddev) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->settle();
   const double two_pi = 6.283185307179586;
   init_rows(impl_->table_at(table), impl_->rank(), seed, [&](uint64_t key) {
     const double u1 = uniform01(key), u2 = uniform01(mix64(key));
@@ -324,18 +356,21 @@ void Client::init_normal(int table, uint64_t seed, float mean, float stddev) {
 
 void Client::init_uniform(int table, uint64_t seed, float low, float high) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->settle();
   init_rows(impl_->table_at(table), impl_->rank(), seed,
             [&](uint64_t key) { return low + (high - low) * static_cast<float>(uniform01(key)); });
 }
 
 void Client::set_step(int table, int64_t step) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->settle();
   Table& t = impl_->table_at(table);
   if (t.shard) t.shard->rule().set_step(step);
 }
 
 int64_t Client::step(int table) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->settle();
   const Table& t = impl_->table_at(table);
   return t.shard ? t.shard->rule().step() : -1;
 }

@@ -81,6 +81,10 @@ struct Client::Impl {
   // What every collective does first: completes the operation in flight (keeping its outcome
   // for its Wait) and applies the pending pushes, so the wire carries one operation at a time.
   void begin_collective();
+  // Before a local read or write of shard state: applies the pushes (and completes the
+  // operation) already started, so a local write is never overwritten by an older push and a
+  // read sees every step. Needs only what the peers sent when they started those operations.
+  void settle() { guarded([&] { begin_collective(); }); }
   // Step 1 of a pull or push: routes the batches and sends every rank its request.
   std::unique_ptr<InFlight> start_pull(const std::vector<TableBatch>& batches, const std::string& error);
   std::unique_ptr<InFlight> start_push(const std::vector<TableBatch>& batches, float scale, bool return_updates,

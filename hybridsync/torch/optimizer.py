@@ -133,6 +133,8 @@ class _DistributedOptimizer:
         old = next(m for m in self._hs_model.modules()
                    if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.weight is p)
         cls = Embedding if isinstance(old, torch.nn.Embedding) else EmbeddingBag
+        if runtime.world().rank != 0:  # the shards take rank 0's rows: ours can go before they are made
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         new = cls.from_module(old, var.name, partitions=var.plan.shards or None, partition=var.plan.partition)
         for parent in self._hs_model.modules():
             for key, child in list(parent._modules.items()):

@@ -204,6 +204,24 @@ def rank_local_state():
     print(f"rank {rank}: local state read and written", flush=True)
 
 
+def rank_local_writes_after_a_deferred_push():
+    """A push that returns nothing is applied before the next operation -- local ones included:
+    a table loaded right after training is not overwritten by the last step's push."""
+    import numpy as np
+
+    from hybridsync import ps
+
+    engine = ps.engine()
+    t = engine.add_table("late", 6, 2, 0, "cyclic", "sgd", {"lr": 1.0})
+    engine.push([t], [np.arange(6)], [np.ones((6, 2), np.float32)], 1.0, False)
+    assert engine.step(t) in (1, -1), engine.step(t)  # -1: this rank holds no shard
+    engine.load_local(t, -1, np.zeros((6, 2), np.float32))
+    np.testing.assert_array_equal(engine.gather(t, -1), np.zeros((6, 2), np.float32))
+    engine.push([t], [np.arange(6)], [np.ones((6, 2), np.float32)], 1.0, False)
+    engine.write_local(t, np.arange(6), np.full((6, 2), 5.0, np.float32))
+    np.testing.assert_array_equal(engine.gather(t, -1), np.full((6, 2), 5.0, np.float32))
+
+
 def rank_module_errors():
     import pytest
     import torch
@@ -316,6 +334,10 @@ def test_bad_arguments_to_collectives_raise_on_every_rank(np_):
 
 def test_a_ranks_shard_state_is_read_and_written_in_storage_order():
     run_ranks(__file__, "rank_local_state", 2)
+
+
+def test_local_writes_wait_for_a_deferred_push():
+    run_ranks(__file__, "rank_local_writes_after_a_deferred_push", 3)
 
 
 def test_bad_ids_through_a_ps_embedding():

@@ -203,6 +203,241 @@ def rank_distributed_tape():
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
 
 
+# -- more routes through Keras: Adam beside the PS, all-gather from a YAML file and a tape loop,
+#    PS-backed layers on fewer shards than ranks, dense variables on the PS ----------------------
+
+FEATURES = 7
+
+
+def _dense_model():
+    import keras
+
+    keras.utils.set_random_seed(11)
+    x = keras.Input(shape=(FEATURES,), name="x")
+    h = keras.layers.Dense(6, activation="tanh", name="d0")(x)
+    return keras.Model(x, keras.layers.Dense(2, name="d1")(h))
+
+
+def _dense_data(size):
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    n = STEPS * size * LOCAL
+    return rng.standard_normal((n, FEATURES)).astype("float32"), rng.standard_normal((n, 2)).astype("float32")
+
+
+def _mine(arrays, size, rank):
+    """This rank's share of every step's global batch (rows rank*LOCAL .. of each step)."""
+    import numpy as np
+
+    pick = np.concatenate([np.arange(s * size * LOCAL + rank * LOCAL, s * size * LOCAL + (rank + 1) * LOCAL)
+                           for s in range(STEPS)])
+    return [a[pick] for a in arrays]
+
+
+def _train_loop(model, opt, x, y, batch, compiled=True):
+    """STEPS steps of a tf.GradientTape loop (inside tf.function unless compiled=False)."""
+    import tensorflow as tf
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    if compiled:
+        step = tf.function(step, jit_compile=False)
+    for s in range(STEPS):
+        step(x[s * batch:(s + 1) * batch], y[s * batch:(s + 1) * batch])
+    return model
+
+
+def _assert_same(weights, want, label):
+    import numpy as np
+
+    assert len(weights) == len(want), f"{label}: {len(weights)} arrays, want {len(want)}"
+    for k, (w, got) in enumerate(zip(want, weights)):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6, err_msg=f"{label} (array {k})")
+
+
+def _weights(model):
+    """Embedding table first (gathered from the shards for a PS-backed layer), then hidden, out."""
+    emb = model.get_layer("emb")
+    table = emb.get_table() if hasattr(emb, "get_table") else emb.get_weights()[0]
+    return [table] + [w for n in ("hidden", "out") for w in model.get_layer(n).get_weights()]
+
+
+def _lazy_adam_reference(size, start=None, lr=0.05, beta1=0.9, beta2=0.999, eps=1e-7):
+    """One process, batch N*b: Keras's Adam on the dense layers, and on the embedding the server's
+    lazy Adam (rows of the step's ids move, with the table's step count; untouched rows keep
+    their moments) written out in float32 NumPy."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    model = _model()
+    if start is not None:
+        model.get_layer("emb").set_weights([start.get_layer("emb").get_table()])
+        for layer in ("hidden", "out"):
+            model.get_layer(layer).set_weights(start.get_layer(layer).get_weights())
+    emb = model.get_layer("emb").embeddings
+    dense = [v for v in model.trainable_variables if v is not emb]
+    opt = keras.optimizers.Adam(lr, beta_1=beta1, beta_2=beta2, epsilon=eps)
+    table = np.array(emb.numpy(), np.float32)
+    m, v = np.zeros_like(table), np.zeros_like(table)
+    ids, y = _data(size)
+    batch = size * LOCAL
+    for s in range(STEPS):
+        xb, yb = ids[s * batch:(s + 1) * batch], y[s * batch:(s + 1) * batch]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+        g_emb, *g_dense = tape.gradient(loss, [emb] + dense)
+        opt.apply_gradients(zip(g_dense, dense))
+        t = s + 1
+        step_size = np.float32(lr * np.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t))
+        rows = np.unique(xb)
+        g = tf.convert_to_tensor(g_emb).numpy()[rows]  # duplicates summed, as the shards do
+        m[rows] += (g - m[rows]) * np.float32(1 - beta1)
+        v[rows] += (g * g - v[rows]) * np.float32(1 - beta2)
+        table[rows] -= step_size * (m[rows] / (np.sqrt(v[rows]) + np.float32(eps)))
+        emb.assign(table)
+    return _weights(model)
+
+
+def rank_adam_beside_allreduce():
+    """Keras Adam on the dense all-reduce route: a model of Dense layers only (fit, and a
+    GradientTape loop in tf.function), and the Dense part of a wide&deep model whose embedding
+    stays on the PS (replicated Keras Embedding, and the PS-backed layer), where the server
+    applies lazy Adam to the rows."""
+    import keras
+
+    import hybridsync
+    import hybridsync.tensorflow as hvd
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    x, y = _dense_data(size)
+    reference = _dense_model()
+    want = _train_loop(reference, keras.optimizers.Adam(0.05), x, y, size * LOCAL, compiled=False).get_weights()
+    mx, my = _mine((x, y), size, rank)
+
+    model = _dense_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.05)), loss="mse", jit_compile=False)
+    model.fit(mx, my, batch_size=LOCAL, epochs=1, shuffle=False, verbose=0)
+    _assert_same(model.get_weights(), want, "dense-only adam/fit")
+    assert {v.route.value for v in model.optimizer.plan.variables} == {"allreduce"}
+    # Keras's own state (iterations, moments) advanced exactly as in the single process.
+    assert int(model.optimizer.iterations.numpy()) == STEPS
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05))
+    _assert_same(_train_loop(_dense_model(), opt, mx, my, LOCAL).get_weights(), want, "dense-only adam/tape")
+    print(f"rank {rank}: keras adam on a dense model (fit, tape) matches the single-process run", flush=True)
+
+    # Wide & deep: the Dense layers all-reduced under Keras's Adam, the embedding on the PS.
+    model = _fit("adam", size, rank)
+    rows = {v.name: v for v in model.optimizer.plan.variables}
+    assert (rows["emb/embeddings"].route.value, rows["emb/embeddings"].placement.value) == ("ps", "replicated")
+    assert rows["emb/embeddings"].optimizer["name"] == "adam"
+    assert rows["hidden/kernel"].route.value == rows["out/bias"].route.value == "allreduce"
+    _assert_same(_weights(model), _lazy_adam_reference(size), "wide&deep adam, replicated embedding")
+    model = _fit("adam", size, rank, sharded=True)
+    want = _lazy_adam_reference(size, start=_model(sharded=True))
+    _assert_same(_weights(model), want, "wide&deep adam, PS-backed embedding")
+    table = model.get_layer("emb").table
+    if rank == 0:  # shard 0 counts the table's steps (the bias correction's t)
+        assert table.engine.step(table.handle) == STEPS, table.engine.step(table.handle)
+    print(f"rank {rank}: keras adam beside a PS embedding (lazy adam on the rows) matches", flush=True)
+
+
+def rank_allgather_more():
+    """The all-gather route asked for by `defaults.sparse.sync: allgather` in a YAML file, in a
+    GradientTape loop inside tf.function (SGD, Adagrad), and Keras's Adam on gathered rows (fit).
+
+    The reference applies the whole batch's IndexedSlices unsummed, as Keras applies the gathered
+    ones: every rank's (ids, rows) concatenated in rank order -- the global batch's order -- and
+    divided by N. Keras's Adagrad and Adam square an IndexedSlices' values before duplicates are
+    summed (Adagrad's accumulator gets g1^2 + g2^2, not (g1 + g2)^2), so densifying the
+    reference's gradient would not be the same math."""
+    import os
+    import tempfile
+
+    import hybridsync
+    import hybridsync.tensorflow as hvd
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    path = os.path.join(tempfile.mkdtemp(prefix=f"hs-rank{rank}-"), "allgather.yaml")
+    with open(path, "w") as f:
+        f.write("defaults:\n  sparse:\n    sync: allgather\n")
+    ids, y = _my_rows(size, rank)
+    for name in ("sgd", "adagrad"):
+        opt = hvd.DistributedOptimizer(_optimizer(name), config=path)
+        model = _train_loop(_model(), opt, ids, y, LOCAL)
+        rows = {v.name: v for v in opt.plan.variables}
+        assert rows["emb/embeddings"].route.value == "allgather", rows["emb/embeddings"]
+        assert rows["emb/embeddings"].reason.startswith("config defaults.sparse"), rows["emb/embeddings"].reason
+        assert rows["hidden/kernel"].route.value == "allreduce"
+        _assert_same(model.get_weights(), _reference(name, size, densify=False), f"{name}/allgather/tape")
+        print(f"rank {rank}: {name}, all-gather from the YAML defaults, tape loop: matches", flush=True)
+    model = _fit("adam", size, rank, config=path)
+    assert {v.name: v for v in model.optimizer.plan.variables}["emb/embeddings"].route.value == "allgather"
+    _assert_same(model.get_weights(), _reference("adam", size, densify=False), "adam/allgather/fit")
+    print(f"rank {rank}: adam on all-gathered rows (fit) matches", flush=True)
+
+
+def _sharded_model(partitions, partition):
+    import keras
+
+    import hybridsync.tensorflow as hvd
+
+    keras.utils.set_random_seed(7)
+    ids = keras.Input(shape=(3,), dtype="int64", name="ids")
+    x = hvd.Embedding(ROWS, DIM, name="emb", partitions=partitions, partition=partition)(ids)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(5, activation="tanh", name="hidden")(x)
+    return keras.Model(ids, keras.layers.Dense(1, name="out")(x))
+
+
+def rank_fewer_shards():
+    """Tables on fewer shards than ranks: the PS-backed layer on 1 and 2 shards (cyclic and
+    block), SGD and Adagrad; with Adagrad, a replicated Keras Embedding on 2 block shards beside
+    the dense layers themselves on the PS (replicated: the server applies Keras's Adagrad, epsilon
+    inside the square root, to every row of a dense gradient)."""
+    import hybridsync
+    import hybridsync.tensorflow as hvd
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    # (rank_more_routes has Adagrad on 1 shard.) At -np 2 only 1 shard is fewer than the ranks.
+    layouts = {"sgd": [(1, "cyclic"), (2, "block")], "adagrad": [(2, "cyclic")]} if size > 2 else \
+        {"sgd": [(1, "cyclic")], "adagrad": [(1, "block")]}
+    for name in ("sgd", "adagrad"):
+        for partitions, partition in layouts[name]:
+            label = f"{name}/sharded/{partitions} {partition} shards"
+            model = _sharded_model(partitions, partition)
+            want = _reference(name, size, start=model)
+            model.compile(optimizer=hvd.DistributedOptimizer(_optimizer(name)), loss="mse", jit_compile=False)
+            ids, y = _my_rows(size, rank)
+            model.fit(ids, y, batch_size=LOCAL, epochs=1, shuffle=False, verbose=0)
+            _assert_same(_weights(model), want, label)
+            table = model.get_layer("emb").table
+            row = {v.name: v for v in model.optimizer.plan.variables}["emb/embeddings"]
+            assert (row.placement.value, row.shards, row.partition) == ("sharded", partitions, partition), row
+            # Only the first `partitions` ranks hold rows.
+            held = table.engine.shard_rows(table.handle)
+            assert (held > 0) == (rank < partitions), (label, rank, held)
+            print(f"rank {rank}: keras {label} matches (this rank holds {held} rows)", flush=True)
+    name = "adagrad"  # (SGD's server rule on a dense variable adds nothing to check)
+    partitions = min(2, size - 1)
+    config = {"variables": [{"match": "emb*", "sync": "ps", "placement": "replicated", "partitions": partitions,
+                             "partition": "block"},
+                            {"match": "hidden/*", "sync": "ps", "partitions": 1},
+                            {"match": "out/kernel", "sync": "ps"}]}
+    model = _fit(name, size, rank, config=config)
+    _assert_same(model.get_weights(), _reference(name, size), f"{name}/replicated block + dense on the PS")
+    rows = {v.name: (v.route.value, v.placement.value, v.shards) for v in model.optimizer.plan.variables}
+    assert rows["emb/embeddings"] == ("ps", "replicated", partitions), rows
+    assert rows["hidden/kernel"] == rows["hidden/bias"] == ("ps", "replicated", 1), rows
+    assert rows["out/kernel"] == ("ps", "replicated", size) and rows["out/bias"][0] == "allreduce", rows
+    print(f"rank {rank}: keras {name}, replicated block table and dense layers on the PS: matches", flush=True)
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_keras_parity_fit_and_tape(np_):
     run_ranks(__file__, "rank_parity", np_, timeout=420)
@@ -220,6 +455,22 @@ def test_keras_adam_allgather_and_fewer_partitions(np_):
 
 def test_distributed_gradient_tape():
     run_ranks(__file__, "rank_distributed_tape", 2, timeout=240)
+
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_keras_adam_dense_allreduce_beside_ps(np_):
+    run_ranks(__file__, "rank_adam_beside_allreduce", np_, timeout=300)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_keras_allgather_yaml_defaults_tape_and_adam(np_):
+    run_ranks(__file__, "rank_allgather_more", np_, timeout=300)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_keras_fewer_shards_sharded_block_and_dense_on_ps(np_):
+    run_ranks(__file__, "rank_fewer_shards", np_, timeout=300)
 
 
 if __name__ == "__main__":
