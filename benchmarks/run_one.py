@@ -225,12 +225,13 @@ def main():
     elapsed = time.perf_counter() - start
 
     traffic = engine.traffic() if engine is not None else None
+    training_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before any checkpoint
     checkpoint = None
     if args.checkpoint_dir and args.system.startswith("hybridsync"):
         checkpoint = measure_checkpoint(f"{args.checkpoint_dir}/ckpt", model, opt, comm)
     mine = {
         "checkpoint": checkpoint,
-        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss": training_peak_rss,
         "loss": float(np.mean(losses[-20:])),
         "sent": traffic["bytes_sent"] / args.steps if traffic else None,
         "received": traffic["bytes_received"] / args.steps if traffic else None,
