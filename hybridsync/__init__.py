@@ -105,7 +105,76 @@ def load_checkpoint(path, model, optimizer):
     return _load(path, model, optimizer)
 
 
+def _first_value(params):
+    values = list(params.values()) if isinstance(params, dict) else list(params)
+    first = values[0] if values else None
+    return first[1] if isinstance(first, tuple) and len(first) == 2 else first
+
+
+def broadcast_parameters(params, root_rank: int = 0) -> None:
+    """Collective: every rank's parameters become root_rank's, in place. PyTorch: a module, its
+    state_dict(), named_parameters() or tensors; TensorFlow/Keras: a model or its variables
+    (framework detected from the values)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(params, torch.nn.Module):
+        params = params.state_dict()
+    elif hasattr(params, "variables") and not isinstance(params, (dict, list, tuple)):
+        params = params.variables  # a Keras model or layer
+    params = params if isinstance(params, dict) else list(params)
+    first = _first_value(params)
+    if torch is not None and isinstance(first, torch.Tensor):
+        from .torch.functions import broadcast_parameters as frontend
+
+        return frontend(params, root_rank)
+    if first is None or (hasattr(first, "assign") and hasattr(first, "numpy")):
+        from .tensorflow import broadcast_variables
+
+        return broadcast_variables(params, root_rank) if first is not None else None
+    raise TypeError(f"broadcast_parameters takes torch tensors (a state_dict, named_parameters()) or TensorFlow/Keras "
+                    f"variables; got {type(first).__module__}.{type(first).__qualname__}")
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
+    """Collective: every rank's optimizer state and hyper-parameters become root_rank's
+    (torch.optim: hybridsync.torch.broadcast_optimizer_state; Keras: its variables)."""
+    torch = sys.modules.get("torch")
+    keras = sys.modules.get("keras")
+    if torch is not None and isinstance(optimizer, torch.optim.Optimizer):
+        from .torch.functions import broadcast_optimizer_state as frontend
+
+        return frontend(optimizer, root_rank)
+    if keras is not None and isinstance(optimizer, keras.optimizers.Optimizer):
+        from .tensorflow import broadcast_variables
+
+        return broadcast_variables(list(optimizer.variables), root_rank)
+    raise TypeError("broadcast_optimizer_state takes a torch.optim.Optimizer or a Keras optimizer; got "
+                    f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+
+
+def broadcast_object(obj, root_rank: int = 0, name=None):
+    """Collective: root_rank's picklable `obj`, on every rank."""
+    if "torch" in sys.modules:
+        from .torch.functions import broadcast_object as frontend
+
+        return frontend(obj, root_rank, name)
+    from .comm import objects
+
+    return objects().broadcast_object(obj, root_rank, name=name)
+
+
+def allgather_object(obj, name=None) -> list:
+    """Collective: every rank's picklable `obj`, as a list in rank order."""
+    if "torch" in sys.modules:
+        from .torch.functions import allgather_object as frontend
+
+        return frontend(obj, name)
+    from .comm import objects
+
+    return objects().allgather_object(obj, name=name)
+
+
 from .config import ConfigError  # noqa: E402
 
 __all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
-           "DistributedOptimizer", "explain", "ConfigError", "save_checkpoint", "load_checkpoint"]
+           "DistributedOptimizer", "explain", "ConfigError", "save_checkpoint", "load_checkpoint",
+           "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]

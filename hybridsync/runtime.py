@@ -10,6 +10,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 
 from .settings import gloo_world, launched_by_gloo
 
@@ -151,6 +152,10 @@ def _abort_job_on_uncaught_exception(comm) -> None:
         sys.stderr.write(f"hybridsync: rank {comm.Get_rank()} failed; aborting the job\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        if "heard from" in str(exc):
+            # A lost peer is seen by every rank at about the same moment: let the others say so
+            # too before the job is torn down.
+            time.sleep(1.0)
         comm.Abort(1)
 
     sys.excepthook = hook

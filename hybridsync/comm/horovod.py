@@ -1,18 +1,28 @@
 """Horovod as the dense backend: ring all-reduce with tensor fusion, run by Horovod's own
 background thread, on the job's MPI communicator (or Gloo under `horovodrun --gloo`).
 Buffers are torch tensors or NumPy arrays (seen as tensors without a copy, so in-place results
-land in the array)."""
+land in the array).
+
+Horovod negotiates every collective itself (shapes, dtypes, root ranks, reduction ops: a
+mismatch is an error on every rank). Its messages name neither the tensor nor the ranks;
+`failure()` adds both, the ranks by one bounded exchange of descriptors on the error path only.
+"""
 from __future__ import annotations
 
 import importlib.util
+import pickle
 import threading
+import time
 
 import numpy as np
 
 from .. import runtime
-from ..types import ReduceOp
+from .negotiation import CollectiveMismatchError, Desc, _disagreement, op_name
 
 _lock = threading.Lock()
+_DIAG_BYTES = 1024
+_DIAG_TIMEOUT_S = 10.0
+_diag_comm = None  # MPI channel for mismatch diagnosis; dropped if an exchange ever times out
 
 
 def available() -> bool:
@@ -25,6 +35,7 @@ def available() -> bool:
 
 def module():
     """horovod.torch, initialised on the job's communicator (once)."""
+    global _diag_comm
     import horovod.torch as hvd
 
     with _lock:
@@ -32,11 +43,72 @@ def module():
             world = runtime.world()
             if world.comm is not None:
                 hvd.init(comm=world.comm)
+                _diag_comm = world.comm.Dup()
             else:
                 hvd.init()
             runtime.on_shutdown(hvd.shutdown)
     return hvd
 
+
+_ops: dict = {}
+
+
+def reduce_op(op):
+    """Horovod's constant for a reduction op (ReduceOp, or 'average', 'sum', 'min', ...)."""
+    found = _ops.get(op)
+    if found is None:
+        import horovod.torch as hvd
+        found = _ops[op] = {"average": hvd.Average, "sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max,
+                            "product": hvd.Product, "adasum": hvd.Adasum}[op_name(op)]
+    return found
+
+
+def mismatch_error_class():
+    """CollectiveMismatchError that is also Horovod's HorovodInternalError (what Horovod
+    scripts catch), made once."""
+    global _MismatchError
+    if _MismatchError is None:
+        from horovod.common.exceptions import HorovodInternalError
+
+        _MismatchError = type("HorovodCollectiveMismatchError", (CollectiveMismatchError, HorovodInternalError),
+                              {"__module__": __name__, "__doc__": "Horovod refused mismatched collectives."})
+    return _MismatchError
+
+
+_MismatchError = None
+
+
+def failure(exc: Exception, desc: Desc) -> Exception:
+    """The exception to raise for Horovod's error `exc` on collective `desc`: a mismatch names
+    the collective and the ranks that disagree; anything else is returned unchanged."""
+    text = str(exc)
+    if "Mismatched" not in text:
+        return exc
+    detail = _diagnose(desc) or f"{desc.label()}: {text}"
+    return mismatch_error_class()(detail)
+
+
+def _diagnose(desc: Desc) -> str | None:
+    """Every rank got Horovod's error for this collective; each exchanges what it submitted.
+    Bounded: a rank that never synchronizes its failed handle only costs the detail."""
+    global _diag_comm
+    if _diag_comm is None:
+        return None
+
+    comm = _diag_comm
+    mine = np.zeros(_DIAG_BYTES, dtype=np.uint8)
+    blob = pickle.dumps(Desc(desc.kind, desc.name[:200], desc.dtype, desc.shape[:16], desc.root, desc.op, desc.scales))
+    mine[:len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+    everyone = np.empty((comm.Get_size(), _DIAG_BYTES), dtype=np.uint8)
+    request = comm.Iallgather(mine, everyone)
+    deadline = time.monotonic() + _DIAG_TIMEOUT_S
+    while not request.Test():
+        if time.monotonic() > deadline:
+            _diag_comm = None  # the pending exchange can never be matched reliably now
+            return None
+        time.sleep(0.001)
+    by_rank = {r: pickle.loads(everyone[r].tobytes()) for r in range(comm.Get_size())}
+    return _disagreement(desc.label(), by_rank)
 
 
 def _tensor(buf):
@@ -46,7 +118,7 @@ def _tensor(buf):
 
 
 class HorovodCollectives:
-    """Dense collectives through Horovod (async; fused by Horovod's thread)."""
+    """Dense collectives through Horovod (async; fused by Horovod's thread), on buffers."""
 
     name = "horovod"
 
@@ -55,13 +127,10 @@ class HorovodCollectives:
         self.size = self.hvd.size()
         self.rank = self.hvd.rank()
 
-    def _op(self, op):
-        return self.hvd.Average if op is ReduceOp.AVERAGE else self.hvd.Sum
-
-    def allreduce_async_(self, buf, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+    def allreduce_async_(self, buf, name=None, op="average", prescale_factor=1.0, postscale_factor=1.0,
                          verified_layout=False):
         # Horovod negotiates every tensor by name anyway; verified_layout changes nothing here.
-        handle = self.hvd.allreduce_async_(_tensor(buf), name=name, op=self._op(op),
+        handle = self.hvd.allreduce_async_(_tensor(buf), name=name, op=reduce_op(op),
                                            prescale_factor=prescale_factor, postscale_factor=postscale_factor)
         return handle, buf
 
@@ -72,8 +141,8 @@ class HorovodCollectives:
         self.hvd.synchronize(handle[0])
         return handle[1]
 
-    def allreduce(self, tensor, name=None, op=ReduceOp.AVERAGE):
-        return self.hvd.allreduce(tensor, name=name, op=self._op(op))
+    def allreduce(self, tensor, name=None, op="average"):
+        return self.hvd.allreduce(tensor, name=name, op=reduce_op(op))
 
     def broadcast_(self, buf, root_rank, name=None):
         self.hvd.broadcast_(_tensor(buf), root_rank, name=name)
@@ -91,3 +160,6 @@ class HorovodCollectives:
 
     def barrier(self):
         self.hvd.barrier()
+
+    def join(self) -> int:
+        return self.hvd.join()

@@ -1,195 +1,398 @@
-"""Dense collectives over MPI (mpi4py) on any CPU buffer: NumPy arrays, or CPU torch tensors
-(np.asarray gives a view, so in-place results land in the tensor).
+"""Dense collectives over MPI (mpi4py) on NumPy buffers, with Horovod's semantics.
 
-All-reduces are queued by allreduce_async_() and run, fused into buckets, at the first
-synchronize(): sorted by name so every rank issues the same collectives in the same order
-whatever order its gradients became ready in, and checked by a fingerprint so ranks that
-submitted different tensors get an error instead of a hang or garbage.
+Collectives are submitted (allreduce with Sum/Average/Min/Max/Product and pre/post scaling,
+allgather, broadcast, alltoall, reducescatter, barrier, objects) and run at the first
+synchronize() or poll() that needs them. Before data moves the ranks negotiate, as Horovod's
+coordinator does (hybridsync.comm.negotiation): one small all-gather of a fingerprint of every
+rank's in-flight list, and only when fingerprints differ (or a rank joined) a second exchange of
+the full descriptors. Agreed collectives run in name order, so every rank issues the same MPI
+calls whatever order it submitted them in; a mismatch raises on every rank instead of hanging or
+corrupting memory. All-reduces that run together are fused into buckets.
+
+The one exception is a DistributedOptimizer's own fused all-reduce once its plan was verified
+across ranks (verified_layout=True): it skips the negotiation (the measured fast path) and runs
+on a communicator of its own per layout, where a rank that called join() contributes zeros.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
-import itertools
-import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from ..settings import settings
-from ..sync.buckets import check_buffer, make_buckets
-from ..types import ReduceOp
+from ..sync.buckets import check_buffer
+from . import mpi_kernels as k
+from .mpi_kernels import wait_all
+from .negotiation import DUPLICATE, CollectiveMismatchError, Desc, analyze, digest, op_name
+
+__all__ = ["MPICollectives", "CollectiveMismatchError", "DuplicateNameError", "wait_all", "op_name"]
 
 
-def _fp16_sum(invec, inoutvec, datatype):
-    a = np.frombuffer(invec, dtype=np.float16)
-    b = np.frombuffer(inoutvec, dtype=np.float16)
-    b += a
+class DuplicateNameError(CollectiveMismatchError, ValueError):
+    """A collective was submitted under the name of one still in flight (Horovod: ValueError)."""
 
 
-_FP16_SUM = None
-
-
-def _fp16_sum_op():
-    # MPI has no half-precision type: carry float16 as uint16 with our own sum.
-    global _FP16_SUM
-    if _FP16_SUM is None:
-        _FP16_SUM = MPI.Op.Create(_fp16_sum, commute=True)
-    return _FP16_SUM
-
-
-def wait_all(requests) -> None:
-    """Waits for MPI requests without sitting in a blocking MPI call: OpenMPI's blocking waits
-    spin, stealing the core a peer needs to catch up (measured: 4-5 ms of CPU per step on the
-    ranks that arrive first, at 4 ranks on 2 cores). Polls, yielding the core on each poll, for
-    HYBRIDSYNC_SPIN_US, then sleeps with back-off."""
-    from ..ps import wait_spin_us
-
-    if MPI.Request.Testall(requests):
-        return
-    spin_until = time.perf_counter() + wait_spin_us() * 1e-6
-    sleep_s, max_sleep_s = 1e-6, settings().max_sleep_us * 1e-6
-    while not MPI.Request.Testall(requests):
-        if time.perf_counter() < spin_until:
-            os.sched_yield()
-        else:
-            time.sleep(sleep_s)
-            sleep_s = min(sleep_s * 2, max_sleep_s)
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks submitted different tensors to one synchronize()."""
+def _layout_digest(layout) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little") >> 1
 
 
 class Handle:
-    __slots__ = ("array", "name", "op", "prescale", "postscale", "verified", "done")
+    """One submitted collective: `result` once `done`, or `error` to raise."""
 
-    def __init__(self, array, name, op, prescale, postscale, verified):
-        self.array, self.name, self.op = array, name, op
-        self.prescale, self.postscale = prescale, postscale
-        self.verified = verified
-        self.done = False
+    __slots__ = ("desc", "payload", "result", "done", "error")
+
+    def __init__(self, desc, payload):
+        self.desc, self.payload, self.result, self.done, self.error = desc, payload, None, False, None
+
+    @property
+    def array(self):
+        return self.result
+
+
+class _Round:
+    __slots__ = ("request", "entries", "everyone", "mine")
+
+
+_MAX_FAST_LAYOUTS = 32  # communicators kept for verified layouts; further layouts are negotiated
+
+
+class _FastPath:
+    """Verified fused all-reduces (a DistributedOptimizer's, once its plan was agreed): no
+    negotiation, and one communicator per layout, so a rank that called join() can stand ready
+    with zeros for every optimizer's next step at once."""
+
+    def __init__(self, comm, size):
+        self.parent, self.size = comm.Dup(), size
+        self.layouts: dict = {}  # digest -> (communicator, shapes, key)
+        self.rounds = collections.Counter()  # digest -> rounds this rank took part in (run or posted)
+        self.posted: dict = {}  # digest -> [(requests, buffers)]: this joined rank's zeros in flight
+
+    def reduce(self, arrays, keys) -> bool:
+        shapes = tuple((a.dtype.str, a.shape) for a in arrays)
+        digest_ = _layout_digest((shapes, keys[0]))
+        entry = self.layouts.get(digest_)
+        if entry is None:
+            if len(self.layouts) >= _MAX_FAST_LAYOUTS:
+                return False
+            # Collective, and safe here: every rank reaches an optimizer's first verified step
+            # together, right after agreeing on its plan (which a joined rank refuses).
+            entry = self.layouts[digest_] = (self.parent.Dup(), shapes, keys[0])
+        k.reduce_buckets(entry[0], self.size, arrays, keys)
+        self.rounds[digest_] += 1
+        return True
+
+    def _post(self, digest_) -> None:
+        comm, shapes, key = self.layouts[digest_]
+        self.posted.setdefault(digest_, []).append(k.post_zero_buckets(comm, shapes, key))
+        self.rounds[digest_] += 1
+
+    def requests(self) -> list:
+        return [r for groups in self.posted.values() for requests, _ in groups for r in requests]
+
+    def stand_ready(self) -> None:
+        """One zero round in flight for every layout: done ones mean the others ran a step."""
+        for digest_ in self.layouts:
+            groups = [g for g in self.posted.get(digest_, []) if not MPI.Request.Testall(g[0])]
+            self.posted[digest_] = groups
+            if not groups:
+                self._post(digest_)
+
+    def finish(self, targets: dict) -> None:
+        """Every rank has joined: each brings its rounds of every layout up to the most any rank
+        took part in (the k-th rounds pair up on each layout's communicator), then waits."""
+        for digest_, target in targets.items():
+            if digest_ not in self.layouts:
+                raise RuntimeError("join: another rank ran a fused all-reduce this rank never saw")
+            while self.rounds[digest_] < target:
+                self._post(digest_)
+        k.wait(self.requests())
+        self.posted.clear()
+
+    def free(self) -> None:
+        for comm, _, _ in self.layouts.values():
+            comm.Free()
+        self.parent.Free()
 
 
 class MPICollectives:
+    """Collectives of one communicator (the job's, or a process set's: `ranks` are the global
+    ranks of its members, which root ranks refer to, as in Horovod)."""
+
     name = "mpi"
 
-    def __init__(self, comm):
+    def __init__(self, comm, ranks=None, fast_path=True):
         self.comm = comm.Dup()  # our own channel: never matches the user's or the PS's messages
-        self.size = self.comm.Get_size()
-        self.rank = self.comm.Get_rank()
-        self._pending: list[Handle] = []
-        self._unnamed = itertools.count()
+        self.size, self.rank = self.comm.Get_size(), self.comm.Get_rank()
+        self.ranks = list(ranks) if ranks is not None else list(range(self.size))
+        self._fast = _FastPath(self.comm, self.size) if fast_path else None
+        self._pending: dict[str, Handle] = {}
+        self._poison: dict[str, str] = {}  # names submitted twice (reported at the next round)
+        self._unnamed = collections.Counter()
+        self._round = None  # an exchange posted by poll() and not finished yet
+        self._joined_at = None
 
-    # -- all-reduce -------------------------------------------------------------------------
-    def allreduce_async_(self, buf, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                         verified_layout=False):
-        """verified_layout: the caller guarantees every rank submits the same tensors (a
-        DistributedOptimizer whose plan was checked across ranks); when all pending tensors say
-        so, the per-step fingerprint collective is skipped."""
-        array = check_buffer(buf, name or "a tensor")
-        handle = Handle(array, name or f"allreduce.noname.{next(self._unnamed)}", op,
-                        float(prescale_factor), float(postscale_factor), bool(verified_layout))
-        self._pending.append(handle)
+    # -- submitting -----------------------------------------------------------------------------
+    def submit(self, kind, name, payload=None, *, dtype="", shape=(), root=-1, op="", scales=(1.0, 1.0)) -> Handle:
+        if kind.startswith("broadcast") and root not in self.ranks:
+            raise ValueError(f"{kind} '{name}': root rank {root} is not one of the ranks {self.ranks}")
+        if name is None:  # numbered after every local check, so the numbers agree across ranks
+            name = f"{kind}.noname.{self._unnamed[kind]}"
+            self._unnamed[kind] += 1
+        desc = Desc(kind, name, dtype, tuple(int(x) for x in shape), int(root), op,
+                    (float(scales[0]), float(scales[1])))
+        if name in self._pending:
+            self._poison[name] = kind
+            raise DuplicateNameError(f"{kind} '{name}' was submitted on rank {self.rank} while one with that name "
+                                     "is still in flight; names of in-flight collectives must be unique")
+        handle = self._pending[name] = Handle(desc, payload)
         return handle
 
+    def allreduce_async_(self, buf, name=None, op="average", prescale_factor=1.0, postscale_factor=1.0,
+                         verified_layout=False, dtype=None):
+        """In place. (verified_layout is accepted for the optimizer's interface; every
+        collective submitted here is negotiated.)"""
+        array = check_buffer(buf, name or "a tensor")
+        opn = op_name(op)
+        k.mpi_op(opn, array.dtype)  # Adasum is an error now, not at synchronize
+        if array.dtype == np.bool_:
+            raise TypeError(f"allreduce '{name}': bool tensors cannot be reduced (as in Horovod)")
+        return self.submit("allreduce", name, array, dtype=dtype or k.label(array.dtype), shape=array.shape, op=opn,
+                           scales=(prescale_factor, postscale_factor))
+
+    def allgather_async(self, buf, name=None, dtype=None):
+        array = np.ascontiguousarray(buf)
+        if array.ndim == 0:
+            raise ValueError(f"allgather '{name}': needs a tensor with at least one dimension (it concatenates dim 0)")
+        return self.submit("allgather", name, array, dtype=dtype or k.label(array.dtype), shape=array.shape)
+
+    def broadcast_async_(self, buf, root_rank, name=None, dtype=None):
+        array = check_buffer(buf, name or "a tensor")
+        return self.submit("broadcast", name, array, dtype=dtype or k.label(array.dtype), shape=array.shape,
+                           root=root_rank)
+
+    def alltoall_async(self, buf, splits=None, name=None, dtype=None):
+        array = np.ascontiguousarray(buf)
+        rows = array.shape[0] if array.ndim else 0
+        if splits is None:
+            if array.ndim == 0 or rows % self.size:
+                raise ValueError(f"alltoall '{name}': dim 0 ({rows}) must divide evenly by {self.size} ranks "
+                                 "when no splits are given")
+            splits = [rows // self.size] * self.size
+        splits = np.asarray(splits, dtype=np.int64).reshape(-1)
+        if len(splits) != self.size or (splits < 0).any() or splits.sum() != rows:
+            raise ValueError(f"alltoall '{name}': splits {splits.tolist()} must be {self.size} non-negative counts "
+                             f"summing to dim 0 ({rows})")
+        return self.submit("alltoall", name, (array, splits), dtype=dtype or k.label(array.dtype), shape=array.shape)
+
+    def reducescatter_async(self, buf, name=None, op="average", prescale_factor=1.0, postscale_factor=1.0,
+                            dtype=None):
+        array = np.array(buf, copy=True, order="C")  # scaled in place below
+        opn = op_name(op)
+        k.mpi_op(opn, array.dtype)
+        if array.ndim == 0:
+            raise ValueError(f"reducescatter '{name}': needs a tensor with at least one dimension")
+        return self.submit("reducescatter", name, array, dtype=dtype or k.label(array.dtype), shape=array.shape, op=opn,
+                           scales=(prescale_factor, postscale_factor))
+
+    # -- waiting --------------------------------------------------------------------------------
+    def synchronize(self, handle):
+        while not handle.done:
+            self._progress(block=True, waiting=handle.desc.label())
+        if handle.error is not None:
+            raise handle.error
+        return handle.result
+
     def poll(self, handle) -> bool:
+        if not handle.done:
+            self._progress(block=False, waiting=None)
         return handle.done
 
-    def synchronize(self, handle):
-        if not handle.done:
-            self._flush()
-        return handle.array
+    def _progress(self, block: bool, waiting):
+        if self.size == 1:
+            self._poison.clear()
+            self._run(sorted((h.desc for h in self._pending.values()), key=lambda d: d.name))
+            return None
+        if self._round is None:
+            self._round = self._post_round()
+        if block:
+            k.wait([self._round.request])
+        elif not self._round.request.Test():
+            return None
+        rnd, self._round = self._round, None
+        return self._finish_round(rnd, waiting)
 
-    def allreduce(self, buf, name=None, op=ReduceOp.AVERAGE):
+    def _post_round(self) -> _Round:
+        entries = [h.desc for h in self._pending.values()] + [Desc(DUPLICATE, n, kind) for n, kind in self._poison.items()]
+        rnd = _Round()
+        rnd.entries = sorted(entries, key=lambda d: (d.name, d.kind == DUPLICATE))
+        flags = (1 if self._joined_at is not None else 0) | (2 if self._poison else 0)
+        rnd.mine = np.array([digest(rnd.entries), flags], dtype=np.int64)
+        rnd.everyone = np.empty((self.size, 2), dtype=np.int64)
+        rnd.request = self.comm.Iallgather(rnd.mine, rnd.everyone)
+        return rnd
+
+    def _finish_round(self, rnd: _Round, waiting):
+        """Returns every rank's phase-2 payload when every rank has joined, else None."""
+        e = rnd.everyone
+        if not e[:, 1].any() and (e[:, 0] == e[0, 0]).all():
+            self._run(rnd.entries)  # the same collectives everywhere: nothing more to exchange
+            return None
+        fast = dict(self._fast.rounds) if self._fast is not None else {}
+        payloads = self.comm.allgather((rnd.entries, self._joined_at is not None, waiting, self._joined_at, fast))
+        verdict = analyze([p[0] for p in payloads], [p[1] for p in payloads], [p[2] for p in payloads])
+        if verdict.all_joined:
+            return payloads
+        for name, message in verdict.failed.items():
+            self._poison.pop(name, None)
+            handle = self._pending.pop(name, None)
+            if handle is not None:
+                handle.error, handle.done = CollectiveMismatchError(message), True
+        if verdict.runnable:
+            reference = {d.name: d for d in payloads[next(r for r, p in enumerate(payloads) if not p[1])][0]}
+            self._run([reference[name] for name in verdict.runnable])
+        return None
+
+    # -- running agreed collectives -----------------------------------------------------------
+    def _run(self, descs) -> None:
+        """Runs agreed collectives, in the same order on every rank. A rank without a handle for
+        one (it called join()) contributes zeros."""
+        items = [(d, self._pending.pop(d.name, None)) for d in descs if d.kind != DUPLICATE]
+        reduces = [(d, h) for d, h in items if d.kind == "allreduce"]
+        if reduces:
+            arrays = [h.payload if h else np.zeros(d.shape, k.np_dtype(d.dtype)) for d, h in reduces]
+            k.reduce_buckets(self.comm, self.size, arrays, [(d.op, d.scales) for d, _ in reduces])
+            for (_, h), array in zip(reduces, arrays):
+                if h is not None:
+                    h.result, h.done = array, True
+        gathers = [h for d, h in items if d.kind == "allgather"]  # never with a joined rank
+        if gathers:
+            for h, out in zip(gathers, k.allgather_many(self.comm, self.size, [h.payload for h in gathers])):
+                h.result, h.done = out, True
+        for d, h in items:
+            if d.kind not in ("allreduce", "allgather"):
+                result = getattr(self, f"_run_{d.kind}")(d, h.payload if h else None)
+                if h is not None:
+                    h.result, h.done = result, True
+
+    def _run_broadcast(self, d, array):
+        return k.broadcast(self.comm, array, self.ranks.index(d.root))
+
+    def _run_alltoall(self, d, payload):
+        return k.alltoall(self.comm, self.size, *payload)
+
+    def _run_reducescatter(self, d, array):
+        return k.reducescatter(self.comm, self.size, self.rank, array, d.op, d.scales)
+
+    def _run_barrier(self, d, payload):
+        k.wait([self.comm.Ibarrier()])
+
+    def _run_broadcast_object(self, d, obj):
+        return self.comm.bcast(obj, root=self.ranks.index(d.root))
+
+    def _run_allgather_object(self, d, obj):
+        return self.comm.allgather(obj)
+
+    def _run_process_set(self, d, ranks):
+        sub = self.comm.Split(0 if self.ranks[self.rank] in ranks else MPI.UNDEFINED, key=self.rank)
+        if sub == MPI.COMM_NULL:
+            return None
+        engine = MPICollectives(sub, ranks=ranks, fast_path=False)
+        sub.Free()
+        return engine
+
+    def _run_process_set_remove(self, d, engine):
+        if engine is not None:
+            engine.free()
+
+    # -- the optimizer's fused all-reduce -------------------------------------------------------
+    def allreduce_arrays(self, arrays, op="average", prescale_factor=1.0, postscale_factor=1.0,
+                         verified_layout=False, name="fused"):
+        """All-reduces arrays in place, fused into as few collectives as their dtypes allow, and
+        waits. Every rank must pass the same arrays (dtypes, shapes) in the same order; unless
+        verified_layout, that is negotiated first (one check for the whole batch)."""
+        arrays = [check_buffer(a, name) for a in arrays]
+        opn = op_name(op)
+        keys = [(opn, (float(prescale_factor), float(postscale_factor)))] * len(arrays)
+        if verified_layout and self._fast is not None and self._fast.reduce(arrays, keys):
+            return arrays
+        k.mpi_op(opn, np.float32)  # Adasum is an error before anything is submitted
+        handles = [self.submit("allreduce", f"{name}.{i}", a, dtype=k.label(a.dtype), shape=a.shape, op=opn,
+                               scales=keys[0][1]) for i, a in enumerate(arrays)]
+        for h in handles:  # negotiated in one round: the first wait completes them all
+            self.synchronize(h)
+        return arrays
+
+    # -- join -----------------------------------------------------------------------------------
+    def join(self) -> int:
+        """Horovod's join: until every rank has called it, this rank takes part in the others'
+        all-reduces with zeros (other collectives are then an error on the ranks that submit
+        them). Returns the rank that joined last."""
+        for handle in list(self._pending.values()):
+            self.synchronize(handle)
+        if self.size == 1:
+            return self.ranks[0]
+        self._joined_at = time.time()
+        try:
+            while True:
+                if self._fast is not None:
+                    self._fast.stand_ready()
+                if self._round is None:
+                    self._round = self._post_round()
+                k.wait([self._round.request] + (self._fast.requests() if self._fast else []), any_done=True)
+                if self._round.request.Test():
+                    rnd, self._round = self._round, None
+                    payloads = self._finish_round(rnd, "join")
+                    if payloads is not None:
+                        return self._finish_join(payloads)
+        finally:
+            self._joined_at = None
+
+    def _finish_join(self, payloads) -> int:
+        if self._fast is not None:
+            targets = collections.Counter()
+            for p in payloads:
+                targets |= collections.Counter(p[4])  # the most rounds any rank took part in
+            self._fast.finish(dict(targets))
+        times = [p[3] for p in payloads]
+        return self.ranks[max(range(self.size), key=lambda r: (times[r], r))]
+
+    # -- the rest, synchronous ------------------------------------------------------------------
+    def allreduce(self, buf, name=None, op="average"):
         out = np.array(np.asarray(buf), copy=True, order="C")
         return self.synchronize(self.allreduce_async_(out, name=name, op=op))
 
-    def _flush(self):
-        pending = sorted(self._pending, key=lambda h: h.name)
-        self._pending = []
-        if not all(h.verified for h in pending):
-            self._check_same_everywhere(pending)
-        self._reduce([h.array for h in pending], [(h.op, h.prescale, h.postscale) for h in pending])
-        for h in pending:
-            h.done = True
-
-    def allreduce_arrays(self, arrays, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                         verified_layout=False, name="fused"):
-        """All-reduces arrays in place, fused into as few collectives as their dtypes allow, and
-        waits. Every rank must pass the same arrays (names, dtypes, sizes) in the same order;
-        unless verified_layout, that is checked first."""
-        arrays = [check_buffer(a, name) for a in arrays]
-        if not verified_layout:
-            self._check_same_everywhere([Handle(a, f"{name}.{i}", op, prescale_factor, postscale_factor, False)
-                                         for i, a in enumerate(arrays)])
-        self._reduce(arrays, [(op, float(prescale_factor), float(postscale_factor))] * len(arrays))
-        return arrays
-
-    def _reduce(self, arrays, keys):
-        buckets = make_buckets(arrays, keys, settings().fusion_bytes)
-        for b in buckets:
-            prescale = b.key[0][1]
-            if prescale != 1.0:  # in place: the result overwrites the caller's arrays anyway
-                b.flat *= b.flat.dtype.type(prescale)
-        wait_all([self._start(b.flat) for b in buckets])
-        for b in buckets:
-            (op, _, postscale), _ = b.key
-            self._finish(b.flat, op, postscale)
-            b.scatter_back()
-
-    def _start(self, flat):
-        if flat.dtype == np.float16:  # MPI has no half type: uint16 carrier, our own sum
-            return self.comm.Iallreduce(MPI.IN_PLACE, [flat.view(np.uint16), MPI.UINT16_T], op=_fp16_sum_op())
-        return self.comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-
-    def _finish(self, flat, op, postscale):
-        if np.issubdtype(flat.dtype, np.integer):
-            if op is ReduceOp.AVERAGE:
-                flat //= self.size  # integer average rounds down, as Horovod's does
-            return
-        scale = postscale / self.size if op is ReduceOp.AVERAGE else postscale
-        if scale != 1.0:
-            flat *= flat.dtype.type(scale)
-
-    def _check_same_everywhere(self, pending):
-        text = ";".join(f"{h.name}:{h.array.dtype.str}:{h.array.size}:{h.op.value}" for h in pending)
-        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-        both = np.array([digest, -digest], dtype=np.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
-        if both[0] != -both[1]:
-            raise CollectiveMismatchError(
-                "ranks submitted different tensors to all-reduce in one step (names, dtypes or sizes "
-                f"differ); this rank submitted: {', '.join(h.name for h in pending[:10])}"
-                f"{' ...' if len(pending) > 10 else ''}")
-
-    # -- the rest ---------------------------------------------------------------------------
     def broadcast_(self, buf, root_rank, name=None):
-        array = np.asarray(buf)
-        if array.dtype == np.float16:
-            self.comm.Bcast([array.view(np.uint16), MPI.UINT16_T], root=root_rank)
-        else:
-            self.comm.Bcast(array, root=root_rank)
+        self.synchronize(self.broadcast_async_(buf, root_rank, name))
         return buf
 
     def allgather(self, buf, name=None):
-        """Concatenates every rank's array along dim 0 (first dims may differ)."""
-        array = np.ascontiguousarray(np.asarray(buf))
-        counts = self.comm.allgather(array.shape[0] if array.ndim else 1)
-        row = int(np.prod(array.shape[1:])) if array.ndim > 1 else 1
-        out = np.empty((sum(counts), *array.shape[1:]), dtype=array.dtype)
-        sizes = [c * row for c in counts]
-        if array.dtype == np.float16:
-            self.comm.Allgatherv([array.view(np.uint16), MPI.UINT16_T], [out.view(np.uint16), sizes, MPI.UINT16_T])
-        else:
-            self.comm.Allgatherv(array, [out, sizes])
-        return out
+        """Concatenates every rank's array along dim 0 (dim 0 may differ, the rest may not)."""
+        return self.synchronize(self.allgather_async(buf, name))
 
     def broadcast_object(self, obj, root_rank=0, name=None):
-        return self.comm.bcast(obj, root=root_rank)
+        return self.synchronize(self.submit("broadcast_object", name, obj, root=root_rank))
 
     def allgather_object(self, obj, name=None):
-        return self.comm.allgather(obj)
+        return self.synchronize(self.submit("allgather_object", name, obj))
 
     def barrier(self):
-        self.comm.Barrier()
+        self.synchronize(self.submit("barrier", None))
+
+    def add_process_set(self, ranks, name=None):
+        """Collective over this communicator: the engine of the members of `ranks` (None on the
+        other ranks). Every rank must pass the same ranks."""
+        ranks = sorted(int(r) for r in ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or not set(ranks) <= set(self.ranks):
+            raise ValueError(f"a process set needs distinct ranks of this job ({self.ranks}), got {ranks}")
+        return self.synchronize(self.submit("process_set", name, ranks, shape=ranks))
+
+    def remove_process_set(self, ranks, engine, name=None) -> None:
+        """Collective over this communicator: frees a process set's engine on its members."""
+        self.synchronize(self.submit("process_set_remove", name, engine, shape=sorted(ranks)))
+
+    def free(self) -> None:
+        if self._fast is not None:
+            self._fast.free()
+        self.comm.Free()

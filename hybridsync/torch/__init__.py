@@ -1,34 +1,45 @@
-"""PyTorch frontend, Horovod-compatible: `import hybridsync.torch as hvd` runs a Horovod
-training script unchanged apart from that import."""
+"""PyTorch frontend, Horovod-compatible: `import hybridsync.torch as hvd` runs a Horovod PyTorch
+script unchanged apart from that import. Every public name of horovod.torch 0.28.1 is here with
+Horovod's meaning (except its build internals mpi_lib_v2 and check_extension), plus hybridsync's
+own: the hybrid DistributedOptimizer, PS-backed Embedding/EmbeddingBag, explain()."""
 from __future__ import annotations
 
 from .. import local_rank, local_size, rank, shutdown, size
-from .. import init as _init
 from ..plan import explain
-from ..types import Average, ReduceOp, Sum
+from ..types import ReduceOp
+from . import compression, elastic, functions, mpi_ops, optimizer, sync_batch_norm
+from .basics import (HorovodInternalError, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                     gloo_enabled, init, is_initialized, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                     rocm_built, start_timeline, stop_timeline)
 from .compression import Compression
 from .embedding import Embedding, EmbeddingBag
-from .functions import (allgather, allgather_object, allreduce, allreduce_, allreduce_async_, barrier, broadcast,
-                        broadcast_, broadcast_object, broadcast_optimizer_state, broadcast_parameters, poll,
-                        synchronize)
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce, allreduce_,
+                      allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
+                      broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_allreduce,
+                      grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+                      grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async,
+                      sparse_allreduce_async, synchronize)
 from .optimizer import DistributedOptimizer
-
-
-def init(comm=None, backend: str | None = None) -> None:
-    """Joins the job and starts the dense backend (Horovod when installed; see hybridsync.init)."""
-    _init(comm, backend)
-
-
-def is_initialized() -> bool:
-    from .. import runtime
-
-    return runtime.is_initialized()
-
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "DistributedOptimizer", "Compression", "Average", "Sum", "ReduceOp", "Embedding", "EmbeddingBag",
-    "allreduce", "allreduce_", "allreduce_async_", "synchronize", "poll", "broadcast", "broadcast_",
-    "allgather", "broadcast_object", "allgather_object", "barrier",
-    "broadcast_parameters", "broadcast_optimizer_state", "explain",
+    # the job
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
+    "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "HorovodInternalError",
+    # collectives
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "Compression",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "sparse_allreduce_async", "allgather", "allgather_async",
+    "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "join", "barrier", "poll", "synchronize",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    # training
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+    "allgather_object", "SyncBatchNorm", "elastic", "Embedding", "EmbeddingBag", "explain",
+    # modules, as in horovod.torch
+    "compression", "functions", "mpi_ops", "optimizer", "sync_batch_norm",
 ]

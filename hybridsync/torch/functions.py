@@ -1,73 +1,55 @@
-"""Horovod-style collective functions on torch tensors, and the broadcasts that start
-training from rank 0's model and optimizer state."""
+"""Starting every rank from rank 0's model and optimizer, and Python objects across ranks
+(the functions of horovod.torch.functions)."""
 from __future__ import annotations
+
+import io
 
 import torch
 
-from ..types import ReduceOp, as_reduce_op
-from . import ops
-from .compression import Compression
+from . import mpi_ops, ops
+from .process_sets import global_process_set
+
+try:  # what Horovod pickles with (lambdas and local classes survive); plain pickle otherwise
+    import cloudpickle as _pickle
+except ImportError:  # pragma: no cover
+    import pickle as _pickle
+
+_unnamed: dict = {}  # process set id -> objects sent without a name
 
 
-def _op(op, average):
-    if op is not None:
-        return as_reduce_op(op)
-    if average is not None:
-        return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    return ReduceOp.AVERAGE
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    _pickle.dump(obj, buf)
+    return buf.getvalue()
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
-    """Starts an in-place all-reduce; returns a handle for synchronize()/poll()."""
-    return ops.backend().allreduce_async_(tensor, name=name, op=_op(op, average),
-                                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+def _auto_name(kind: str, name, process_set):
+    # Horovod names an unnamed object by its type, which differs between the root and the
+    # others in `broadcast_object(x if rank == 0 else None)` (Horovod then waits forever): a
+    # counter per process set is the same on every member.
+    if name is not None:
+        return name
+    key = process_set.process_set_id if process_set is not None else 0
+    _unnamed[key] = _unnamed.get(key, 0) + 1
+    return f"{kind}.noname.{_unnamed[key]}"
 
 
-def synchronize(handle):
-    """Waits for an async operation; returns its result tensor."""
-    return ops.backend().synchronize(handle)
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """root_rank's `obj` (pickled; any picklable object), on every rank of the process set."""
+    route, name = ops.route(process_set), _auto_name("broadcast_object", name, process_set)
+    if isinstance(route, ops._HorovodTorch):
+        return route.hvd.broadcast_object(obj, root_rank, name=name)
+    me = ops.global_rank()
+    blob = route.engine.broadcast_object(_dumps(obj) if me == root_rank else None, root_rank, name=name)
+    return obj if me == root_rank else _pickle.loads(blob)
 
 
-def poll(handle) -> bool:
-    return ops.backend().poll(handle)
-
-
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
-
-
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0):
-    """The all-reduced value of `tensor` across ranks (a new tensor; `tensor` is unchanged)."""
-    compressed, ctx = compression.compress(tensor.detach().clone())
-    reduced = allreduce_(compressed, average, name, op, prescale_factor, postscale_factor)
-    return compression.decompress(reduced, ctx)
-
-
-def broadcast_(tensor, root_rank, name=None):
-    """Overwrites `tensor` with rank root_rank's value."""
-    return ops.backend().broadcast_(tensor, root_rank, name=name)
-
-
-def broadcast(tensor, root_rank, name=None):
-    return broadcast_(tensor.detach().clone(), root_rank, name)
-
-
-def allgather(tensor, name=None):
-    """Every rank's tensor concatenated along dim 0 (sizes of dim 0 may differ)."""
-    return ops.backend().allgather(tensor, name=name)
-
-
-def broadcast_object(obj, root_rank=0, name=None):
-    return ops.backend().broadcast_object(obj, root_rank, name=name)
-
-
-def allgather_object(obj, name=None):
-    return ops.backend().allgather_object(obj, name=name)
-
-
-def barrier():
-    ops.backend().barrier()
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Every rank's `obj`, as a list in rank order."""
+    route, name = ops.route(process_set), _auto_name("allgather_object", name, process_set)
+    if isinstance(route, ops._HorovodTorch):
+        return route.hvd.allgather_object(obj, name=name)
+    return [_pickle.loads(b) for b in route.engine.allgather_object(_dumps(obj), name=name)]
 
 
 def _is_ps_backed(tensor) -> bool:
@@ -75,37 +57,117 @@ def _is_ps_backed(tensor) -> bool:
     return getattr(tensor, "_hybridsync_ps_table", False)
 
 
-def broadcast_parameters(params, root_rank=0):
-    """Makes every rank's parameters equal to root_rank's.
+def broadcast_parameters(params, root_rank=0, process_set=global_process_set):
+    """Makes every rank's tensors equal to root_rank's, in place.
 
-    params: model.state_dict(), or (name, tensor) pairs such as model.named_parameters().
-    """
+    params: model.state_dict(), model.named_parameters(), model.parameters(), or a list of
+    tensors or (name, tensor) pairs."""
     if isinstance(params, dict):
         items = sorted(params.items())
     else:
-        items = list(params)
-        if any(not (isinstance(x, tuple) and len(x) == 2) for x in items):
-            raise ValueError("broadcast_parameters takes a state_dict or (name, tensor) pairs, e.g. model.named_parameters()")
-    backend = ops.backend()
-    if backend.size == 1:
-        return
+        try:
+            items = [p if isinstance(p, tuple) else (None, p) for p in params]
+        except TypeError:
+            raise ValueError(f"invalid params of type: {type(params).__name__}") from None
+    if any(len(x) != 2 for x in items):
+        raise ValueError("broadcast_parameters takes a state_dict, tensors or (name, tensor) pairs, "
+                         "e.g. model.named_parameters()")
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"broadcast_parameters: '{name}' is a {type(tensor).__name__}, not a tensor")
-        if _is_ps_backed(tensor):
-            continue
-        backend.broadcast_(tensor.detach(), root_rank, name=f"broadcast.{name}")
-
-
-def broadcast_optimizer_state(optimizer, root_rank=0):
-    """Makes every rank's optimizer state and hyper-parameters equal to root_rank's.
-    (Server-side state of parameter-server tables lives on the shards and is not copied.)"""
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("broadcast_optimizer_state does not support LBFGS")
-    backend = ops.backend()
-    if backend.size == 1:
+    if ops.set_size(process_set) == 1:
         return
-    state = torch.optim.Optimizer.state_dict(optimizer) if backend.rank == root_rank else None
-    state = backend.broadcast_object(state, root_rank, name="broadcast.optimizer_state")
-    if backend.rank != root_rank:
-        torch.optim.Optimizer.load_state_dict(optimizer, state)
+    handles = [mpi_ops.broadcast_async_(t.detach(), root_rank, name, process_set)
+               for name, t in items if not _is_ps_backed(t)]
+    for handle in handles:  # one negotiation for all of them on the MPI backend
+        mpi_ops.synchronize(handle)
+
+
+def _base_step(optimizer) -> None:
+    """The wrapped optimizer's own update (a DistributedOptimizer's step() would exchange
+    gradients, which only works if every rank calls it)."""
+    from .optimizer import _DistributedOptimizer
+
+    if isinstance(optimizer, _DistributedOptimizer):
+        super(_DistributedOptimizer, optimizer).step()
+    else:
+        type(optimizer).step(optimizer)
+
+
+def _initialise_state(optimizer, model) -> None:
+    """Horovod's way to create state on a fresh optimizer: one step with zero gradients for
+    every parameter that trains. Parameters and gradients are restored afterwards, so only the
+    state changes (an AdamW step would otherwise decay the weights)."""
+    sparse = set()
+    if model is not None:
+        sparse = {id(m.weight) for m in model.modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+    saved = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad or p in optimizer.state:
+                continue
+            saved.append((p, p.grad, p.detach().clone()))
+            grad = torch.zeros_like(p)
+            if isinstance(optimizer, torch.optim.SparseAdam) or (isinstance(optimizer, torch.optim.SGD)
+                                                                and id(p) in sparse):
+                grad = grad.to_sparse()
+            p.grad = grad
+    if not saved:
+        return
+    _base_step(optimizer)
+    with torch.no_grad():
+        for p, grad, value in saved:
+            p.copy_(value)
+            p.grad = grad
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=global_process_set):
+    """Makes every rank's optimizer state and hyper-parameters (lr, momentum, ...) equal to
+    root_rank's, as Horovod does: a rank whose optimizer has no state yet first creates it with
+    a zero-gradient step; then state tensors are broadcast in place and everything else (options,
+    non-tensor state) as one object. Server-side state of parameter-server tables lives on the
+    shards and is not copied. model: lets sparse embedding weights get sparse zero gradients."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if ops.set_size(process_set) == 1:
+        return
+    if len(optimizer.state) == 0:
+        _initialise_state(optimizer, model)
+    groups = optimizer.param_groups
+    meta = None
+    if ops.global_rank() == root_rank:
+        meta = {"options": [{k: v for k, v in g.items() if k != "params"} for g in groups], "state": {}}
+        for i, group in enumerate(groups):
+            for j, p in enumerate(group["params"]):
+                if p in optimizer.state:
+                    meta["state"][i, j] = {k: ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v)
+                                           else ("value", v) for k, v in optimizer.state[p].items()}
+    meta = broadcast_object(meta, root_rank, name="optimizer_state.meta", process_set=process_set)
+    if len(meta["options"]) != len(groups) or any(
+            len(groups[i]["params"]) <= j for i, j in meta["state"]):
+        raise ValueError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer has a different param_groups "
+                         "layout than this rank's; every rank must build the same optimizer")
+    handles = []
+    for i, group in enumerate(groups):
+        group.update(meta["options"][i])
+        for j, p in enumerate(group["params"]):
+            wanted = meta["state"].get((i, j))
+            if wanted is None:
+                optimizer.state.pop(p, None)
+                continue
+            state = optimizer.state[p]
+            for key in [k for k in state if k not in wanted]:
+                del state[key]
+            for key, (kind, *spec) in sorted(wanted.items()):
+                if kind == "value":
+                    state[key] = spec[0]
+                    continue
+                current = state.get(key)
+                if not (torch.is_tensor(current) and tuple(current.shape) == spec[0] and current.dtype == spec[1]):
+                    device = current.device if torch.is_tensor(current) else p.device
+                    state[key] = current = torch.zeros(spec[0], dtype=spec[1], device=device)
+                handles.append(mpi_ops.broadcast_async_(current, root_rank, f"optimizer_state.{i}.{j}.{key}",
+                                                        process_set))
+    for handle in handles:
+        mpi_ops.synchronize(handle)

@@ -1,84 +1,189 @@
-"""Collectives on torch tensors through the chosen dense backend (Horovod or MPI).
+"""Collectives on torch tensors, for both dense backends: Horovod's own ops where Horovod is the
+backend (global process set), the MPI collectives (hybridsync.comm.mpi) otherwise and for every
+other process set. The MPI side works on NumPy views of CPU tensors; tensors it cannot view
+(CUDA, non-contiguous, bfloat16) are staged through a contiguous CPU copy and copied back.
 
-The MPI backend reduces CPU memory in place; tensors it cannot view that way (CUDA,
-non-contiguous, bfloat16) are staged through a contiguous CPU copy and copied back.
+Every *_async function here returns a Handle, whatever the backend, for synchronize()/poll().
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from .. import comm
-from ..types import ReduceOp
-from .access import host_array
+from .. import comm, runtime
+from ..comm import horovod as hvd_backend
+from ..comm.negotiation import op_name
+from ..comm.negotiation import Desc
+from . import process_sets
+from .access import host_array, viewable
 
-_backends: dict = {}
-_lock = threading.Lock()
+
+class Handle:
+    """An asynchronous collective; synchronize() gives its result (once: later calls repeat it)."""
+
+    __slots__ = ("_wait", "_poll", "_done", "_result", "__weakref__")
+
+    def __init__(self, wait, poll):
+        self._wait, self._poll, self._done, self._result = wait, poll, False, None
+
+    def poll(self) -> bool:
+        return self._done or self._poll()
+
+    def wait(self):
+        if not self._done:
+            try:
+                self._result = self._wait()
+            finally:
+                self._done = True
+        return self._result
 
 
-class _TorchOverMPI:
-    """MPICollectives with torch tensors in and out."""
+def group(handles, finish=list) -> Handle:
+    """One handle for several (grouped collectives): done when all are."""
+    return Handle(lambda: finish([h.wait() for h in handles]), lambda: all(h.poll() for h in handles))
 
-    name = "mpi"
 
-    def __init__(self):
-        self.mpi = comm.backend("mpi")
-        self.size, self.rank = self.mpi.size, self.mpi.rank
+def _label(tensor) -> str:
+    return str(tensor.dtype).replace("torch.", "")
 
-    @staticmethod
-    def _stage(tensor):
-        return torch.from_numpy(host_array(tensor))
 
-    def allreduce_async_(self, tensor, name=None, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                         verified_layout=False):
-        staged = self._stage(tensor)
-        handle = self.mpi.allreduce_async_(staged.numpy(), name=name, op=op, prescale_factor=prescale_factor,
-                                           postscale_factor=postscale_factor, verified_layout=verified_layout)
-        return handle, tensor, staged
+def _like(array, tensor):
+    return torch.from_numpy(array).to(device=tensor.device, dtype=tensor.dtype)
 
-    def poll(self, handle) -> bool:
-        return self.mpi.poll(handle[0])
 
-    def synchronize(self, handle):
-        inner, tensor, staged = handle
-        self.mpi.synchronize(inner)
-        if staged.data_ptr() != tensor.data_ptr():
-            tensor.detach().copy_(staged)
-        return tensor
+def _contiguous_out(tensor):
+    """A fresh contiguous copy for out-of-place collectives (the input is left untouched)."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
 
-    def allreduce(self, tensor, name=None, op=ReduceOp.AVERAGE):
-        out = tensor.detach().clone()
-        return self.synchronize(self.allreduce_async_(out, name=name, op=op))
 
-    def broadcast_(self, tensor, root_rank, name=None):
-        staged = self._stage(tensor)
-        self.mpi.broadcast_(staged.numpy(), root_rank)
-        if staged.data_ptr() != tensor.data_ptr():
-            tensor.detach().copy_(staged)
-        return tensor
+class _MPITorch:
+    """The MPI collectives (of the job, or of one process set) on torch tensors."""
 
-    def allgather(self, tensor, name=None):
-        gathered = self.mpi.allgather(self._stage(tensor).numpy())
-        return torch.from_numpy(gathered).to(device=tensor.device, dtype=tensor.dtype)
+    def __init__(self, engine):
+        self.engine = engine
 
-    def broadcast_object(self, obj, root_rank=0, name=None):
-        return self.mpi.broadcast_object(obj, root_rank)
+    def _handle(self, inner, finish) -> Handle:
+        return Handle(lambda: finish(self.engine.synchronize(inner)), lambda: self.engine.poll(inner))
 
-    def allgather_object(self, obj, name=None):
-        return self.mpi.allgather_object(obj)
+    def _in_place(self, tensor, submit) -> Handle:
+        array = host_array(tensor)
+        staged = not viewable(tensor)
+
+        def finish(result):
+            if staged:
+                tensor.detach().copy_(torch.from_numpy(result))
+            return tensor
+        return self._handle(submit(array), finish)
+
+    def allreduce_async_(self, tensor, name, op, pre, post):
+        label = _label(tensor)
+        return self._in_place(tensor, lambda a: self.engine.allreduce_async_(a, name, op, pre, post, dtype=label))
+
+    def broadcast_async_(self, tensor, root, name):
+        return self._in_place(tensor, lambda a: self.engine.broadcast_async_(a, root, name, dtype=_label(tensor)))
+
+    def allgather_async(self, tensor, name):
+        inner = self.engine.allgather_async(host_array(tensor), name, dtype=_label(tensor))
+        return self._handle(inner, lambda out: _like(out, tensor))
+
+    def alltoall_async(self, tensor, splits, name):
+        inner = self.engine.alltoall_async(host_array(tensor), splits, name, dtype=_label(tensor))
+        return self._handle(inner, lambda r: (_like(r[0], tensor), torch.from_numpy(r[1]).to(torch.int32)))
+
+    def reducescatter_async(self, tensor, name, op, pre, post):
+        inner = self.engine.reducescatter_async(host_array(tensor), name, op, pre, post, dtype=_label(tensor))
+        return self._handle(inner, lambda out: _like(out, tensor))
 
     def barrier(self):
-        self.mpi.barrier()
+        self.engine.barrier()
+
+    def join(self) -> int:
+        return self.engine.join()
 
 
-def backend(name: str | None = None):
-    """The dense backend for torch tensors: Horovod's takes them as they are; MPI's gets
-    NumPy views (or staged copies) through _TorchOverMPI. Made once per kind."""
-    chosen = comm.choose(name)
-    if chosen == "horovod":
-        return comm.backend(chosen)
-    with _lock:
-        if chosen not in _backends:
-            _backends[chosen] = _TorchOverMPI()
-        return _backends[chosen]
+class _HorovodTorch:
+    """Horovod's ops; its mismatch errors are re-raised naming the tensor and the ranks."""
+
+    def __init__(self):
+        self.hvd = hvd_backend.module()
+
+    def _handle(self, inner, desc: Desc, finish=lambda out: out) -> Handle:
+        hvd = self.hvd
+
+        def wait():
+            try:
+                out = hvd.synchronize(inner)
+            except Exception as exc:
+                failure = hvd_backend.failure(exc, desc)
+                if failure is exc:
+                    raise
+                raise failure from None
+            return finish(out)
+        return Handle(wait, lambda: hvd.poll(inner))
+
+    @staticmethod
+    def _desc(kind, tensor, name, **kw):
+        return Desc(kind, name or "(unnamed)", _label(tensor), tuple(tensor.shape), **kw)
+
+    def _in_place(self, tensor, submit, desc):
+        # Horovod needs contiguous memory: work on a contiguous copy and copy back.
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+
+        def finish(out):
+            if work is not tensor:
+                tensor.detach().copy_(work)
+            return tensor
+        return self._handle(submit(work), desc, finish)
+
+    def allreduce_async_(self, tensor, name, op, pre, post):
+        desc = self._desc("allreduce", tensor, name, op=op_name(op), scales=(pre, post))
+        return self._in_place(tensor, lambda t: self.hvd.allreduce_async_(
+            t, name=name, op=hvd_backend.reduce_op(op), prescale_factor=pre, postscale_factor=post), desc)
+
+    def broadcast_async_(self, tensor, root, name):
+        desc = self._desc("broadcast", tensor, name, root=root)
+        return self._in_place(tensor, lambda t: self.hvd.broadcast_async_(t, root, name=name), desc)
+
+    def allgather_async(self, tensor, name):
+        if tensor.dim() == 0:
+            raise ValueError(f"allgather '{name}': needs a tensor with at least one dimension (it concatenates dim 0)")
+        return self._handle(self.hvd.allgather_async(tensor.contiguous(), name=name),
+                            self._desc("allgather", tensor, name))
+
+    def alltoall_async(self, tensor, splits, name):
+        return self._handle(self.hvd.alltoall_async(tensor.contiguous(), splits=splits, name=name),
+                            self._desc("alltoall", tensor, name))
+
+    def reducescatter_async(self, tensor, name, op, pre, post):
+        return self._handle(self.hvd.reducescatter_async(tensor.contiguous(), name=name, op=hvd_backend.reduce_op(op),
+                                                         prescale_factor=pre, postscale_factor=post),
+                            self._desc("reducescatter", tensor, name, op=op_name(op), scales=(pre, post)))
+
+    def barrier(self):
+        self.hvd.barrier()
+
+    def join(self) -> int:
+        return self.hvd.join()
+
+
+_horovod = None
+
+
+def route(process_set=None):
+    """The collectives for `process_set` (None: the global one) on this rank."""
+    global _horovod
+    if process_sets.is_global(process_set):
+        if comm.choose() == "horovod":
+            if _horovod is None or not _horovod.hvd.is_initialized():  # (again, after a shutdown)
+                _horovod = _HorovodTorch()
+            return _horovod
+        return _MPITorch(comm.backend("mpi"))
+    return _MPITorch(process_sets.engine_of(process_set))
+
+
+def set_size(process_set=None) -> int:
+    """Number of ranks in `process_set` (None: the job)."""
+    return runtime.world().size if process_sets.is_global(process_set) else len(process_set.ranks)
+
+
+def global_rank() -> int:
+    return runtime.world().rank

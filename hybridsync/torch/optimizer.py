@@ -28,6 +28,7 @@ from .access import ParamAccess, StagedRowsAccess
 from .batching import BatchedLookups
 from .compression import Compression, NoneCompressor
 from .embedding import Embedding, EmbeddingBag
+from .optimizer_args import check_groups, check_op, check_process_set, sparse_as_dense_config
 from .planner import plan_for, ps_modules, route_for_observed
 
 
@@ -301,28 +302,37 @@ class _ModuleRows(StagedRowsAccess):
         self.module = module
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=None, compression=None,
-                         backward_passes_per_step: int = 1, op=ReduceOp.AVERAGE,
-                         gradient_predivide_factor: float = 1.0, backend: str | None = None):
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
+                         op=ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                         sparse_as_dense: bool = False, process_set=None, *, model=None, config=None,
+                         backend: str | None = None):
     """Wraps a torch optimizer so that step() applies gradients synchronized across ranks.
 
+    Horovod's arguments, in Horovod's order:
     named_parameters: (name, param) pairs, as model.named_parameters(); names the variables.
+    compression: hybridsync.torch.Compression.none | .fp16 for the dense all-reduce.
+    backward_passes_per_step: backward passes accumulated locally (summed) before exchange.
+    op: Average (default) or Sum across ranks. gradient_predivide_factor: with Average,
+        divide by this before the sum and by size/factor after.
+    num_groups / groups: Horovod's explicit grouping of gradient all-reduces; validated, and a
+        scheduling hint only (see optimizer_args.check_groups).
+    sparse_as_dense: sparse gradients are densified and all-reduced (config rules still win).
+    process_set: the global set only (other sets: NotImplementedError).
+
+    hybridsync's own, by keyword:
     model: the model; lets sparse embeddings be planned up front and, by default, sharded on
         the parameter server (rows live only on the shards). Without it, sparse tables keep a
         replica on every rank (Horovod-style) and are recognised at the first backward pass.
     config: YAML path, dict, or None (hybridsync.init(config=...), else HYBRIDSYNC_CONFIG): per-variable
         routes, placements, partitions, compression and server optimizers (see hybridsync.config).
-    compression: hybridsync.torch.Compression.none | .fp16 for the dense all-reduce.
-    backward_passes_per_step: backward passes accumulated locally (summed) before exchange.
-    op: Average (default) or Sum across ranks. gradient_predivide_factor: with Average,
-        divide by this before the sum and by size/factor after.
     backend: 'horovod' | 'mpi' for dense all-reduce (default: env, config, then Horovod).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a hybridsync DistributedOptimizer")
-    op = check_options(op, gradient_predivide_factor, backward_passes_per_step)
+    check_process_set(process_set)
+    op = check_options(check_op(op), gradient_predivide_factor, backward_passes_per_step)
     if compression is None:
         compression = NoneCompressor
     elif isinstance(compression, str):
@@ -330,6 +340,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=No
     elif not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError("compression must be hybridsync.torch.Compression.none / .fp16 (or have compress/decompress)")
     named = _named_parameters(optimizer, named_parameters, model)
+    check_groups(num_groups, groups, named)
+    if sparse_as_dense:
+        config = sparse_as_dense_config(config)
 
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__})

@@ -32,3 +32,14 @@ def test_dlrm_checkpoints_and_resumes_at_another_world_size(tmp_path):
     assert "resumed from" in out and "at step 100 on 3 rank(s)" in out, out
     resumed = _losses(out)
     assert len(resumed) == 1 and resumed[0] < 0.9 * first[0], (first, out)  # kept what it had learnt
+
+
+def test_horovod_pytorch_mnist_example_runs_unchanged_but_for_the_import():
+    """examples/torch_horovod_mnist.py is Horovod's PyTorch MNIST script in its own shape
+    (DistributedSampler, broadcasts, DistributedOptimizer options, averaged test metrics)."""
+    out = run_program(2, "examples/torch_horovod_mnist.py", "--epochs", "3", "--train-samples", "4096",
+                      "--test-samples", "512", "--fp16-allreduce", "--gradient-predivide-factor", "2")
+    results = [(float(loss), float(acc)) for loss, acc in
+               re.findall(r"Test set: Average loss: ([0-9.]+), Accuracy: ([0-9.]+)%", out)]
+    assert len(results) == 3, out  # printed by rank 0 only
+    assert results[-1][0] < 0.9 * results[0][0] and results[-1][1] > 50, out

@@ -25,6 +25,19 @@ def rank_frozen_peer():
     engine.pull([table], [np.arange(4)])  # waits for rank 1: raises, and the job ends
 
 
+def rank_frozen_peer_in_allreduce():
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    hvd.init(backend="mpi")
+    hvd.allreduce(torch.ones(3), name="first")  # the backend's communicator exists before the freeze
+    if hybridsync.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    hvd.allreduce(torch.ones(3), name="waits")  # the MPI backend's wait names the frozen rank
+
+
 def rank_busy_peer():
     import numpy as np
 
@@ -53,6 +66,15 @@ def test_a_frozen_peer_is_named_by_every_other_rank_within_the_peer_timeout():
     assert f"[1,0]<stderr>:" in out and named in out, out
     assert sum(named in line for line in out.splitlines() if line.startswith(("[1,0]", "[1,2]"))) >= 2, out
     assert elapsed < PEER_TIMEOUT_S + 25, f"took {elapsed:.0f} s\n{out}"
+
+
+def test_a_frozen_peer_is_named_in_a_dense_all_reduce_too():
+    env = {"HYBRIDSYNC_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
+    start = time.monotonic()
+    rc, out = launch(mpirun_prefix(2) + [sys.executable, "-u", __file__, "rank_frozen_peer_in_allreduce"], 120, env)
+    assert rc != 0, out
+    assert f"rank 1 on host {socket.gethostname()} has not been heard from" in out, out
+    assert time.monotonic() - start < PEER_TIMEOUT_S + 25, out
 
 
 def test_a_peer_busy_in_python_past_the_timeout_is_a_warning_not_an_error():

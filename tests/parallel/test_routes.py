@@ -41,11 +41,12 @@ def _train(optimizer_name, config, placement, rank, size, steps=6):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt
 
 
-def rank_routes():
+def rank_routes(backend):
     import torch
 
     import hybridsync.torch as hvd
 
+    hvd.init(backend=backend)  # the dense backend of every optimizer below
     rank, size = hvd.rank(), hvd.size()
     for optimizer_name in ("sgd", "adagrad"):
         want, _ = _train(optimizer_name, None, None, rank, size)
@@ -55,6 +56,7 @@ def rank_routes():
                 for key in want:
                     torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6,
                                                msg=lambda m: f"{case}/{placement}/{optimizer_name} {key}: {m}")
+                assert opt.plan.backend == backend
                 routes = {v.name: (v.route.value, v.placement.value, v.shards) for v in opt.plan.variables}
                 if case == "sparse-as-dense":
                     assert routes["emb.weight"][0] == "allreduce-as-dense", routes
@@ -84,9 +86,10 @@ def rank_moving_a_table_changes_explain():
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
 @pytest.mark.parametrize("np_", [2, 3])
-def test_every_route_matches_the_single_process_run(np_):
-    run_ranks(__file__, "rank_routes", np_, timeout=300)
+def test_every_route_matches_the_single_process_run(np_, backend):
+    run_ranks(__file__, "rank_routes", np_, backend, timeout=300)
 
 
 def test_moving_a_table_from_ps_to_allreduce_changes_explain():

@@ -87,11 +87,12 @@ def _train(name, placement, rank, size, micro=1):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, optimizers[0]
 
 
-def rank_parity():
+def rank_parity(backend):
     import torch
 
     import hybridsync.torch as hvd
 
+    hvd.init(backend=backend)  # the dense backend of every optimizer below
     rank, size = hvd.rank(), hvd.size()
     for name in ("sgd", "adagrad", "adam"):
         want, _ = _train(name, None, rank, size)
@@ -101,6 +102,7 @@ def rank_parity():
             for key in want:
                 torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{name}/{placement} {key}: {m}")
+            assert opt.plan.backend == backend
             routes = {v.name: (v.route.value, v.placement.value) for v in opt.plan.variables}
             assert routes["emb.weight"] == routes["bag.weight"] == ("ps", placement), routes
             assert routes["mlp.0.weight"] == ("allreduce", "-"), routes
@@ -114,9 +116,10 @@ def rank_parity():
                                        msg=lambda m: f"adagrad/{placement}/2 passes {key}: {m}")
 
 
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
 @pytest.mark.parametrize("np_", [2, 3])
-def test_sparse_parity(np_):
-    run_ranks(__file__, "rank_parity", np_, timeout=240)
+def test_sparse_parity(np_, backend):
+    run_ranks(__file__, "rank_parity", np_, backend, timeout=240)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""The keyword arguments Horovod's DistributedOptimizer takes beyond hybridsync's own, checked
+and turned into what the hybrid optimizer understands."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from .. import config as config_mod
+from .. import runtime
+from . import process_sets
+
+
+def check_process_set(process_set) -> None:
+    """Only the global set: the optimizer's exchanges (dense buckets, PS shards) span every rank."""
+    if not process_sets.is_global(process_set):
+        raise NotImplementedError(
+            f"DistributedOptimizer(process_set={process_set}): reducing gradients over a subset of the ranks is "
+            "not supported by hybridsync's optimizer (its dense buckets and parameter-server shards span every "
+            "rank); hvd.allreduce(..., process_set=...) and the other collectives do support process sets")
+
+
+def check_op(op):
+    """Average or Sum (as hybridsync.types understands them); Horovod's other ops are errors."""
+    if isinstance(op, int) and not isinstance(op, bool):  # a constant taken from horovod.torch
+        if op in (0, 1):
+            return ("average", "sum")[op]
+        name = {2: "adasum", 3: "min", 4: "max", 5: "product"}.get(op, str(op))
+    else:
+        name = str(getattr(op, "value", op)).lower()
+    if name in ("adasum", "min", "max", "product"):
+        raise NotImplementedError(f"DistributedOptimizer(op={name}): hybridsync's optimizer reduces gradients "
+                                  "with Average or Sum only")
+    return op
+
+
+def check_groups(num_groups, groups, named):
+    """Horovod's explicit grouping of gradient all-reduces, validated as Horovod does. It only
+    decides which all-reduces are launched together, never a result: the MPI backend already
+    reduces every dense gradient in one fused exchange per step, and Horovod fuses what is ready
+    in each cycle, so hybridsync accepts it and keeps its own fusion."""
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                      DeprecationWarning, 3)
+        if groups is None:
+            groups = num_groups
+    if groups is None:
+        return None
+    if isinstance(groups, bool) or not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+    if isinstance(groups, list):
+        ids, seen = {id(p) for _, p in named}, set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                if id(p) not in ids:
+                    raise ValueError("groups names a tensor that the optimizer does not update")
+                seen.add(id(p))
+    return groups
+
+
+def sparse_as_dense_config(config):
+    """The config with every sparse variable on the all-reduce-as-dense route by default
+    (Horovod's sparse_as_dense=True); rules in the config's `variables` still win."""
+    cfg = config_mod.load(config if config is not None else runtime.default_config())
+    if cfg is None:
+        cfg = config_mod.load({"defaults": {"sparse": {"sync": "allreduce-as-dense"}}})
+    else:
+        sparse = config_mod.Settings(sync="allreduce-as-dense", compression=cfg.sparse.compression)
+        cfg = dataclasses.replace(cfg, sparse=sparse, where=dict(cfg.where))
+    cfg.where["defaults.sparse"] = "DistributedOptimizer(sparse_as_dense=True)"
+    return cfg
