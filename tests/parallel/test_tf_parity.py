@@ -457,7 +457,6 @@ def test_distributed_gradient_tape():
     run_ranks(__file__, "rank_distributed_tape", 2, timeout=240)
 
 
-
 @pytest.mark.parametrize("np_", [2, 3])
 def test_keras_adam_dense_allreduce_beside_ps(np_):
     run_ranks(__file__, "rank_adam_beside_allreduce", np_, timeout=300)
