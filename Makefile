@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: install demo test test-unit test-parallel bench bench-quick clean
+.PHONY: install demo test test-unit test-parallel bench bench-network bench-quick clean
 
 install:
 	@bash scripts/install.sh
@@ -22,10 +22,16 @@ test-unit: install
 test-parallel: install
 	$(PY) -m pytest tests/parallel
 
-# Side-by-side benchmark (about 25 minutes): table, JSON and plots in benchmarks/results/,
+# Side-by-side benchmark (about 25 minutes, then 30 for the network mode): table, JSON and plots in benchmarks/results/,
 # README's Performance section updated; then the large-cluster projection (a model).
 bench: install
 	$(PY) benchmarks/bench.py
+	$(PY) benchmarks/network.py
+	$(PY) benchmarks/model.py
+
+# Only the network mode (2 emulated hosts x 1 and x 2 ranks, unlimited / 10 Gbit / 1 Gbit; needs root).
+bench-network: install
+	$(PY) benchmarks/network.py
 	$(PY) benchmarks/model.py
 
 bench-quick: install

@@ -47,18 +47,25 @@ def mpirun(ranks: int) -> list[str]:
 COMPARE_TREE = None  # --compare: another checkout whose hybridsync runs as "<system>@before"
 
 
-def run(system, ranks, steps, warmup, global_ranks=0, timeout=900):
+def run(system, ranks, steps, warmup, global_ranks=0, timeout=900, cluster=None, per_host=1, extra=()):
+    """One configuration under its own mpirun; on `cluster` (launch/cluster.py), `per_host`
+    ranks on each of its hosts, the bytes on each host's link counted."""
     label, system, tree = system, system.split("@")[0], ROOT
     env = dict(os.environ)
     if label.endswith("@before"):  # the other checkout's package and run_one.py
         tree = COMPARE_TREE
         env["PYTHONPATH"] = str(tree) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = mpirun(ranks) + [sys.executable, str(tree / "benchmarks" / "run_one.py"), "--system", system,
-                           "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port())]
+    launcher = mpirun(ranks)
+    if cluster is not None:
+        env = cluster.env(env)
+        launcher += ["-H", cluster.hosts_arg(per_host)]
+        extra = (*extra, "--wire-iface", "eth0")
+    cmd = launcher + [sys.executable, str(tree / "benchmarks" / "run_one.py"), "--system", system,
+                      "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port()), *extra]
     if global_ranks:
         cmd += ["--global-ranks", str(global_ranks)]
     scratch = None
-    if system.startswith("hybridsync") and tree == ROOT and not global_ranks:
+    if system.startswith("hybridsync") and tree == ROOT and not global_ranks and cluster is None:
         scratch = tempfile.mkdtemp(prefix="hybridsync-bench-ckpt-")  # checkpoint save/load, timed
         cmd += ["--checkpoint-dir", scratch]
     # '-yield': Horovod with waiting MPI calls yielding the core (its MPI controller thread

@@ -40,7 +40,17 @@ def parse_args():
     p.add_argument("--port", type=int, default=29500)
     p.add_argument("--checkpoint-dir", default=None,
                    help="hybridsync systems: after the timed steps, save a checkpoint here and load it back, timed")
+    p.add_argument("--wire-iface", default=None,
+                   help="count the bytes this host sends/receives on this interface over the timed steps")
     return p.parse_args()
+
+
+def wire_bytes(iface):
+    """(tx, rx) bytes of this host's interface so far; None without one."""
+    if not iface:
+        return None
+    stats = Path("/sys/class/net") / iface / "statistics"
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
 def measure_checkpoint(path, model, opt, comm):
@@ -202,13 +212,21 @@ def main():
     model, opt, engine = build(args, rank, size)
 
     losses = []
+    # Where a step's time goes, the same cut for every system: forward (a PS pull happens here),
+    # backward (Horovod starts its all-reduces from here), step (waits, sparse exchange, update).
+    phases = np.zeros(3)
+    clock = time.perf_counter
 
     def step(dense, sparse, label):
+        t0 = clock()
         opt.zero_grad()
         loss = F.binary_cross_entropy_with_logits(model(dense, sparse), label)
+        t1 = clock()
         loss.backward()
+        t2 = clock()
         opt.step()
         losses.append(loss.item())
+        phases[:] += (t1 - t0, t2 - t1, clock() - t2)
 
     for b in batches[:args.warmup]:
         step(*b)
@@ -216,6 +234,8 @@ def main():
         engine.flush()
         engine.reset_traffic()
     comm.barrier()
+    phases[:] = 0
+    wire_start = wire_bytes(args.wire_iface)
     start = time.perf_counter()
     for b in batches[args.warmup:]:
         step(*b)
@@ -223,6 +243,12 @@ def main():
         engine.flush()
     comm.barrier()
     elapsed = time.perf_counter() - start
+    wire_end = wire_bytes(args.wire_iface)
+    local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
+    local_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
+    # The host's bytes, shared out to its ranks; counted once per host (by its local rank 0).
+    wire = ([(e - b) / local_size / args.steps for b, e in zip(wire_start, wire_end)]
+            if wire_start and local_rank == 0 else None)
 
     traffic = engine.traffic() if engine is not None else None
     training_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before any checkpoint
@@ -232,6 +258,8 @@ def main():
     mine = {
         "checkpoint": checkpoint,
         "rss": training_peak_rss,
+        "phases_ms": (phases / args.steps * 1e3).tolist(),
+        "wire": wire,
         "loss": float(np.mean(losses[-20:])),
         "sent": traffic["bytes_sent"] / args.steps if traffic else None,
         "received": traffic["bytes_received"] / args.steps if traffic else None,
@@ -253,7 +281,13 @@ def main():
             "unique_row_min_bytes_per_rank_step": (unique_row_minimum(ids_all, args, size, sample)
                                                    if traffic and not args.global_ranks else None),
             "table_bytes": args.tables * args.rows * args.dim * 4,
+            "phases_ms": dict(zip(("forward", "backward", "step"),
+                                  np.mean([e["phases_ms"] for e in everyone], axis=0).tolist())),
         }
+        wires = [e["wire"] for e in everyone if e["wire"]]
+        if wires:
+            result["wire_tx_bytes_per_rank_step"] = float(np.mean([w[0] for w in wires]))
+            result["wire_rx_bytes_per_rank_step"] = float(np.mean([w[1] for w in wires]))
         if checkpoint:
             result["checkpoint"] = {
                 "save_s": max(e["checkpoint"]["save_s"] for e in everyone),

@@ -5,7 +5,8 @@
 
 It adds what a run needs and people forget: --allow-run-as-root when run as root,
 --oversubscribe when a host gets more ranks than it has cores, --bind-to none (one torch
-thread per rank); it checks the config before launching (errors name file:line), hands its
+thread per rank), TCP keepalives on mpirun's links to other hosts (a host that drops off the
+network ends the job within about HYBRIDSYNC_PEER_TIMEOUT_S, not after TCP's 15 minutes); it checks the config before launching (errors name file:line), hands its
 absolute path to every rank (HYBRIDSYNC_CONFIG), and has rank 0 print the plan once, when the
 DistributedOptimizer is created, before training starts. --dry-run prints the command.
 """
@@ -49,6 +50,22 @@ def _slots(hosts: str | None) -> int | None:
     return total
 
 
+def _daemon_keepalive(env) -> dict:
+    """OpenMPI variables that make mpirun notice a host that dropped off the network.
+
+    Ranks name a silent peer within HYBRIDSYNC_PEER_TIMEOUT_S and abort, but mpirun then waits
+    on the lost host's daemon for as long as TCP retransmits (about 15 minutes). TCP keepalives
+    on the daemons' connections end the job within about the peer timeout instead. A value the
+    user set wins."""
+    from hybridsync.settings import settings
+
+    timeout = settings().peer_timeout_s
+    wanted = {"oob_tcp_keepalive_time": max(1, int(timeout / 2)),
+              "oob_tcp_keepalive_intvl": max(1, int(timeout / 10)),
+              "oob_tcp_keepalive_probes": 3}
+    return {k: str(v) for k, v in wanted.items() if f"OMPI_MCA_{k}" not in env}
+
+
 def build_command(args) -> tuple[list[str], dict]:
     env = dict(os.environ)
     exported = []
@@ -61,6 +78,7 @@ def build_command(args) -> tuple[list[str], dict]:
     if not args.no_explain:
         env["HYBRIDSYNC_EXPLAIN"] = "1"
         exported.append("HYBRIDSYNC_EXPLAIN")
+    keepalive = _daemon_keepalive(env) if args.hosts or args.hostfile else {}
     slots = _slots(args.hosts)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     oversubscribed = args.np > (slots if slots is not None else cores) if not args.hostfile else False
@@ -75,6 +93,7 @@ def build_command(args) -> tuple[list[str], dict]:
             cmd += ["--hostfile", args.hostfile]
         if root:  # horovodrun passes --allow-run-as-root itself; mpirun also reads these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        env.update({f"OMPI_MCA_{k}": v for k, v in keepalive.items()})  # horovodrun's mpirun reads them
         return cmd + args.command, env
     cmd = ["mpirun", "-np", str(args.np), "--bind-to", "none"]
     if args.hosts:
@@ -85,7 +104,11 @@ def build_command(args) -> tuple[list[str], dict]:
         cmd.append("--allow-run-as-root")
     if oversubscribed:
         cmd.append("--oversubscribe")
-    for name in exported + ["PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV"]:
+    for key, value in keepalive.items():
+        cmd += ["--mca", key, value]
+    # Every HYBRIDSYNC_* setting reaches the ranks on other hosts too (mpirun forwards only -x).
+    settings_vars = sorted(n for n in env if n.startswith("HYBRIDSYNC_") and n not in exported)
+    for name in exported + settings_vars + ["PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV"]:
         if name in env:
             cmd += ["-x", name]
     return cmd + args.command, env

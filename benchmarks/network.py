@@ -1,0 +1,205 @@
+"""Network-bound benchmark: 2 hosts x 1 and x 2 ranks, links unlimited, 10 Gbit and 1 Gbit.
+
+The hosts are network namespaces on this machine joined by a bridge (launch/cluster.py); a
+link's rate is a token bucket on both its ends, and ranks on different hosts talk TCP. Same
+workload as benchmarks/bench.py (DLRM, 8 x 250k x 32 tables, batch 512 per rank, SGD):
+
+    python benchmarks/network.py                 # `make bench-network` (about 30 minutes)
+    python benchmarks/network.py --quick         # one repeat, fewer steps
+
+Per configuration, medians over interleaved rounds: samples/s; bytes on the wire per rank per
+step (the host link's counters over the timed steps, shared out to the host's ranks); where a
+step's time goes (forward / backward / optimizer step, timed on every rank). Writes
+benchmarks/results/network.{json,md,png} and updates README's network section. Needs root.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench import RESULTS, ROOT, median, run  # noqa: E402
+from launch.cluster import Cluster  # noqa: E402
+
+SYSTEMS = ["hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "horovod-allgather-yield",
+           "horovod-sparse-as-dense"]
+BASELINE, TUNED = "horovod-allgather", "horovod-allgather-yield"
+RATES = ["unlimited", "10gbit", "1gbit"]
+
+
+def plan(args):
+    runs = []
+    for round_ in range(args.repeats):
+        k = round_ % len(args.systems)
+        systems = args.systems[k:] + args.systems[:k]  # each round starts with another system
+        for rate in args.rates:
+            for per_host in args.per_host:
+                for system in systems:
+                    dense = system == "horovod-sparse-as-dense"  # 256 MB all-reduced per step: few steps
+                    runs.append((rate, per_host, system, args.dense_steps if dense else args.steps,
+                                 2 if dense else args.warmup))
+    return runs
+
+
+def summarise(raw):
+    groups = {}
+    for r in raw:
+        if "error" not in r:
+            groups.setdefault((r["rate"], r["per_host"], r["system"]), []).append(r)
+    summary = []
+    for (rate, per_host, system), rs in groups.items():
+        summary.append({
+            "rate": rate, "hosts": 2, "per_host": per_host, "ranks": 2 * per_host, "system": system,
+            "repeats": len(rs),
+            "samples_per_s": median([r["samples_per_s"] for r in rs]),
+            "ms_per_step": median([r["ms_per_step"] for r in rs]),
+            "wire_tx_per_rank_step": median([r.get("wire_tx_bytes_per_rank_step") for r in rs]),
+            "wire_rx_per_rank_step": median([r.get("wire_rx_bytes_per_rank_step") for r in rs]),
+            "phases_ms": {p: median([r["phases_ms"][p] for r in rs]) for p in ("forward", "backward", "step")},
+            "loss": median([r["loss"] for r in rs]),
+        })
+    by = {(s["rate"], s["per_host"], s["system"]): s for s in summary}
+    for s in summary:
+        for key, base in (("vs_horovod", BASELINE), ("vs_horovod_tuned", TUNED)):
+            b = by.get((s["rate"], s["per_host"], base))
+            s[key] = s["samples_per_s"] / b["samples_per_s"] if b else None
+        unlimited = by.get(("unlimited", s["per_host"], s["system"]))
+        s["vs_own_unlimited"] = s["samples_per_s"] / unlimited["samples_per_s"] if unlimited else None
+    order = {r: i for i, r in enumerate(RATES)}
+    summary.sort(key=lambda s: (s["per_host"], order.get(s["rate"], 9), s["system"]))
+    return summary
+
+
+def fmt(x, spec, scale=1.0):
+    return "-" if x is None else format(x / scale, spec)
+
+
+def markdown(summary, meta) -> str:
+    lines = [
+        f"Measured {meta['date']}: 2 hosts (network namespaces on one {meta['cores']}-core machine, TCP over a "
+        f"bridge, each link rate-limited both ways), medians of {meta['repeats']} interleaved rounds, "
+        f"{meta['steps']} timed steps ({meta['dense_steps']} for sparse-as-dense). Wire bytes: the host link's "
+        "counters over the timed steps, per rank per step. Phases: forward / backward / optimizer step, ms.",
+        "",
+        "| link | ranks | system | samples/s | ms/step | vs Horovod | vs Horovod (yield) | vs own unlimited | "
+        "wire MiB out/in | fwd / bwd / step ms |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in summary:
+        ph = s["phases_ms"]
+        lines.append(
+            f"| {s['rate']} | 2x{s['per_host']} | {s['system']} | {fmt(s['samples_per_s'], ',.0f')} | "
+            f"{fmt(s['ms_per_step'], '.1f')} | {fmt(s['vs_horovod'], '.2f')}x | {fmt(s['vs_horovod_tuned'], '.2f')}x | "
+            f"{fmt(s['vs_own_unlimited'], '.2f')}x | {fmt(s['wire_tx_per_rank_step'], '.2f', 2**20)} / "
+            f"{fmt(s['wire_rx_per_rank_step'], '.2f', 2**20)} | "
+            f"{fmt(ph['forward'], '.1f')} / {fmt(ph['backward'], '.1f')} / {fmt(ph['step'], '.1f')} |")
+    return "\n".join(lines)
+
+
+def targets(summary):
+    by = {(s["rate"], s["per_host"], s["system"]): s for s in summary}
+    out = []
+    s = by.get(("1gbit", 2, "hybridsync-sharded"))
+    if s and s["vs_horovod_tuned"]:
+        out.append(("2 hosts x 2 ranks at 1 Gbit >= 3x Horovod at its best", s["vs_horovod_tuned"] >= 3,
+                    f"{s['vs_horovod_tuned']:.2f}x"))
+    if s and s["vs_own_unlimited"]:
+        out.append(("... and >= 0.9x hybridsync's own unthrottled speed", s["vs_own_unlimited"] >= 0.9,
+                    f"{s['vs_own_unlimited']:.2f}x"))
+    return out
+
+
+def plot(summary, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_hosts = sorted({s["per_host"] for s in summary})
+    fig, axes = plt.subplots(1, len(per_hosts), figsize=(6 * len(per_hosts), 4.5), squeeze=False)
+    rates = [r for r in RATES if any(s["rate"] == r for s in summary)]
+    systems = sorted({s["system"] for s in summary})
+    width = 0.8 / max(1, len(systems))
+    for ax, per_host in zip(axes[0], per_hosts):
+        for i, system in enumerate(systems):
+            values = [next((s["samples_per_s"] for s in summary if s["rate"] == r and s["per_host"] == per_host
+                            and s["system"] == system), 0) for r in rates]
+            ax.bar([j + i * width for j in range(len(rates))], values, width, label=system)
+        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(rates))], rates)
+        ax.set(title=f"2 hosts x {per_host} rank(s)", ylabel="samples/s (higher is better)", yscale="log")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def update_readme(text: str) -> None:
+    readme = ROOT / "README.md"
+    body = readme.read_text()
+    start, end = "<!-- bench-network:start -->", "<!-- bench-network:end -->"
+    if start in body and end in body:
+        head, rest = body.split(start, 1)
+        readme.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--rates", default=",".join(RATES))
+    p.add_argument("--per-host", default="1,2")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--dense-steps", type=int, default=6)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-readme", action="store_true")
+    args = p.parse_args()
+    args.systems, args.rates = args.systems.split(","), args.rates.split(",")
+    args.per_host = [int(x) for x in args.per_host.split(",")]
+    if args.quick:
+        args.repeats, args.steps, args.warmup, args.dense_steps = 1, 60, 10, 3
+    why = Cluster.unavailable()
+    if why:
+        sys.exit(f"network benchmark: cannot emulate hosts here: {why}")
+
+    raw = []
+    with Cluster(2, prefix="hsb", subnet="10.231.8") as cluster:
+        current = None
+        for rate, per_host, system, steps, warmup in tqdm(plan(args), desc="network runs", unit="run"):
+            if rate != current:
+                for host in cluster.names:
+                    cluster.set_rate(host, None if rate == "unlimited" else rate)
+                current = rate
+            result = run(system, 2 * per_host, steps, warmup, cluster=cluster, per_host=per_host)
+            result.update(rate=rate, per_host=per_host)
+            if "error" in result:
+                tqdm.write(f"FAILED {system} 2x{per_host} at {rate}: {result['error'][-400:]}")
+            raw.append(result)
+    summary = summarise(raw)
+    import os
+
+    meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(),
+            "repeats": args.repeats, "steps": args.steps, "dense_steps": args.dense_steps}
+    checks = targets(summary)
+    target_lines = "\n".join(f"- {'met' if ok else 'MISSED'}: {n} ({d})" for n, ok, d in checks)
+    failed = [f"{r['system']} 2x{r['per_host']} {r['rate']}" for r in raw if "error" in r]
+    table = markdown(summary, meta) + ("\n\nFailed runs: " + ", ".join(failed) if failed else "")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "network.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "targets": [{"target": n, "met": ok, "measured": d} for n, ok, d in checks],
+         "runs": raw}, indent=2))
+    (RESULTS / "network.md").write_text(table + "\n\nTargets:\n\n" + target_lines + "\n")
+    plot(summary, RESULTS / "network.png")
+    print(table + "\n\nTargets:\n" + target_lines)
+    print(f"\nwrote {RESULTS / 'network.json'}, network.md, network.png")
+    if not args.no_readme and not args.quick:
+        update_readme(table + "\n\n" + target_lines + "\n\n![network benchmark](benchmarks/results/network.png)")
+
+
+if __name__ == "__main__":
+    main()

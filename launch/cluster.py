@@ -1,0 +1,247 @@
+"""A cluster of N "hosts" on this machine: network namespaces joined by one Linux bridge.
+
+Each host is an `ip netns` namespace with its own hostname (set by `unshare --uts` in every
+process started on it), one veth link to a bridge in the root namespace, and an optional rate
+limit per link (a `tc` token bucket on both ends). mpirun, horovodrun and hybridsync-run span
+the hosts unchanged: the cluster puts an `ssh` on PATH that "logs in" to a host by entering its
+namespace, and sets the OMPI_MCA_* variables that make OpenMPI talk TCP on the bridge subnet.
+
+    python -m launch.cluster up --hosts 2 [--rate 1gbit]      # prints the environment to use
+    python -m launch.cluster run --hosts 2 [--rate 1gbit] -- mpirun -np 4 -H hs0:2,hs1:2 python train.py
+    python -m launch.cluster down
+
+In Python (the tests and the network benchmark use this):
+
+    with Cluster(2, rate="1gbit") as cluster:
+        subprocess.run(["mpirun", "-np", "4", "-H", cluster.hosts_arg(2), ...], env=cluster.env())
+        cluster.set_link("hs1", up=False)    # the host drops off the network
+        cluster.counters()                   # bytes each host sent/received on its link
+
+Needs root (namespaces, bridges and qdiscs are privileged); `Cluster.unavailable()` says why not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+STATE_DIR = Path(os.environ.get("HYBRIDSYNC_CLUSTER_DIR", "/run/hybridsync-cluster"))
+
+# The fake ssh: `ssh [options] HOST command...` runs the command, through a shell as ssh's
+# remote side does, inside HOST's namespace with HOST as its hostname. Options ssh would take
+# (horovodrun and mpirun pass a few) are skipped.
+SSH_SHIM = """#!/bin/sh
+skip_options() {
+  n=0
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      -o|-p|-i|-l|-F|-E|-c|-m|-b|-e|-J|-L|-R|-D|-S|-W|-w) shift 2; n=$((n + 2)) ;;
+      -*) shift; n=$((n + 1)) ;;
+      *) break ;;
+    esac
+  done
+  echo $n
+}
+shift "$(skip_options "$@")"
+host="${1##*@}"; shift
+shift "$(skip_options "$@")"  # as OpenSSH, options may also follow the host
+[ -e "/run/netns/$host" ] || { echo "ssh (hybridsync cluster): no host $host" >&2; exit 255; }
+exec ip netns exec "$host" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+"""
+
+
+def _sh(*cmd: str, check: bool = True, ns: str | None = None) -> subprocess.CompletedProcess:
+    full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
+    out = subprocess.run(full, capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"{' '.join(full)} failed: {out.stderr.strip() or out.stdout.strip()}")
+    return out
+
+
+def _rate_bits(rate: str) -> float:
+    """'1gbit' / '10gbit' / '500mbit' -> bits per second (tc's spelling)."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    low = rate.strip().lower()
+    for unit, scale in units.items():
+        if low.endswith(unit):
+            return float(low[: -len(unit)]) * scale
+    raise ValueError(f"rate {rate!r}: give it as tc does, e.g. 1gbit, 10gbit, 500mbit")
+
+
+class Cluster:
+    """N hosts named <prefix>0 ... <prefix>N-1 on subnet <subnet>.0/24 (.254 is this machine)."""
+
+    def __init__(self, hosts: int, rate: str | None = None, prefix: str = "hs", subnet: str = "10.231.7"):
+        if hosts < 1:
+            raise ValueError("a cluster needs at least one host")
+        if len(prefix) > 6 or not prefix.isalnum():
+            raise ValueError(f"prefix {prefix!r}: up to 6 letters/digits (interface names are short)")
+        self.n, self.rate, self.prefix, self.subnet = hosts, rate, prefix, subnet
+        self.names = [f"{prefix}{i}" for i in range(hosts)]
+        self.bridge = f"{prefix}br"
+        self.bin_dir = STATE_DIR / prefix / "bin"
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why a cluster cannot be made here (None when it can)."""
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        for tool in ("ip", "tc", "unshare"):
+            if not shutil.which(tool):
+                return f"`{tool}` is not installed"
+        probe = f"hsprobe{os.getpid()}"
+        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+        if made.returncode != 0:
+            return f"`ip netns add` failed: {made.stderr.strip()}"
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        return None
+
+    def up(self) -> "Cluster":
+        self.down()  # a previous run killed before its cleanup leaves its namespaces behind
+        _sh("ip", "link", "add", self.bridge, "type", "bridge")
+        _sh("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
+        _sh("ip", "link", "set", self.bridge, "up")
+        for i, name in enumerate(self.names):
+            _sh("ip", "netns", "add", name)
+            _sh("ip", "link", "add", self._veth(name), "type", "veth", "peer", "name", "eth0", "netns", name)
+            _sh("ip", "link", "set", self._veth(name), "master", self.bridge)
+            _sh("ip", "link", "set", self._veth(name), "up")
+            _sh("ip", "addr", "add", f"{self.subnet}.{i + 1}/24", "dev", "eth0", ns=name)
+            _sh("ip", "link", "set", "eth0", "up", ns=name)
+            _sh("ip", "link", "set", "lo", "up", ns=name)
+        if self.rate:
+            for name in self.names:
+                self.set_rate(name, self.rate)
+        self.bin_dir.mkdir(parents=True, exist_ok=True)
+        ssh = self.bin_dir / "ssh"
+        ssh.write_text(SSH_SHIM)
+        ssh.chmod(0o755)
+        (STATE_DIR / self.prefix / "state.json").write_text(json.dumps(
+            {"hosts": self.n, "rate": self.rate, "subnet": self.subnet}))
+        return self
+
+    def down(self) -> None:
+        for name in self._existing_hosts():
+            # Processes still inside (a killed job's ranks) would keep the namespace alive.
+            pids = _sh("ip", "netns", "pids", name, check=False).stdout.split()
+            for pid in pids:
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            subprocess.run(["ip", "link", "del", self._veth(name)], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        shutil.rmtree(STATE_DIR / self.prefix, ignore_errors=True)
+
+    def __enter__(self) -> "Cluster":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    # -- what a launcher needs -------------------------------------------------------------
+    def env(self, base: dict | None = None) -> dict:
+        """The environment under which mpirun / horovodrun / hybridsync-run span the hosts."""
+        env = dict(os.environ if base is None else base)
+        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        subnet = f"{self.subnet}.0/24"
+        env.update(OMPI_MCA_plm_rsh_agent=str(self.bin_dir / "ssh"), OMPI_MCA_btl="tcp,self,vader",
+                   OMPI_MCA_btl_tcp_if_include=subnet, OMPI_MCA_oob_tcp_if_include=subnet,
+                   # Horovod's Gloo/NIC discovery, when horovodrun is used, stays on the bridge too.
+                   HOROVOD_GLOO_IFACE="eth0")
+        return env
+
+    def hosts_arg(self, slots: int) -> str:
+        """-H value with `slots` ranks on each host: 'hs0:2,hs1:2'."""
+        return ",".join(f"{name}:{slots}" for name in self.names)
+
+    def hostfile(self, slots: int) -> str:
+        path = STATE_DIR / self.prefix / f"hostfile-{slots}"
+        path.write_text("".join(f"{name} slots={slots}\n" for name in self.names))
+        return str(path)
+
+    # -- the network -----------------------------------------------------------------------
+    def set_rate(self, host: str, rate: str | None) -> None:
+        """Limits the host's link to `rate` each way (None: unlimited)."""
+        for dev, ns in ((self._veth(host), None), ("eth0", host)):
+            _sh("tc", "qdisc", "del", "dev", dev, "root", check=False, ns=ns)
+            if rate:
+                # The bucket must hold a whole offloaded (GSO) segment plus a timer tick of traffic.
+                burst = max(int(_rate_bits(rate) / 8 / 250), 256 * 1024)
+                _sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst),
+                    "latency", "100ms", ns=ns)
+
+    def set_link(self, host: str, up: bool) -> None:
+        """Takes the host's link down (it drops off the network) or back up."""
+        _sh("ip", "link", "set", self._veth(host), "up" if up else "down")
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Bytes and packets each host sent (tx) and received (rx) on its link so far."""
+        out = {}
+        for name in self.names:
+            stats = Path("/sys/class/net") / self._veth(name) / "statistics"
+            # The bridge side's rx is what the host sent.
+            out[name] = {"tx_bytes": int((stats / "rx_bytes").read_text()),
+                         "rx_bytes": int((stats / "tx_bytes").read_text())}
+        return out
+
+    # -- internals -------------------------------------------------------------------------
+    def _veth(self, host: str) -> str:
+        return f"{host}v"
+
+    def _existing_hosts(self) -> list[str]:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+        names = [line.split()[0] for line in listed if line.strip()]
+        return [n for n in names if n.startswith(self.prefix) and n[len(self.prefix):].isdigit()]
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m launch.cluster", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="action", required=True)
+    for action in ("up", "run"):
+        s = sub.add_parser(action)
+        s.add_argument("--hosts", type=int, default=2)
+        s.add_argument("--rate", default=None, help="per-link rate each way, tc spelling (1gbit, 10gbit)")
+        s.add_argument("--prefix", default="hs")
+        s.add_argument("--subnet", default="10.231.7")
+        if action == "run":
+            s.add_argument("command", nargs=argparse.REMAINDER, help="-- mpirun ... (HOSTS in it: the -H list)")
+    down = sub.add_parser("down")
+    down.add_argument("--prefix", default="hs")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    why = Cluster.unavailable()
+    if why:
+        print(f"launch.cluster: cannot make a cluster here: {why}", file=sys.stderr)
+        return 2
+    if args.action == "down":
+        state = STATE_DIR / args.prefix / "state.json"
+        hosts = json.loads(state.read_text())["hosts"] if state.exists() else 1
+        Cluster(hosts, prefix=args.prefix).down()
+        return 0
+    cluster = Cluster(args.hosts, rate=args.rate, prefix=args.prefix, subnet=args.subnet)
+    if args.action == "up":
+        cluster.up()
+        env = cluster.env({})
+        print(f"hosts: {' '.join(cluster.names)}   (-H {cluster.hosts_arg(1)})")
+        for key in sorted(env):
+            value = f"{cluster.bin_dir}:$PATH" if key == "PATH" else shlex.quote(env[key])
+            print(f"export {key}={value}")
+        return 0
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("launch.cluster run: give the command after --", file=sys.stderr)
+        return 2
+    with cluster:
+        return subprocess.call(command, env=cluster.env())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Two hosts x two ranks, each host its own network namespace and hostname (launch/cluster.py),
+ranks on different hosts talking TCP over a bridge: local/cross ranks per host under
+hybridsync-run (-H and --hostfile), mpirun and horovodrun; every route's parity across hosts;
+a host whose link goes down ends the job with an error naming it.
+
+Only where namespaces cannot be made (not root, no `ip`) do these tests skip, and say why."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.parallel.harness import ROOT, launch, rank_main, run_ranks
+
+HOSTS, PER_HOST = 2, 2
+PREFIX = "hst"
+PEER_TIMEOUT_S = 4
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from launch.cluster import Cluster
+
+    why = Cluster.unavailable()
+    if why:
+        pytest.skip(f"no namespace cluster on this machine: {why}")
+    with Cluster(HOSTS, prefix=PREFIX, subnet="10.231.9") as made:
+        yield made
+
+
+def mpirun_on(cluster, np_=HOSTS * PER_HOST) -> list[str]:
+    return ["mpirun", "-np", str(np_), "-H", cluster.hosts_arg(PER_HOST), "--bind-to", "none", "--tag-output",
+            "--allow-run-as-root"]
+
+
+def hybridsync_run(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launch.run", *args, "--no-explain"]
+
+
+def rank_hosts(prefix, per_host, backend):
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    hvd.init(backend=backend)
+    rank, size = hvd.rank(), hvd.size()
+    per_host = int(per_host)
+    host = socket.gethostname()
+    assert host == f"{prefix}{rank // per_host}", (rank, host)
+    assert (hvd.local_rank(), hvd.local_size()) == (rank % per_host, per_host), (rank, host)
+    assert (hvd.cross_rank(), hvd.cross_size()) == (rank // per_host, size // per_host), (rank, host)
+    assert hybridsync.local_rank() == hvd.local_rank()
+    hosts = hvd.allgather_object(host, name="hosts")
+    assert hosts == [f"{prefix}{r // per_host}" for r in range(size)], hosts
+    total = hvd.allreduce(torch.full((5,), float(rank + 1)), op=hvd.Sum, name="cluster.sum")
+    assert torch.equal(total, torch.full((5,), float(sum(range(1, size + 1))))), total
+    print(f"rank {rank} on {host}: local {hvd.local_rank()}/{hvd.local_size()}", flush=True)
+
+
+def rank_train_until_the_link_drops():
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    hvd.init(backend="mpi")
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(1000, 8, sparse=True), "fc": torch.nn.Linear(8, 1)})
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    step = 0
+    while True:  # runs until the link drops; the peer timeout ends it
+        ids = torch.randint(0, 1000, (64,))
+        loss = model["fc"](model["emb"](ids)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        if step == 5 and hybridsync.rank() == 0:
+            print("CLUSTER-TRAINING", flush=True)
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+def test_local_and_cross_ranks_per_host_under_hybridsync_run_with_H(cluster, backend):
+    cmd = hybridsync_run("-np", "4", "-H", cluster.hosts_arg(PER_HOST))
+    out = run_ranks(__file__, "rank_hosts", 4, PREFIX, str(PER_HOST), backend, launcher=cmd,
+                    env=cluster.env(), timeout=120)
+    assert f"rank 3 on {PREFIX}1: local 1/2" in out, out
+
+
+def test_local_and_cross_ranks_per_host_under_hybridsync_run_with_a_hostfile(cluster):
+    cmd = hybridsync_run("-np", "4", "--hostfile", cluster.hostfile(PER_HOST))
+    run_ranks(__file__, "rank_hosts", 4, PREFIX, str(PER_HOST), "mpi", launcher=cmd, env=cluster.env(),
+              timeout=120)
+
+
+def test_horovodrun_spans_the_hosts(cluster):
+    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
+    cmd = [horovodrun, "-np", "4", "-H", cluster.hosts_arg(PER_HOST)]
+    run_ranks(__file__, "rank_hosts", 4, PREFIX, str(PER_HOST), "horovod", launcher=cmd, env=cluster.env(),
+              timeout=180)
+
+
+# Every route, dense and sparse, under both dense backends: the single-host parity scenarios,
+# now with ranks on two hosts.
+@pytest.mark.parametrize("scenario", ["test_routes.py:rank_routes", "test_sparse_parity.py:rank_parity",
+                                      "test_dense_parity.py:rank_parity"])
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+def test_parity_of_every_route_across_hosts(cluster, scenario, backend):
+    script, _, fn = scenario.partition(":")
+    run_ranks(str(Path(__file__).with_name(script)), fn, 4, backend, launcher=mpirun_on(cluster),
+              env=cluster.env(), timeout=300)
+
+
+def test_a_host_whose_link_goes_down_ends_the_job_naming_it(cluster):
+    """The ranks left name the silent rank and its host within the peer timeout, and mpirun,
+    which hybridsync-run has watch its daemons, ends the job instead of waiting on the lost one."""
+    lost = f"{PREFIX}1"
+    env = cluster.env({**os.environ, "HYBRIDSYNC_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)})
+    # hybridsync-run, as users launch across hosts: it also has mpirun watch its remote daemons.
+    cmd = hybridsync_run("-np", "4", "-H", cluster.hosts_arg(PER_HOST)) + [
+        sys.executable, "-u", __file__, "rank_train_until_the_link_drops"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**env, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    lines: list[str] = []
+    dropped = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "CLUSTER-TRAINING" in line:
+                cluster.set_link(lost, up=False)
+                dropped.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert dropped.wait(120), "training never started:\n" + "".join(lines)
+        start = time.monotonic()
+        try:
+            proc.wait(timeout=PEER_TIMEOUT_S + 40)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job outlived its lost host by {time.monotonic() - start:.0f} s:\n" + "".join(lines))
+    finally:
+        cluster.set_link(lost, up=True)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        reader.join(5)
+    out = "".join(lines)
+    assert proc.returncode != 0, out
+    assert f"on host {lost} has not been heard from" in out, out
+
+
+if __name__ == "__main__":
+    rank_main(globals())
