@@ -430,12 +430,13 @@ PYBIND11_MODULE(_ps, m) {
       .def_property_readonly("dim", [](PyShard& s) { return s.shard().dim(); })
       .def_property_readonly("slot_names", [](PyShard& s) { return s.shard().rule().slot_names(); });
 
-  m.def("start_heartbeat", [](py::object comm, double interval_s) {
+  m.def("start_heartbeat", [](py::object comm, double interval_s, double abort_after_s) {
         MPI_Comm* c = PyMPIComm_Get(comm.ptr());
         if (!c) throw py::error_already_set();
-        nogil([&] { start_heartbeat(*c, interval_s); });
-      }, py::arg("comm"), py::arg("interval_s"),
-      "Collective: starts this process's heartbeat thread (peers' liveness, see silent_peers).");
+        nogil([&] { start_heartbeat(*c, interval_s, abort_after_s); });
+      }, py::arg("comm"), py::arg("interval_s"), py::arg("abort_after_s") = 0.0,
+      "Collective: starts this process's heartbeat thread (peers' liveness, see silent_peers); "
+      "abort_after_s > 0: a peer silent that long aborts the job, naming it.");
   m.def("stop_heartbeat", [] { nogil([] { stop_heartbeat(); }); });
   m.def("silent_peers", [](double timeout_s) {
         py::list out;

@@ -138,7 +138,9 @@ def _start_heartbeat(comm) -> None:
 
     timeout = settings().peer_timeout_s
     if timeout > 0:
-        _ps.start_heartbeat(comm, min(1.0, max(0.05, timeout / 10)))
+        # The watchdog's limit leaves the waits that check the heartbeat time to raise their
+        # own error first; it ends the job where nothing can raise (inside Horovod's collectives).
+        _ps.start_heartbeat(comm, min(1.0, max(0.05, timeout / 10)), abort_after_s=timeout + max(5.0, timeout / 4))
         on_shutdown(_ps.stop_heartbeat)
 
 

@@ -20,9 +20,12 @@ struct SilentPeer {
 };
 
 // Collective on `comm`: starts the heartbeat (once per process; the host names are exchanged
-// here). interval_s: how often every peer is told this rank is alive.
-void start_heartbeat(MPI_Comm comm, double interval_s);
-// Stops the thread and frees its communicator (at shutdown).
+// here). interval_s: how often every peer is told this rank is alive. abort_after_s > 0 makes
+// the thread a watchdog too: a peer silent that long ends the job (MPI_Abort) with a message
+// naming it, whatever this rank is blocked in (a Horovod collective, user MPI code).
+void start_heartbeat(MPI_Comm comm, double interval_s, double abort_after_s = 0.0);
+// Tells every peer this rank is leaving (it is then never reported silent), stops the thread
+// and frees its communicator (at shutdown).
 void stop_heartbeat();
 // Peers not heard from for longer than timeout_s (none when no heartbeat runs).
 std::vector<SilentPeer> silent_peers(double timeout_s);

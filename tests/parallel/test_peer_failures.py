@@ -1,5 +1,6 @@
 """Peers that freeze, die or are merely slow: a frozen peer (SIGSTOP) is named, with its host,
-by every other rank within the peer timeout and the job ends; a peer busy in Python for longer
+by every other rank within the peer timeout and the job ends (inside Horovod's collectives too,
+where the heartbeat's watchdog ends it); ranks that finish first are not reported; a peer busy in Python for longer
 than that (holding the GIL) is only reported in a warning, and the job finishes."""
 import os
 import signal
@@ -36,6 +37,37 @@ def rank_frozen_peer_in_allreduce():
     if hybridsync.rank() == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
     hvd.allreduce(torch.ones(3), name="waits")  # the MPI backend's wait names the frozen rank
+
+
+def rank_frozen_peer_in_horovod_allreduce():
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    hvd.init(backend="horovod")
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+
+    step()
+    if hybridsync.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    # The optimizer's all-reduces go to Horovod directly: its wait cannot raise, and only the
+    # heartbeat's watchdog ends the job.
+    step()
+
+
+def rank_one_leaves_early():
+    import hybridsync
+
+    if hybridsync.rank() == 0:  # outlives the others by more than the watchdog's limit
+        time.sleep(PEER_TIMEOUT_S + 5 + 4)
+        print("rank 0 finished after the others left", flush=True)
 
 
 def rank_busy_peer():
@@ -75,6 +107,25 @@ def test_a_frozen_peer_is_named_in_a_dense_all_reduce_too():
     assert rc != 0, out
     assert f"rank 1 on host {socket.gethostname()} has not been heard from" in out, out
     assert time.monotonic() - start < PEER_TIMEOUT_S + 25, out
+
+
+def test_a_frozen_peer_inside_a_horovod_collective_ends_the_job_naming_it():
+    """Horovod's wait cannot raise: the heartbeat's watchdog ends the job a grace period after
+    the peer timeout, naming the silent rank and its host."""
+    env = {"HYBRIDSYNC_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
+    start = time.monotonic()
+    rc, out = launch(mpirun_prefix(2) + [sys.executable, "-u", __file__, "rank_frozen_peer_in_horovod_allreduce"],
+                     120, env)
+    assert rc != 0, out
+    assert f"rank 1 on host {socket.gethostname()} has not been heard from" in out, out
+    assert "aborting the job" in out, out
+    assert time.monotonic() - start < PEER_TIMEOUT_S + 5 + 25, out
+
+
+def test_ranks_that_finish_first_are_not_reported_silent():
+    env = {"HYBRIDSYNC_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
+    out = run_ranks(__file__, "rank_one_leaves_early", 2, env=env, timeout=120)
+    assert "rank 0 finished after the others left" in out and "not been heard from" not in out, out
 
 
 def test_a_peer_busy_in_python_past_the_timeout_is_a_warning_not_an_error():
