@@ -65,7 +65,7 @@ def run(system, ranks, steps, warmup, global_ranks=0, timeout=900, cluster=None,
     if global_ranks:
         cmd += ["--global-ranks", str(global_ranks)]
     scratch = None
-    if system.startswith("hybridsync") and tree == ROOT and not global_ranks and cluster is None:
+    if system in ("hybridsync-sharded", "hybridsync-replicated") and tree == ROOT and not global_ranks and cluster is None:
         scratch = tempfile.mkdtemp(prefix="hybridsync-bench-ckpt-")  # checkpoint save/load, timed
         cmd += ["--checkpoint-dir", scratch]
     # '-yield': Horovod with waiting MPI calls yielding the core (its MPI controller thread

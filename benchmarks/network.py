@@ -7,7 +7,8 @@ workload as benchmarks/bench.py (DLRM, 8 x 250k x 32 tables, batch 512 per rank,
     python benchmarks/network.py                 # `make bench-network` (about 30 minutes)
     python benchmarks/network.py --quick         # one repeat, fewer steps
 
-Per configuration, medians over interleaved rounds: samples/s; bytes on the wire per rank per
+Each round also runs every system on 1 rank with no network (the compute benchmarks/model.py is
+calibrated with). Per configuration, medians over interleaved rounds: samples/s; bytes on the wire per rank per
 step (the host link's counters over the timed steps, shared out to the host's ranks); where a
 step's time goes (forward / backward / optimizer step, timed on every rank). Writes
 benchmarks/results/network.{json,md,png} and updates README's network section. Needs root.
@@ -37,6 +38,9 @@ def plan(args):
     for round_ in range(args.repeats):
         k = round_ % len(args.systems)
         systems = args.systems[k:] + args.systems[:k]  # each round starts with another system
+        for system in systems:  # one rank alone, no network: the compute the model is fitted with
+            if system != "horovod-sparse-as-dense":
+                runs.append(("local", 0, system, args.steps, args.warmup))
         for rate in args.rates:
             for per_host in args.per_host:
                 for system in systems:
@@ -54,7 +58,8 @@ def summarise(raw):
     summary = []
     for (rate, per_host, system), rs in groups.items():
         summary.append({
-            "rate": rate, "hosts": 2, "per_host": per_host, "ranks": 2 * per_host, "system": system,
+            "rate": rate, "hosts": 2 if per_host else 1, "per_host": per_host, "ranks": max(1, 2 * per_host),
+            "system": system,
             "repeats": len(rs),
             "samples_per_s": median([r["samples_per_s"] for r in rs]),
             "ms_per_step": median([r["ms_per_step"] for r in rs]),
@@ -70,7 +75,7 @@ def summarise(raw):
             s[key] = s["samples_per_s"] / b["samples_per_s"] if b else None
         unlimited = by.get(("unlimited", s["per_host"], s["system"]))
         s["vs_own_unlimited"] = s["samples_per_s"] / unlimited["samples_per_s"] if unlimited else None
-    order = {r: i for i, r in enumerate(RATES)}
+    order = {r: i for i, r in enumerate(["local"] + RATES)}
     summary.sort(key=lambda s: (s["per_host"], order.get(s["rate"], 9), s["system"]))
     return summary
 
@@ -92,8 +97,9 @@ def markdown(summary, meta) -> str:
     ]
     for s in summary:
         ph = s["phases_ms"]
+        where = f"2x{s['per_host']}" if s["per_host"] else "1 (no network)"
         lines.append(
-            f"| {s['rate']} | 2x{s['per_host']} | {s['system']} | {fmt(s['samples_per_s'], ',.0f')} | "
+            f"| {s['rate']} | {where} | {s['system']} | {fmt(s['samples_per_s'], ',.0f')} | "
             f"{fmt(s['ms_per_step'], '.1f')} | {fmt(s['vs_horovod'], '.2f')}x | {fmt(s['vs_horovod_tuned'], '.2f')}x | "
             f"{fmt(s['vs_own_unlimited'], '.2f')}x | {fmt(s['wire_tx_per_rank_step'], '.2f', 2**20)} / "
             f"{fmt(s['wire_rx_per_rank_step'], '.2f', 2**20)} | "
@@ -120,6 +126,7 @@ def plot(summary, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    summary = [s for s in summary if s["per_host"]]
     per_hosts = sorted({s["per_host"] for s in summary})
     fig, axes = plt.subplots(1, len(per_hosts), figsize=(6 * len(per_hosts), 4.5), squeeze=False)
     rates = [r for r in RATES if any(s["rate"] == r for s in summary)]
@@ -171,11 +178,14 @@ def main():
     with Cluster(2, prefix="hsb", subnet="10.231.8") as cluster:
         current = None
         for rate, per_host, system, steps, warmup in tqdm(plan(args), desc="network runs", unit="run"):
-            if rate != current:
+            if rate != current and rate != "local":
                 for host in cluster.names:
                     cluster.set_rate(host, None if rate == "unlimited" else rate)
                 current = rate
-            result = run(system, 2 * per_host, steps, warmup, cluster=cluster, per_host=per_host)
+            if rate == "local":
+                result = run(system, 1, steps, warmup)
+            else:
+                result = run(system, 2 * per_host, steps, warmup, cluster=cluster, per_host=per_host)
             result.update(rate=rate, per_host=per_host)
             if "error" in result:
                 tqdm.write(f"FAILED {system} 2x{per_host} at {rate}: {result['error'][-400:]}")

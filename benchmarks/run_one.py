@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-SYSTEMS = ("hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "horovod-allgather-yield",
+SYSTEMS = ("hybridsync-sharded", "hybridsync-replicated", "hybridsync", "horovod-allgather", "horovod-allgather-yield",
            "horovod-sparse-as-dense", "ddp-gloo")
 
 
@@ -38,6 +38,12 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=29500)
+    p.add_argument("--hot-rows", type=int, default=0,
+                   help="table 0 gets this many rows, most of them used every step (a densely used table)")
+    p.add_argument("--config", default=None,
+                   help="system 'hybridsync': this YAML decides the routes (none: the defaults, sync: auto)")
+    p.add_argument("--print-routes", action="store_true",
+                   help="hybridsync systems: report each sparse variable's final route (and auto's numbers)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="hybridsync systems: after the timed steps, save a checkpoint here and load it back, timed")
     p.add_argument("--wire-iface", default=None,
@@ -87,13 +93,30 @@ def measure_checkpoint(path, model, opt, comm):
     return {"save_s": saved, "load_s": loaded, "bytes": size, "rss_before": before, "rss_peak": max(peak[0], before)}
 
 
+def final_routes():
+    """({sparse variable: route[/shards]}, {variable: what sync: auto measured and chose})."""
+    import io
+
+    import hybridsync
+
+    plans = json.loads(hybridsync.explain(file=io.StringIO(), as_json=True))
+    routes, auto = {}, {}
+    for plan in plans:
+        for v in plan["variables"]:
+            if v["kind"] == "sparse" or v.get("auto"):
+                routes[v["name"]] = v["route"] + (f"/{v['shards']}" if v.get("shards") else "")
+                if v.get("auto"):
+                    auto[v["name"]] = v["auto"]
+    return routes, auto
+
+
 def global_batches(args, ranks, rank, share):
     """This rank's slices of the global batches (dense, ids, labels) for every step."""
     from torch_dlrm import SyntheticCriteo
 
     import torch
 
-    data = SyntheticCriteo(args.batch * ranks, args.tables, args.rows, seed=args.seed)
+    data = SyntheticCriteo(args.batch * ranks, args.tables, args.rows, seed=args.seed, hot_rows=args.hot_rows)
     out, ids_all = [], []
     for _ in range(args.warmup + args.steps):
         dense, sparse, label = data.batch()
@@ -110,6 +133,9 @@ def build(args, rank, size):
 
     torch.manual_seed(args.seed)
     sgd = lambda model: torch.optim.SGD(model.parameters(), lr=args.lr)
+    dlrm = lambda **kw: DLRM(args.tables, args.rows, args.dim, hot_rows=args.hot_rows, **kw)
+    if args.system == "hybridsync-replicated":
+        os.environ.setdefault("HYBRIDSYNC_AUTO", "off")  # this system is the pinned PS route, not a choice
     if args.system.startswith("hybridsync"):
         import hybridsync
         import hybridsync.torch as hvd
@@ -118,12 +144,15 @@ def build(args, rank, size):
         hvd.init()
         if args.system == "hybridsync-sharded":
             # Tables created on the shards directly: no rank ever holds a whole table.
-            bound = 1.0 / np.sqrt(args.rows)
-            model = DLRM(args.tables, args.rows, args.dim,
-                         embedding=lambda r, d: hvd.Embedding(r, d, initializer=("uniform", -bound, bound)))
+            model = dlrm(embedding=lambda r, d: hvd.Embedding(r, d, initializer=("uniform", -1 / np.sqrt(r),
+                                                                                    1 / np.sqrt(r))))
             opt = hybridsync.DistributedOptimizer(sgd(model), model=model)
+        elif args.system == "hybridsync":  # as a user writes it: routes by `sync: auto` or the YAML
+            model = dlrm()
+            hvd.broadcast_parameters(model.state_dict(), 0)
+            opt = hybridsync.DistributedOptimizer(sgd(model), model=model, config=args.config)
         else:
-            model = DLRM(args.tables, args.rows, args.dim)
+            model = dlrm()
             hvd.broadcast_parameters(model.state_dict(), 0)
             opt = hybridsync.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
         return model, opt, ps.engine()
@@ -131,7 +160,7 @@ def build(args, rank, size):
         import horovod.torch as hvd
 
         hvd.init()
-        model = DLRM(args.tables, args.rows, args.dim)
+        model = dlrm()
         hvd.broadcast_parameters(model.state_dict(), 0)
         opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
                                        sparse_as_dense=args.system == "horovod-sparse-as-dense")
@@ -139,7 +168,7 @@ def build(args, rank, size):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=size)
-    model = torch.nn.parallel.DistributedDataParallel(DLRM(args.tables, args.rows, args.dim))
+    model = torch.nn.parallel.DistributedDataParallel(dlrm())
     return model, sgd(model), None
 
 
@@ -288,6 +317,8 @@ def main():
         if wires:
             result["wire_tx_bytes_per_rank_step"] = float(np.mean([w[0] for w in wires]))
             result["wire_rx_bytes_per_rank_step"] = float(np.mean([w[1] for w in wires]))
+        if args.print_routes and args.system.startswith("hybridsync"):
+            result["routes"], result["auto"] = final_routes()
         if checkpoint:
             result["checkpoint"] = {
                 "save_s": max(e["checkpoint"]["save_s"] for e in everyone),

@@ -32,9 +32,11 @@ class DLRM(nn.Module):
     """embedding(rows, dim) builds each table: torch_embedding by default, or e.g. a
     hybridsync.torch.Embedding factory so the rows are created on the PS shards directly."""
 
-    def __init__(self, tables=TABLES, rows=ROWS, dim=DIM, dense=DENSE_FEATURES, embedding=torch_embedding):
+    def __init__(self, tables=TABLES, rows=ROWS, dim=DIM, dense=DENSE_FEATURES, embedding=torch_embedding, hot_rows=0):
         super().__init__()
-        self.embeddings = nn.ModuleList(embedding(rows, dim) for _ in range(tables))
+        # hot_rows > 0: table 0 is small and most of its rows are used every step (a dense-ish table).
+        self.embeddings = nn.ModuleList(embedding(hot_rows if k == 0 and hot_rows else rows, dim)
+                                        for k in range(tables))
         self.mlp = nn.Sequential(nn.Linear(dense + tables * dim, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(),
                                  nn.Linear(64, 1))
 
@@ -47,8 +49,10 @@ class SyntheticCriteo:
     """Batches of (dense, sparse ids, label). The label comes from a fixed teacher: a linear
     function of the dense features plus one seeded score per (table, id), thresholded."""
 
-    def __init__(self, batch_size, tables=TABLES, rows=ROWS, dense=DENSE_FEATURES, seed=0, teacher_seed=1234):
+    def __init__(self, batch_size, tables=TABLES, rows=ROWS, dense=DENSE_FEATURES, seed=0, teacher_seed=1234,
+                 hot_rows=0):
         self.batch_size, self.tables, self.rows, self.dense = batch_size, tables, rows, dense
+        self.hot_rows = hot_rows  # > 0: table 0's ids are uniform over its hot_rows rows
         self.rng = np.random.default_rng(seed)
         teacher = np.random.default_rng(teacher_seed)
         self.dense_weight = teacher.standard_normal(dense).astype(np.float32) / np.sqrt(dense)
@@ -57,6 +61,8 @@ class SyntheticCriteo:
     def batch(self):
         dense = self.rng.standard_normal((self.batch_size, self.dense)).astype(np.float32)
         sparse = (self.rng.zipf(1.2, (self.batch_size, self.tables)) % self.rows).astype(np.int64)
+        if self.hot_rows:
+            sparse[:, 0] = self.rng.integers(0, self.hot_rows, self.batch_size)
         logit = dense @ self.dense_weight + self.id_score[np.arange(self.tables), sparse].mean(1) * 3.0
         label = (logit > 0).astype(np.float32)
         return torch.from_numpy(dense), torch.from_numpy(sparse), torch.from_numpy(label)

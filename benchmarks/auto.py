@@ -1,0 +1,141 @@
+"""`sync: auto` against hand-written YAML, side by side: is the automatic choice the best one?
+
+Workloads: the DLRM of benchmarks/bench.py, and the same with a small densely used table 0
+(`--hot-rows`: most of its rows are touched every step). Each runs as a user writes it
+(nn.Embedding(sparse=True), DistributedOptimizer(..., model=model)) under
+
+  auto        no config: the defaults, `sync: auto` for sparse variables
+  ps          benchmarks/configs/ps.yaml: every table on the PS, sharded
+  allgather   benchmarks/configs/allgather.yaml: every table all-gathered (Horovod's way)
+  hot_dense   benchmarks/configs/hot_dense.yaml: table 0 all-reduced as dense, the rest on the PS
+              (the hot workload only)
+
+on one host (2 ranks) and on 2 emulated hosts x 2 ranks at 1 Gbit (launch/cluster.py; root), in
+interleaved rounds, medians. Reports auto / the best hand-written config per workload and place,
+and the routes auto chose with their predicted times (from the plan). Writes
+benchmarks/results/auto.{json,md}.
+
+    python benchmarks/auto.py [--quick] [--no-network]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench import RESULTS, ROOT, median, run  # noqa: E402
+
+CONFIGS = ROOT / "benchmarks" / "configs"
+WORKLOADS = {"dlrm": [], "dlrm-hot": ["--hot-rows", "256"]}
+CANDIDATES = {"dlrm": ["auto", "ps", "allgather"], "dlrm-hot": ["auto", "ps", "allgather", "hot_dense"]}
+
+
+def config_args(name: str) -> list[str]:
+    return [] if name == "auto" else ["--config", str(CONFIGS / f"{name}.yaml")]
+
+
+def plan(args, places):
+    runs = []
+    for round_ in range(args.repeats):
+        for place in places:
+            for workload, candidates in CANDIDATES.items():
+                k = round_ % len(candidates)
+                for name in candidates[k:] + candidates[:k]:
+                    runs.append((place, workload, name))
+    return runs
+
+
+def summarise(raw):
+    groups = {}
+    for r in raw:
+        if "error" not in r:
+            groups.setdefault((r["place"], r["workload"], r["config"]), []).append(r)
+    rows = []
+    for (place, workload, name), rs in sorted(groups.items()):
+        rows.append({"place": place, "workload": workload, "config": name, "repeats": len(rs),
+                     "samples_per_s": median([r["samples_per_s"] for r in rs]),
+                     "ms_per_step": median([r["ms_per_step"] for r in rs]),
+                     "routes": rs[-1].get("routes")})
+    verdicts = []
+    for place, workload in sorted({(r["place"], r["workload"]) for r in rows}):
+        mine = [r for r in rows if r["place"] == place and r["workload"] == workload]
+        auto = next((r for r in mine if r["config"] == "auto"), None)
+        hand = [r for r in mine if r["config"] != "auto"]
+        if auto and hand:
+            best = max(hand, key=lambda r: r["samples_per_s"])
+            verdicts.append({"place": place, "workload": workload, "best_hand_written": best["config"],
+                             "auto_over_best": auto["samples_per_s"] / best["samples_per_s"],
+                             "auto_routes": auto["routes"]})
+    return rows, verdicts
+
+
+def markdown(rows, verdicts, meta) -> str:
+    lines = [f"Measured {meta['date']}; medians of {meta['repeats']} interleaved rounds, {meta['steps']} timed steps "
+             f"(the first {meta['auto_steps']} of which auto measures on the PS before it switches).", "",
+             "| where | workload | config | samples/s | ms/step |", "| --- | --- | --- | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['place']} | {r['workload']} | {r['config']} | {r['samples_per_s']:,.0f} | {r['ms_per_step']:.1f} |")
+    lines += ["", "| where | workload | best hand-written | auto / best | what auto chose |", "| --- | --- | --- | ---: | --- |"]
+    for v in verdicts:
+        chose = ", ".join(f"{k}: {x}" for k, x in (v["auto_routes"] or {}).items())
+        lines.append(f"| {v['place']} | {v['workload']} | {v['best_hand_written']} | {v['auto_over_best']:.3f}x | {chose} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=40, help="untimed steps; auto decides within them")
+    p.add_argument("--no-network", action="store_true", help="one host only")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 1, 60
+    places = ["1 host x 2"]
+    cluster = None
+    if not args.no_network:
+        from launch.cluster import Cluster
+
+        why = Cluster.unavailable()
+        if why:
+            print(f"auto benchmark: no emulated hosts ({why}); one host only", file=sys.stderr)
+        else:
+            cluster = Cluster(2, rate="1gbit", prefix="hsa", subnet="10.231.10").up()
+            places.append("2 hosts x 2, 1 Gbit")
+    raw = []
+    try:
+        for place, workload, name in tqdm(plan(args, places), desc="auto runs", unit="run"):
+            extra = [*WORKLOADS[workload], *config_args(name), "--print-routes"]
+            if place.startswith("2 hosts"):
+                result = run("hybridsync", 4, args.steps, args.warmup, cluster=cluster, per_host=2, extra=extra)
+            else:
+                result = run("hybridsync", 2, args.steps, args.warmup, extra=extra)
+            result.update(place=place, workload=workload, config=name)
+            if "error" in result:
+                tqdm.write(f"FAILED {workload} {name} on {place}: {result['error'][-400:]}")
+            raw.append(result)
+    finally:
+        if cluster is not None:
+            cluster.down()
+    rows, verdicts = summarise(raw)
+    from hybridsync.settings import settings
+
+    meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
+            "steps": args.steps, "auto_steps": settings().auto_steps}
+    table = markdown(rows, verdicts, meta)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "auto.json").write_text(json.dumps({"meta": meta, "summary": rows, "verdicts": verdicts, "runs": raw},
+                                                  indent=2))
+    (RESULTS / "auto.md").write_text(table + "\n")
+    print(table)
+    print(f"\nwrote {RESULTS / 'auto.json'} and auto.md")
+
+
+if __name__ == "__main__":
+    main()
