@@ -1,7 +1,9 @@
 """`sync: auto` against hand-written YAML, side by side: is the automatic choice the best one?
 
-Workloads: the DLRM of benchmarks/bench.py, and the same with a small densely used table 0
-(`--hot-rows`: most of its rows are touched every step). Each runs as a user writes it
+Workloads: the DLRM of benchmarks/bench.py, the same with a small densely used table 0
+(`--hot-rows`: most of its rows are touched every step), and the NLP examples (word2vec and the
+sampled-softmax language model; their own throughput over the whole run, auto's measuring steps
+included). Each runs as a user writes it
 (nn.Embedding(sparse=True), DistributedOptimizer(..., model=model)) under
 
   auto        no config: the defaults, `sync: auto` for sparse variables
@@ -32,11 +34,42 @@ from benchmarks.bench import RESULTS, ROOT, median, run  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
 WORKLOADS = {"dlrm": [], "dlrm-hot": ["--hot-rows", "256"]}
-CANDIDATES = {"dlrm": ["auto", "ps", "allgather"], "dlrm-hot": ["auto", "ps", "allgather", "hot_dense"]}
+# The NLP examples, run as they are (their own throughput line; sync: auto measures within the run).
+EXAMPLES = {"word2vec": ("torch_word2vec.py", ["--log-every", "100000"]),
+            "lm": ("torch_lm.py", ["--log-every", "100000"])}
+CANDIDATES = {"dlrm": ["auto", "ps", "allgather"], "dlrm-hot": ["auto", "ps", "allgather", "hot_dense"],
+              "word2vec": ["auto", "ps", "allgather"], "lm": ["auto", "ps", "allgather"]}
 
 
 def config_args(name: str) -> list[str]:
     return [] if name == "auto" else ["--config", str(CONFIGS / f"{name}.yaml")]
+
+
+def run_example(workload, name, ranks, steps, cluster=None, per_host=1, timeout=900):
+    """An NLP example under mpirun; its samples (pairs or words) per second."""
+    import os
+    import re
+    import subprocess
+
+    from benchmarks.bench import mpirun
+
+    script, extra = EXAMPLES[workload]
+    env = dict(os.environ)
+    launcher = mpirun(ranks)
+    if cluster is not None:
+        env = cluster.env(env)
+        launcher += ["-H", cluster.hosts_arg(per_host)]
+    cmd = launcher + [sys.executable, str(ROOT / "examples" / script), "--steps", str(steps), *extra,
+                      *config_args(name)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    found = re.search(r"steps on \d+ rank\(s\): ([\d,]+) (?:pairs|words)/s", out.stdout)
+    if out.returncode != 0 or not found:
+        return {"error": (out.stdout + out.stderr)[-2000:]}
+    rate = float(found.group(1).replace(",", ""))
+    return {"samples_per_s": rate, "ms_per_step": None}
 
 
 def plan(args, places):
@@ -79,7 +112,8 @@ def markdown(rows, verdicts, meta) -> str:
              f"(the first {meta['auto_steps']} of which auto measures on the PS before it switches).", "",
              "| where | workload | config | samples/s | ms/step |", "| --- | --- | --- | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['place']} | {r['workload']} | {r['config']} | {r['samples_per_s']:,.0f} | {r['ms_per_step']:.1f} |")
+        ms = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.1f}"
+        lines.append(f"| {r['place']} | {r['workload']} | {r['config']} | {r['samples_per_s']:,.0f} | {ms} |")
     lines += ["", "| where | workload | best hand-written | auto / best | what auto chose |", "| --- | --- | --- | ---: | --- |"]
     for v in verdicts:
         chose = ", ".join(f"{k}: {x}" for k, x in (v["auto_routes"] or {}).items())
@@ -92,11 +126,12 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=40, help="untimed steps; auto decides within them")
+    p.add_argument("--nlp-steps", type=int, default=300, help="steps of each NLP example run (auto's included)")
     p.add_argument("--no-network", action="store_true", help="one host only")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     if args.quick:
-        args.repeats, args.steps = 1, 60
+        args.repeats, args.steps, args.nlp_steps = 1, 60, 60
     places = ["1 host x 2"]
     cluster = None
     if not args.no_network:
@@ -111,8 +146,12 @@ def main():
     raw = []
     try:
         for place, workload, name in tqdm(plan(args, places), desc="auto runs", unit="run"):
-            extra = [*WORKLOADS[workload], *config_args(name), "--print-routes"]
-            if place.startswith("2 hosts"):
+            extra = [*WORKLOADS.get(workload, []), *config_args(name), "--print-routes"]
+            on_cluster = place.startswith("2 hosts")
+            if workload in EXAMPLES:
+                result = run_example(workload, name, 4 if on_cluster else 2, args.nlp_steps,
+                                     cluster=cluster if on_cluster else None, per_host=2)
+            elif on_cluster:
                 result = run("hybridsync", 4, args.steps, args.warmup, cluster=cluster, per_host=2, extra=extra)
             else:
                 result = run("hybridsync", 2, args.steps, args.warmup, extra=extra)

@@ -239,6 +239,7 @@ def main():
     share = args.batch * ranks if args.global_ranks else args.batch
     batches, ids_all = global_batches(args, ranks, rank, share)
     model, opt, engine = build(args, rank, size)
+    wrap_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # building + wrapping the model
 
     losses = []
     # Where a step's time goes, the same cut for every system: forward (a PS pull happens here),
@@ -287,6 +288,7 @@ def main():
     mine = {
         "checkpoint": checkpoint,
         "rss": training_peak_rss,
+        "wrap_rss": wrap_peak_rss,
         "phases_ms": (phases / args.steps * 1e3).tolist(),
         "wire": wire,
         "loss": float(np.mean(losses[-20:])),
@@ -302,6 +304,7 @@ def main():
             "samples_per_s": args.steps * share * size / elapsed,
             "ms_per_step": elapsed / args.steps * 1e3,
             "rss_per_rank": [e["rss"] for e in everyone],
+            "wrap_peak_rss_per_rank": [e["wrap_rss"] for e in everyone],
             "loss": float(np.mean([e["loss"] for e in everyone])),
             "ps_bytes_sent_per_rank_step": (float(np.mean([e["sent"] for e in everyone]))
                                             if traffic else None),
