@@ -244,11 +244,12 @@ class PyEngine {
 
   // Collective. Only the root reads `values`; a bad array there becomes the operation's error,
   // so every rank raises instead of the shards waiting for rows until the timeout.
-  void load_from_root(int table, const py::object& values, int root) {
+  // consume: the root gives `values` up (its memory is returned as the rows reach the shards).
+  void load_from_root(int table, const py::object& values, int root, bool consume) {
     std::string error;
     const float* data = nullptr;
-    if (client_->rank() == root) data = table_buffer(values, spec(table), false, &error);
-    nogil([&] { client_->load_from_root(table, data, root, error); });
+    if (client_->rank() == root) data = table_buffer(values, spec(table), consume, &error);
+    nogil([&] { client_->load_from_root(table, data, root, error, consume); });
   }
 
   void load_local(int table, int slot, const py::object& values) {
@@ -470,7 +471,8 @@ PYBIND11_MODULE(_ps, m) {
            py::arg("slot") = -1)
       .def("local_values", &PyEngine::local_values, py::arg("table"), py::arg("slot") = -1)
       .def("rename_table", [](PyEngine& e, int t, const std::string& name) { nogil([&] { e.client().rename_table(t, name); }); })
-      .def("load_from_root", &PyEngine::load_from_root, py::arg("table"), py::arg("values"), py::arg("root") = 0)
+      .def("load_from_root", &PyEngine::load_from_root, py::arg("table"), py::arg("values"), py::arg("root") = 0,
+           py::arg("consume") = false)
       .def("load_local", &PyEngine::load_local, py::arg("table"), py::arg("slot"), py::arg("values"))
       .def("init_normal", [](PyEngine& e, int t, uint64_t seed, float mean, float std) {
              nogil([&] { e.client().init_normal(t, seed, mean, std); });

@@ -1,5 +1,8 @@
 // The Client: table registration and the operations on whole tables (initialisation, loading,
 // gathering, replicas, local state). The per-step pull and push live in exchange.cc.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -36,6 +39,26 @@ double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5)
 float* row_of(Shard& shard, int slot, int64_t l) {
   return slot < 0 ? shard.row(l) : shard.slot(slot) + l * shard.dim();
 }
+
+// Gives the pages wholly inside the first `bytes` of a buffer back to the system, a growing
+// prefix at a time (MADV_DONTNEED: they read as zeros, or as their file, if touched again).
+class PageReleaser {
+ public:
+  PageReleaser(const void* base, int64_t size) : base_(reinterpret_cast<uintptr_t>(base)), size_(size) {
+    page_ = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    done_ = (base_ + page_ - 1) & ~(page_ - 1);
+  }
+  void release_to(int64_t bytes) {
+    const uintptr_t end = (base_ + static_cast<uintptr_t>(std::min(bytes, size_))) & ~(page_ - 1);
+    if (base_ == 0 || end <= done_) return;
+    madvise(reinterpret_cast<void*>(done_), end - done_, MADV_DONTNEED);  // advisory: a failure only costs memory
+    done_ = end;
+  }
+
+ private:
+  uintptr_t base_, page_, done_;
+  int64_t size_;
+};
 
 void check_slot(const Table& t, int slot) {
   if (t.shard && slot >= t.shard->num_slots()) {
@@ -165,7 +188,7 @@ int Client::add_table(const TableSpec& given, const std::string& given_error) {
   });
 }
 
-void Client::load_from_root(int table, const float* values, int root, const std::string& error) {
+void Client::load_from_root(int table, const float* values, int root, const std::string& error, bool consume) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& c = *impl_;
   c.guarded([&] {
@@ -193,28 +216,47 @@ void Client::load_from_root(int table, const float* values, int root, const std:
       throw PSRemoteError("hybridsync load_from_root failed on rank " + std::to_string(root) + ": " + verdict);
     }
     // Rows travel in chunks of about kChunkBytes, at most one chunk in flight: the root never
-    // holds a second copy of the table (the caller frees each table as its shards take it over,
-    // so wrapping a model peaks no higher than the model itself).
-    constexpr int64_t kChunkBytes = 4 << 20;
+    // holds a second copy of the table. Each shard's k-th chunk goes out in round k, so the rows
+    // handed over form a growing prefix of the table (ids are increasing in each shard's local
+    // order); with `consume`, that prefix's pages go back to the system after every round and
+    // the root's own shard (whose pages become resident only as they are written) grows as the
+    // table shrinks.
+    constexpr int64_t kChunkBytes = 256 << 10;
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / static_cast<int64_t>(dim * sizeof(float)));
     if (c.rank() == root) {
-      for (int s = 0; s < t.spec.num_shards; ++s) {
-        const int64_t n = t.part.shard_rows(s);
-        for (int64_t start = 0; start < n; start += chunk) {
+      const int shards = t.spec.num_shards;
+      std::vector<int64_t> next(static_cast<size_t>(shards), 0);  // each shard's first row not handed over
+      PageReleaser released(values, t.spec.num_rows * dim * static_cast<int64_t>(sizeof(float)));
+      for (bool more = true; more;) {
+        more = false;
+        for (int s = 0; s < shards; ++s) {
+          const int64_t n = t.part.shard_rows(s), start = next[static_cast<size_t>(s)];
+          if (start >= n) continue;
           const int64_t count = std::min(chunk, n - start);
           if (s == root) {  // our own shard: straight from the caller's array
             for (int64_t l = start; l < start + count; ++l) {
               std::memcpy(t.shard->row(l), values + t.part.global_id(s, l) * dim, dim * sizeof(float));
             }
-            continue;
+          } else {
+            Writer w;
+            float* rows = w.f32_slot(count * dim);
+            for (int64_t l = 0; l < count; ++l) {
+              std::memcpy(rows + l * dim, values + t.part.global_id(s, start + l) * dim, dim * sizeof(float));
+            }
+            c.transport->send(s, kTagControl, w.take());
+            c.transport->wait_sends();
           }
-          Writer w;
-          float* rows = w.f32_slot(count * dim);
-          for (int64_t l = 0; l < count; ++l) {
-            std::memcpy(rows + l * dim, values + t.part.global_id(s, start + l) * dim, dim * sizeof(float));
+          next[static_cast<size_t>(s)] = start + count;
+          more = more || start + count < n;
+        }
+        if (consume) {
+          int64_t prefix = t.spec.num_rows;  // every row below it has been handed over
+          for (int s = 0; s < shards; ++s) {
+            if (next[static_cast<size_t>(s)] < t.part.shard_rows(s)) {
+              prefix = std::min(prefix, t.part.global_id(s, next[static_cast<size_t>(s)]));
+            }
           }
-          c.transport->send(s, kTagControl, w.take());
-          c.transport->wait_sends();
+          released.release_to(prefix * dim * static_cast<int64_t>(sizeof(float)));
         }
       }
     } else if (t.shard) {

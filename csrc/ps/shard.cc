@@ -1,9 +1,37 @@
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "hybridsync/ps.h"
 
 namespace hybridsync {
+
+template <class T>
+T* ZeroPages<T>::allocate(size_t n) {
+  const size_t bytes = n * sizeof(T);
+  if (bytes >= kMmapBytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void* p = std::calloc(n ? n : 1, sizeof(T));
+  if (p == nullptr) throw std::bad_alloc();
+  return static_cast<T*>(p);
+}
+
+template <class T>
+void ZeroPages<T>::deallocate(T* p, size_t n) noexcept {
+  if (n * sizeof(T) >= kMmapBytes) {
+    munmap(p, n * sizeof(T));
+  } else {
+    std::free(p);
+  }
+}
+
+template struct ZeroPages<float>;
 
 Shard::Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<UpdateRule> rule)
     : table_(std::move(table)), rows_(rows), dim_(dim), rule_(std::move(rule)) {
@@ -11,7 +39,7 @@ Shard::Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<Updat
     throw PSError("table '" + table_ + "': shape (" + std::to_string(rows) + ", " +
                   std::to_string(dim) + ") is not a valid (rows, dim)");
   }
-  owned_.assign(static_cast<size_t>(rows * dim), 0.0f);
+  owned_.resize(static_cast<size_t>(rows * dim));  // zeros, resident once written
   base_ = owned_.data();
   set_rule(std::move(rule_));
 }
@@ -26,7 +54,8 @@ void Shard::attach(float* base, int64_t stride, int64_t offset) {
 
 void Shard::detach() {
   if (!attached()) return;
-  std::vector<float> copy(static_cast<size_t>(rows_ * dim_));
+  decltype(owned_) copy;
+  copy.resize(static_cast<size_t>(rows_ * dim_));
   for (int64_t l = 0; l < rows_; ++l) std::memcpy(copy.data() + l * dim_, row(l), sizeof(float) * dim_);
   owned_ = std::move(copy);
   base_ = owned_.data();

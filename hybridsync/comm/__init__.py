@@ -38,8 +38,9 @@ def horovod_has_spare_cores() -> bool:
 
 def choose(requested: str | None = None) -> str:
     """The dense backend to use: `requested` (code or YAML), else hybridsync.init(backend=...),
-    else HYBRIDSYNC_BACKEND, else Horovod when installed and each local rank has a spare core
-    for its controller thread, else MPI (a one-line warning when Horovod is missing)."""
+    else HYBRIDSYNC_BACKEND, else Horovod when installed, the job has more than one rank, and
+    each local rank has a spare core for its controller thread, else MPI (a one-line warning
+    when Horovod is missing)."""
     global _warned
     from . import horovod
 
@@ -58,6 +59,10 @@ def choose(requested: str | None = None) -> str:
             if not _warned:
                 _warned = True
                 print("hybridsync: Horovod is not installed; dense all-reduce uses MPI (mpi4py)", file=sys.stderr)
+        elif runtime.world().size == 1 and not launched_by_gloo():
+            # Nothing to all-reduce; Horovod's background thread would still cost a single
+            # process ~10% of its step (measured: benchmarks/bench.py at 1 rank).
+            name, _why["mpi"] = "mpi", "one rank: no all-reduce to run (HYBRIDSYNC_BACKEND=horovod forces Horovod)"
         elif launched_by_gloo() or horovod_has_spare_cores():
             name, _why["horovod"] = "horovod", "default"
         else:

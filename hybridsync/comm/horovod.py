@@ -3,9 +3,17 @@ background thread, on the job's MPI communicator (or Gloo under `horovodrun --gl
 Buffers are torch tensors or NumPy arrays (seen as tensors without a copy, so in-place results
 land in the array).
 
-Horovod negotiates every collective itself (shapes, dtypes, root ranks, reduction ops: a
-mismatch is an error on every rank). Its messages name neither the tensor nor the ranks;
-`failure()` adds both, the ranks by one bounded exchange of descriptors on the error path only.
+Collectives users call (hybridsync.torch's allreduce, allgather, broadcast, alltoall,
+reducescatter, barrier, join, objects) pass a `HorovodGate` first: the ranks agree on what they
+submitted over MPI (hybridsync.comm.negotiation, as the MPI backend does: one 16-byte
+all-gather per round) and each collective goes to Horovod once every rank has submitted it with
+the same name, kind, shape, dtype, root, op and scales. What Horovod cannot tell (names that
+differ between ranks, a name submitted twice: Horovod waits forever, or until its stall
+shutdown) is then an error on every rank naming the collective and the ranks, as is any other
+mismatch. A DistributedOptimizer's own all-reduces (names made identically on every rank) go
+to Horovod directly. Without an MPI communicator (`horovodrun --gloo`) there is no gate:
+Horovod negotiates alone, and `failure()` adds the tensor and the ranks to its mismatch errors
+by one bounded exchange of descriptors on the error path only.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ _lock = threading.Lock()
 _DIAG_BYTES = 1024
 _DIAG_TIMEOUT_S = 10.0
 _diag_comm = None  # MPI channel for mismatch diagnosis; dropped if an exchange ever times out
+_gate = None  # the HorovodGate of the running Horovod (None under `horovodrun --gloo`)
 
 
 def available() -> bool:
@@ -35,7 +44,7 @@ def available() -> bool:
 
 def module():
     """horovod.torch, initialised on the job's communicator (once)."""
-    global _diag_comm
+    global _diag_comm, _gate
     import horovod.torch as hvd
 
     with _lock:
@@ -44,10 +53,26 @@ def module():
             if world.comm is not None:
                 hvd.init(comm=world.comm)
                 _diag_comm = world.comm.Dup()
+                from .horovod_gate import HorovodGate
+
+                _gate = HorovodGate(world.comm, hvd, mismatch_error_class)
             else:
                 hvd.init()
             runtime.on_shutdown(hvd.shutdown)
+            runtime.on_shutdown(_free_gate)  # (newest first: before Horovod's shutdown)
     return hvd
+
+
+def gate():
+    """The HorovodGate user-called collectives pass before Horovod, or None (no MPI channel)."""
+    return _gate
+
+
+def _free_gate() -> None:
+    global _gate
+    if _gate is not None:
+        _gate.free()
+        _gate = None
 
 
 _ops: dict = {}
@@ -137,29 +162,44 @@ class HorovodCollectives:
     def poll(self, handle) -> bool:
         return self.hvd.poll(handle[0])
 
+    def _wait(self, inner):
+        if _gate is not None:  # (a no-op unless user-called collectives wait in the gate)
+            _gate.progress_until(lambda: self.hvd.poll(inner))
+        return self.hvd.synchronize(inner)
+
     def synchronize(self, handle):
-        self.hvd.synchronize(handle[0])
+        self._wait(handle[0])
         return handle[1]
 
     def allreduce(self, tensor, name=None, op="average"):
-        return self.hvd.allreduce(tensor, name=name, op=reduce_op(op))
+        return self._wait(self.hvd.allreduce_async(tensor, name=name, op=reduce_op(op)))
 
     def broadcast_(self, buf, root_rank, name=None):
-        self.hvd.broadcast_(_tensor(buf), root_rank, name=name)
+        self._wait(self.hvd.broadcast_async_(_tensor(buf), root_rank, name=name))
         return buf
 
     def allgather(self, buf, name=None):
-        out = self.hvd.allgather(_tensor(buf), name=name)
+        out = self._wait(self.hvd.allgather_async(_tensor(buf), name=name))
         return out.numpy() if isinstance(buf, np.ndarray) else out
 
+    # Objects, barriers and join go through the gate (with the user's collectives) where there
+    # is one: a peer may wait in the gate for a collective this rank has submitted but not waited
+    # for, and Horovod's own forms block without letting the gate move.
     def broadcast_object(self, obj, root_rank=0, name=None):
+        if _gate is not None:
+            return _gate.broadcast_object(obj, root_rank, name=name)
         return self.hvd.broadcast_object(obj, root_rank, name=name)
 
     def allgather_object(self, obj, name=None):
+        if _gate is not None:
+            return _gate.allgather_object(obj, name=name)
         return self.hvd.allgather_object(obj, name=name)
 
     def barrier(self):
-        self.hvd.barrier()
+        if _gate is not None:
+            _gate.barrier()
+        else:
+            self.hvd.barrier()
 
     def join(self) -> int:
-        return self.hvd.join()
+        return _gate.join() if _gate is not None else self.hvd.join()

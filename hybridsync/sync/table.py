@@ -42,9 +42,12 @@ class PSTable:
         init = self.engine.init_normal if kind == "normal" else self.engine.init_uniform
         init(self.handle, int(seed), float(a), float(b))
 
-    def load_from_root(self, values, root: int = 0) -> None:
-        """Collective: rank `root`'s whole table (num_rows x dim) becomes every shard's rows."""
-        self.engine.load_from_root(self.handle, values, root)
+    def load_from_root(self, values, root: int = 0, consume: bool = False) -> None:
+        """Collective: rank `root`'s whole table (num_rows x dim) becomes every shard's rows.
+        consume: the root gives `values` up (a writable array nothing else will read): its
+        memory goes back to the system as the rows reach their shards, so the root never holds
+        the whole table and its own shard at once (it reads as zeros afterwards)."""
+        self.engine.load_from_root(self.handle, values, root, consume)
 
     def scatter(self, values, slot: int = -1) -> None:
         """Local: this rank's shard takes its rows (slot < 0) or optimizer slot from a whole

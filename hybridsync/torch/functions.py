@@ -37,7 +37,7 @@ def _auto_name(kind: str, name, process_set):
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """root_rank's `obj` (pickled; any picklable object), on every rank of the process set."""
     route, name = ops.route(process_set), _auto_name("broadcast_object", name, process_set)
-    if isinstance(route, ops._HorovodTorch):
+    if isinstance(route, ops._HorovodTorch) and route.engine is None:  # horovodrun --gloo
         return route.hvd.broadcast_object(obj, root_rank, name=name)
     me = ops.global_rank()
     blob = route.engine.broadcast_object(_dumps(obj) if me == root_rank else None, root_rank, name=name)
@@ -47,7 +47,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Every rank's `obj`, as a list in rank order."""
     route, name = ops.route(process_set), _auto_name("allgather_object", name, process_set)
-    if isinstance(route, ops._HorovodTorch):
+    if isinstance(route, ops._HorovodTorch) and route.engine is None:  # horovodrun --gloo
         return route.hvd.allgather_object(obj, name=name)
     return [_pickle.loads(b) for b in route.engine.allgather_object(_dumps(obj), name=name)]
 

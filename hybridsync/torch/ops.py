@@ -101,10 +101,18 @@ class _MPITorch:
 
 
 class _HorovodTorch:
-    """Horovod's ops; its mismatch errors are re-raised naming the tensor and the ranks."""
+    """Horovod's ops, behind the gate (hybridsync.comm.horovod_gate): the ranks agree on each
+    collective over MPI before Horovod runs it, so a mismatch Horovod would wait on forever
+    (names, duplicates) raises on every rank like the others. Mismatch errors name the tensor
+    and the ranks. Under `horovodrun --gloo` (no MPI) Horovod negotiates alone."""
 
     def __init__(self):
         self.hvd = hvd_backend.module()
+
+    @property
+    def engine(self):
+        """The gate, which also moves pickled objects (None: Horovod's own object functions)."""
+        return hvd_backend.gate()
 
     def _handle(self, inner, desc: Desc, finish=lambda out: out) -> Handle:
         hvd = self.hvd
@@ -120,6 +128,34 @@ class _HorovodTorch:
             return finish(out)
         return Handle(wait, lambda: hvd.poll(inner))
 
+    def _gated(self, desc: Desc, start, finish=lambda out: out) -> Handle:
+        """Submits `desc` to the gate; once the ranks agree, start(name) runs it in Horovod."""
+        gate = hvd_backend.gate()
+        if gate is None:
+            return self._handle(start(None if desc.name == "(unnamed)" else desc.name), desc, finish)
+        submitted = gate.submit(desc.kind, None if desc.name == "(unnamed)" else desc.name, start, dtype=desc.dtype,
+                                shape=desc.shape, root=desc.root, op=desc.op, scales=desc.scales)
+        hvd = self.hvd
+
+        def wait():
+            started = gate.synchronize(submitted)
+            try:
+                out = hvd.synchronize(started)
+            except Exception as exc:
+                failure = hvd_backend.failure(exc, submitted.desc)
+                if failure is exc:
+                    raise
+                raise failure from None
+            finally:
+                gate.finished(submitted.desc.name, started)
+            return finish(out)
+
+        def poll():
+            if not gate.poll(submitted):
+                return False
+            return submitted.error is not None or hvd.poll(submitted.result)
+        return Handle(wait, poll)
+
     @staticmethod
     def _desc(kind, tensor, name, **kw):
         return Desc(kind, name or "(unnamed)", _label(tensor), tuple(tensor.shape), **kw)
@@ -132,37 +168,44 @@ class _HorovodTorch:
             if work is not tensor:
                 tensor.detach().copy_(work)
             return tensor
-        return self._handle(submit(work), desc, finish)
+        return self._gated(desc, lambda name: submit(work, name), finish)
 
     def allreduce_async_(self, tensor, name, op, pre, post):
-        desc = self._desc("allreduce", tensor, name, op=op_name(op), scales=(pre, post))
-        return self._in_place(tensor, lambda t: self.hvd.allreduce_async_(
-            t, name=name, op=hvd_backend.reduce_op(op), prescale_factor=pre, postscale_factor=post), desc)
+        desc = self._desc("allreduce", tensor, name, op=op_name(op), scales=(float(pre), float(post)))
+        return self._in_place(tensor, lambda t, n: self.hvd.allreduce_async_(
+            t, name=n, op=hvd_backend.reduce_op(op), prescale_factor=pre, postscale_factor=post), desc)
 
     def broadcast_async_(self, tensor, root, name):
         desc = self._desc("broadcast", tensor, name, root=root)
-        return self._in_place(tensor, lambda t: self.hvd.broadcast_async_(t, root, name=name), desc)
+        return self._in_place(tensor, lambda t, n: self.hvd.broadcast_async_(t, root, name=n), desc)
 
     def allgather_async(self, tensor, name):
         if tensor.dim() == 0:
             raise ValueError(f"allgather '{name}': needs a tensor with at least one dimension (it concatenates dim 0)")
-        return self._handle(self.hvd.allgather_async(tensor.contiguous(), name=name),
-                            self._desc("allgather", tensor, name))
+        work = tensor.contiguous()
+        return self._gated(self._desc("allgather", tensor, name), lambda n: self.hvd.allgather_async(work, name=n))
 
     def alltoall_async(self, tensor, splits, name):
-        return self._handle(self.hvd.alltoall_async(tensor.contiguous(), splits=splits, name=name),
-                            self._desc("alltoall", tensor, name))
+        work = tensor.contiguous()
+        return self._gated(self._desc("alltoall", tensor, name),
+                           lambda n: self.hvd.alltoall_async(work, splits=splits, name=n))
 
     def reducescatter_async(self, tensor, name, op, pre, post):
-        return self._handle(self.hvd.reducescatter_async(tensor.contiguous(), name=name, op=hvd_backend.reduce_op(op),
-                                                         prescale_factor=pre, postscale_factor=post),
-                            self._desc("reducescatter", tensor, name, op=op_name(op), scales=(pre, post)))
+        work = tensor.contiguous()
+        return self._gated(self._desc("reducescatter", tensor, name, op=op_name(op), scales=(float(pre), float(post))),
+                           lambda n: self.hvd.reducescatter_async(work, name=n, op=hvd_backend.reduce_op(op),
+                                                                  prescale_factor=pre, postscale_factor=post))
 
     def barrier(self):
-        self.hvd.barrier()
+        gate = hvd_backend.gate()
+        if gate is None:
+            self.hvd.barrier()
+        else:
+            gate.barrier()  # every rank submitted it: agreed is done
 
     def join(self) -> int:
-        return self.hvd.join()
+        gate = hvd_backend.gate()
+        return self.hvd.join() if gate is None else gate.join()
 
 
 _horovod = None

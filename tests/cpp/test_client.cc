@@ -1,5 +1,8 @@
 // A real Client over the one-rank "loopback" transport: the transport factory, table
 // registration, split-phase pull/push with handles, lazy pushes, replicas, errors and threads.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -168,4 +171,30 @@ TEST(load_from_root_and_a_replica_attachment) {
   CHECK(sums.size() == 12 && sums[4] == 7 && sums[10] == 0);
   CHECK((c->local_values(t, -1) == replica));
   CHECK_THROWS(c->write_local(t, 1, ids.data(), 4, rows.data()), PSError, "has no state slot 1");
+}
+
+TEST(load_from_root_consuming_the_values_gives_their_pages_back_as_rows_reach_the_shard) {
+  auto c = loopback_client();
+  const int64_t rows = 100000, dim = 16;  // 6.1 MiB, many chunks
+  const int t = c->add_table(TableSpec{"big", rows, dim, 0, PartitionKind::kCyclic, "sgd", {{"lr", 1.0}}});
+  const size_t bytes = static_cast<size_t>(rows * dim) * sizeof(float);
+  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(mem != MAP_FAILED);
+  float* values = static_cast<float*>(mem);
+  std::vector<float> expected(static_cast<size_t>(rows * dim));
+  for (size_t i = 0; i < expected.size(); ++i) values[i] = expected[i] = static_cast<float>(i % 9973);
+  c->load_from_root(t, values, 0, "", true);
+  CHECK((c->gather(t, -1) == expected));
+  const int64_t page = sysconf(_SC_PAGESIZE), n = (static_cast<int64_t>(bytes) + page - 1) / page;
+  std::vector<unsigned char> in(static_cast<size_t>(n));
+  CHECK(mincore(mem, bytes, in.data()) == 0);
+  int64_t resident = 0;
+  for (unsigned char v : in) resident += v & 1;
+  CHECK(resident <= 1);  // every whole page went back (the last may hold the tail)
+  CHECK_NEAR(values[12345], 0, 0.0);  // a returned page reads as zeros
+  munmap(mem, bytes);
+  // Without consume, the caller's rows stay.
+  std::vector<float> kept = expected;
+  c->load_from_root(t, kept.data(), 0);
+  CHECK((kept == expected));
 }

@@ -1,4 +1,7 @@
 // The shard store and the update rules, against numbers worked out by hand.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <vector>
 
@@ -115,4 +118,34 @@ TEST(an_attached_shard_reads_and_writes_the_callers_rows_and_detach_copies_them)
   CHECK(!s.attached());
   table[6] = -1;
   CHECK_NEAR(s.row(1)[0], 29, 0.0);  // owns a copy now
+}
+
+namespace {
+
+// Pages of [p, p + bytes) that are resident (p page-aligned).
+int64_t resident_pages(const void* p, int64_t bytes) {
+  const int64_t page = sysconf(_SC_PAGESIZE), n = (bytes + page - 1) / page;
+  std::vector<unsigned char> in(static_cast<size_t>(n));
+  CHECK(mincore(const_cast<void*>(p), static_cast<size_t>(bytes), in.data()) == 0);
+  int64_t count = 0;
+  for (unsigned char v : in) count += v & 1;
+  return count;
+}
+
+}  // namespace
+
+TEST(a_shards_rows_are_zeros_that_take_memory_only_once_written) {
+  // 8 MiB of rows: a shard being loaded from a whole table grows as that table shrinks.
+  Shard s = make_shard("sgd", {{"lr", 1.0}}, 65536, 32);
+  const int64_t bytes = s.rows() * s.dim() * static_cast<int64_t>(sizeof(float));
+  CHECK(resident_pages(s.row(0), bytes) == 0);
+  CHECK(s.row_bytes() == bytes);
+  const float one[32] = {1};
+  const int64_t l = 1000;
+  s.scatter(&l, 1, one);  // 128 bytes: one page
+  CHECK(resident_pages(s.row(0), bytes) == 1);
+  CHECK_NEAR(s.row(1000)[0], 1, 0.0);
+  CHECK_NEAR(s.row(65535)[31] + s.row(0)[0] + s.row(1000)[1], 0, 0.0);  // never written: zeros
+  Shard small = make_shard("sgd", {{"lr", 1.0}}, 3, 2);  // (calloc'd, not mapped)
+  CHECK_NEAR(small.row(2)[1] + small.row(0)[0], 0, 0.0);
 }

@@ -3,9 +3,10 @@ disagree -- never a hang, a wrong result or a corrupted heap -- and the job goes
 
 One job per world size runs every case in turn under each backend: the last rank submits
 something different; each case checks that every rank raised, then a normal collective proves
-that nothing was left behind. Horovod negotiates by itself (hybridsync adds the collective and
-the ranks to its message); cases it cannot detect (different names, a name submitted twice on
-one rank: Horovod waits) run under the MPI backend only, as do process sets (MPI in both)."""
+that nothing was left behind. Under Horovod the ranks agree before Horovod sees a collective
+(hybridsync.comm.horovod_gate), so the cases Horovod itself would wait on forever (names that
+differ, a name submitted twice, different kinds under one name) raise too; process sets run
+over MPI under both backends."""
 import re
 import time
 
@@ -21,6 +22,7 @@ def _expect_error(hvd, label, ranks_named, fn):
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         fn()
+    assert time.monotonic() - start < 10, "a mismatch must raise at once, not after a timeout"
     text = str(info.value)
     assert label in text, text
     for r in ranks_named:
@@ -50,7 +52,7 @@ def mismatch_cases(hvd, rank, size, odd):
     ]
 
 
-def mpi_only_cases(hvd, rank, size, odd):
+def more_cases(hvd, rank, size, odd):
     import numpy as np
     import torch
 
@@ -100,6 +102,33 @@ def check_membership(hvd, rank, size):
     hvd.remove_process_set(members)
 
 
+def check_no_false_alarms(hvd, rank, size, backend):
+    """What Horovod allows is no mismatch: async collectives submitted and waited for in another
+    order on each rank, and a user collective one rank waits for before its optimizer step
+    while another waits for the step first (the optimizer's all-reduces skip the negotiation)."""
+    import torch
+
+    names = [f"order.{i}" for i in range(4)]
+    if rank % 2:
+        names.reverse()
+    handles = {n: hvd.allreduce_async(torch.full((2,), float(n[-1])), name=n, op=hvd.Sum) for n in names}
+    for n in reversed(names) if rank == 0 else names:
+        assert hvd.synchronize(handles[n]).tolist() == [float(n[-1]) * size] * 2
+    if backend != "horovod":
+        return  # (the MPI backend's optimizer waits without negotiating: it needs the same order)
+    model = torch.nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(3):
+        metric = hvd.allreduce_async(torch.ones(1), op=hvd.Sum, name=f"metric.{step}")
+        if rank == 0:
+            hvd.synchronize(metric)
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+        assert hvd.synchronize(metric).item() == size
+
+
 def rank_mismatches():
     import torch
 
@@ -108,13 +137,12 @@ def rank_mismatches():
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
     odd = size - 1
-    if size > 2:
-        check_membership(hvd, rank, size)
     for backend in ("mpi", "horovod"):  # one job, both backends
         hvd.init(backend=backend)
-        cases = mismatch_cases(hvd, rank, size, odd)
-        if backend == "mpi":
-            cases += mpi_only_cases(hvd, rank, size, odd)
+        if size > 2:
+            check_membership(hvd, rank, size)
+        check_no_false_alarms(hvd, rank, size, backend)
+        cases = mismatch_cases(hvd, rank, size, odd) + more_cases(hvd, rank, size, odd)
         for label, fn in cases:
             # The message names the odd rank (the others are named with it, or as the majority).
             _expect_error(hvd, f"{label}", [odd], fn)
@@ -126,7 +154,8 @@ def rank_mismatches():
 def test_mismatched_collectives_raise_on_every_rank(np_):
     out = run_ranks(__file__, "rank_mismatches", np_, timeout=120)
     assert out.count("mismatches raised") == 2 * np_, out
-    assert out.count("raised after") == np_ * 22, out
+    assert out.count("raised after") == np_ * 28, out
+    assert out.count("14 mismatches raised (horovod)") == np_, out
 
 
 if __name__ == "__main__":

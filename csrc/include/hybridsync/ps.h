@@ -9,6 +9,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace hybridsync {
@@ -76,6 +77,33 @@ class UpdateRule {
 // The rule registered as `name` (each rule's .cc registers itself); PSError lists known names.
 std::unique_ptr<UpdateRule> make_update_rule(const std::string& name, const std::map<std::string, double>& hparams);
 
+// Memory that reads as zeros and costs nothing until written: blocks of 1 MiB and more come
+// straight from mmap (untouched pages), smaller ones from calloc. Default construction writes
+// nothing, so a fresh vector<T, ZeroPages<T>>(n) holds n zeros and no resident memory yet: a
+// shard's rows become resident as they are written (a table being loaded from a whole copy
+// does not hold the shard and the copy at once). Only fresh allocations are zero: grow such a
+// vector with resize() only from empty.
+template <class T>
+struct ZeroPages {
+  using value_type = T;
+  static constexpr size_t kMmapBytes = size_t{1} << 20;
+  ZeroPages() = default;
+  template <class U>
+  ZeroPages(const ZeroPages<U>&) noexcept {}
+  T* allocate(size_t n);
+  void deallocate(T* p, size_t n) noexcept;
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+  template <class U>
+  void construct(U*) noexcept {}  // the zeros are already there
+  template <class U>
+  bool operator==(const ZeroPages<U>&) const noexcept { return true; }
+  template <class U>
+  bool operator!=(const ZeroPages<U>&) const noexcept { return false; }
+};
+
 // One table's rows held by this rank, with their optimizer state; the Client serialises access.
 // Rows are owned, or alias a caller's full-table buffer (row l at base + (l*stride + offset)*dim).
 class Shard {
@@ -114,7 +142,7 @@ class Shard {
   std::string table_;
   int64_t rows_, dim_;
   std::unique_ptr<UpdateRule> rule_;
-  std::vector<float> owned_;
+  std::vector<float, ZeroPages<float>> owned_;
   float* base_ = nullptr;
   int64_t stride_ = 1, offset_ = 0;
   std::vector<std::vector<float>> slots_;
@@ -198,7 +226,11 @@ class Client {
   // Collective. Applies any push still pending.
   void flush();
   // Collective. Rank `root`'s full table becomes the shards' rows; its `error` throws everywhere.
-  void load_from_root(int table, const float* values, int root, const std::string& error = "");
+  // consume: the root gives `values` up -- its pages go back to the system as their rows reach
+  // the shards (they read as zeros afterwards), so the root never holds the table and its own
+  // shard at once.
+  void load_from_root(int table, const float* values, int root, const std::string& error = "",
+                      bool consume = false);
   // Collective. The full table (slot < 0) or an optimizer slot, on every rank.
   std::vector<float> gather(int table, int slot);
 
