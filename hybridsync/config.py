@@ -2,7 +2,7 @@
 
     defaults:
       dense:  {sync: allreduce, compression: none}      # allreduce | ps
-      sparse: {sync: ps, placement: sharded}            # ps | allgather | allreduce (as dense)
+      sparse: {sync: auto, placement: sharded}          # auto | ps | allgather | allreduce (as dense)
     variables:                                          # first match wins; glob on the name
       - match: "emb.*"
         sync: ps
@@ -12,6 +12,7 @@
         compression: fp16
     strict: true                                        # a rule that matches nothing is an error
     backend: mpi                                        # dense backend: horovod | mpi (optional)
+    auto_steps: 20                                      # steps `sync: auto` measures before it decides
 
 Loaded with yaml.safe_load semantics; every error is a ConfigError naming file, line and key.
 A plan written by `python -m hybridsync explain --json` loads back as a config.
@@ -33,7 +34,7 @@ class ConfigError(ValueError):
 
 
 SYNC_DENSE = ("allreduce", "ps")
-SYNC_SPARSE = ("ps", "allgather", "allreduce", "allreduce-as-dense")
+SYNC_SPARSE = ("auto", "ps", "allgather", "allreduce", "allreduce-as-dense")
 PLACEMENTS = ("sharded", "replicated")
 PARTITIONS = ("cyclic", "block")
 COMPRESSIONS = ("none", "fp16")
@@ -68,6 +69,7 @@ class Config:
     rules: list
     strict: bool = False
     backend: str | None = None
+    auto_steps: int | None = None  # steps `sync: auto` measures (None: HYBRIDSYNC_AUTO_STEPS)
     source: str = "<dict>"
     where: dict = dataclasses.field(default_factory=dict)  # "defaults.dense" etc. -> "file:line"
 
@@ -202,7 +204,7 @@ class _Checker:
 
 def _parse(root: _Node, source: str) -> Config:
     c = _Checker(source)
-    top = c.mapping(root, "", ("defaults", "variables", "strict", "backend"))
+    top = c.mapping(root, "", ("defaults", "variables", "strict", "backend", "auto_steps"))
     cfg = Config(Settings(), Settings(), [], source=source)
     if "defaults" in top:
         node, line = top["defaults"]
@@ -232,6 +234,11 @@ def _parse(root: _Node, source: str) -> Config:
         cfg.strict = node.value
     if "backend" in top:
         cfg.backend = c.choice(top["backend"], "backend", BACKENDS)
+    if "auto_steps" in top:
+        node, line = top["auto_steps"]
+        if not isinstance(node.value, int) or isinstance(node.value, bool) or node.value < 1:
+            c.fail(line, "auto_steps", f"expected an integer >= 1, got {node.value!r}")
+        cfg.auto_steps = node.value
     return cfg
 
 

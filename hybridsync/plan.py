@@ -25,6 +25,9 @@ class VariablePlan:
     optimizer_source: str = "-"  # "wrapped" (follows the optimizer, LR schedules too) | "config"
     reason: str = ""
     bytes_per_step: int | None = None  # measured after the first steps
+    # sync: auto -- {"status": "measuring" | "decided", "steps": K, then the measured density,
+    # each candidate's predicted ms, "choice", "margin"} (hybridsync.sync.auto)
+    auto: dict | None = None
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -41,7 +44,8 @@ class VariablePlan:
         d["kind"] = GradKind(d["kind"]) if d.get("kind") else None
         d["route"] = Route(d["route"]) if d.get("route") else None
         d["placement"] = Placement(d.get("placement", "-"))
-        return cls(**d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 @dataclasses.dataclass
@@ -78,7 +82,13 @@ class Plan:
         reason = f" - {self.backend_reason}" if self.backend_reason and self.backend_reason != "default" else ""
         title = (f"hybridsync plan ({self.framework}, {self.world_size} rank{'s' if self.world_size != 1 else ''}, "
                  f"dense backend: {self.backend or '-'}{reason})")
-        return "\n".join([title, line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+        lines = [title, line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
+        auto = [v for v in self.variables if v.auto]
+        if auto:
+            from .sync.cost_model import describe_auto
+
+            lines += ["", "sync: auto"] + ["  " + describe_auto(v.name, v.auto, v.shape) for v in auto]
+        return "\n".join(lines)
 
     def to_json(self) -> dict:
         return {"framework": self.framework, "backend": self.backend, "backend_reason": self.backend_reason,

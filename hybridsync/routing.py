@@ -24,6 +24,39 @@ class RouteResolver:
     server_rule: Callable  # (variable name, param or None) -> {"name": rule, hyper-parameters...}
     applies_sparse: bool  # the wrapped optimizer applies sparse gradients itself (allgather route)
     optimizer_name: str = "the optimizer"
+    auto_supported: bool = True  # the frontend can switch a variable's route during training
+
+    @property
+    def auto_steps(self) -> int:
+        """Steps `sync: auto` measures: the config's auto_steps, else HYBRIDSYNC_AUTO_STEPS."""
+        from .settings import settings
+
+        if self.config is not None and self.config.auto_steps is not None:
+            return self.config.auto_steps
+        return settings().auto_steps
+
+    def _auto(self, v: VariablePlan, sync: str, ps_module: bool, explicit: bool) -> str:
+        """`sync: auto` (the default for sparse variables): measure on the parameter server for
+        auto_steps steps, then hybridsync.sync.auto picks the route once. Returns the route to
+        start on."""
+        from .settings import settings
+
+        v.auto = None
+        if sync != "auto":
+            return sync
+        if v.kind is not GradKind.SPARSE:
+            v.reason += "; auto: dense variables are all-reduced"
+            return "allreduce"
+        if not settings().auto or ps_module or self.world_size == 1 or not self.auto_supported:
+            if explicit:  # the implicit default says nothing where auto has nothing to do
+                v.reason += ("; auto off (HYBRIDSYNC_AUTO=off): ps" if not settings().auto else
+                             "; auto: a PS embedding's rows exist only on the PS" if ps_module else
+                             "; auto: one rank, nothing to exchange: ps" if self.world_size == 1 else
+                             "; auto: not available in this frontend: ps")
+        else:
+            v.auto = {"status": "measuring", "steps": self.auto_steps}
+            v.reason += f"; auto: measuring {self.auto_steps} steps on ps"
+        return "ps"
 
     def settings_for(self, v: VariablePlan) -> tuple[Settings, str]:
         """Merged settings for v, and why: built-in < config defaults < first matching rule."""
@@ -57,8 +90,9 @@ class RouteResolver:
             raise ConfigError(f"{where}: {key}: variable '{v.name}': {problem}")
 
         sparse = v.kind is GradKind.SPARSE
-        sync = s.sync or ("ps" if sparse else "allreduce")
+        sync = s.sync or ("auto" if sparse else "allreduce")
         v.reason = why
+        sync = self._auto(v, sync, ps_module, explicit=s.sync == "auto")
         if ps_module and sync != "ps":
             fail("sync", f"'{sync}' is impossible for a PS embedding: its rows exist only on the PS")
         if not sparse and sync in ("allgather", "allreduce-as-dense"):

@@ -13,6 +13,11 @@ HYBRIDSYNC_FUSION_MB     MPI backend: size of one fused all-reduce bucket in MiB
 HYBRIDSYNC_PEER_TIMEOUT_S a peer not heard from (heartbeat) this long fails the wait with an error
                          naming it; a peer that is alive but slow gets a warning after as long
                          (default 60; 0 = off)
+HYBRIDSYNC_AUTO          off: sparse variables default to the parameter server and `sync: auto`
+                         means ps, nothing is measured (default: on)
+HYBRIDSYNC_AUTO_STEPS    steps `sync: auto` measures before it picks a route (default 20; a config's
+                         `auto_steps` wins)
+HYBRIDSYNC_CACHE_DIR     where link probes are cached (default ~/.cache/hybridsync)
 
 Launch facts read from the launcher's variables (not set by users) are parsed here too:
 launched_by_mpi(), launched_by_gloo() and gloo_world().
@@ -38,6 +43,9 @@ class Settings:
     explain: bool
     fusion_bytes: int
     peer_timeout_s: float
+    auto: bool = True
+    auto_steps: int = 20
+    cache_dir: str = ""
 
 
 BACKENDS = ("horovod", "mpi")
@@ -72,7 +80,34 @@ def settings() -> Settings:
         explain=os.environ.get("HYBRIDSYNC_EXPLAIN", "0") in ("1", "true", "yes"),
         fusion_bytes=max(1, int(_float("HYBRIDSYNC_FUSION_MB", 64.0) * 2**20)),
         peer_timeout_s=_float("HYBRIDSYNC_PEER_TIMEOUT_S", 60.0),
+        auto=_switch("HYBRIDSYNC_AUTO", True),
+        auto_steps=_positive_int("HYBRIDSYNC_AUTO_STEPS", 20),
+        cache_dir=os.environ.get("HYBRIDSYNC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hybridsync"),
     )
+
+
+def _switch(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise SettingsError(f"{name}={raw!r}: expected on or off")
+
+
+def _positive_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+    if value < 1:
+        raise SettingsError(f"{name}={raw!r} must be >= 1")
+    return value
 
 
 _MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")

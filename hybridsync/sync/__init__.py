@@ -8,4 +8,6 @@
     buckets.py       fused all-reduce buckets            agreement.py   rank 0's plan, checked
     server_rules.py  optimizer -> server rule            compression.py codecs by name
     accounting.py    bytes per variable per step
+    auto.py          sync: auto -- measure the first steps, choose each sparse route once, switch
+    cost_model.py    predicted step time of ps / allgather / allreduce-as-dense from measurements
 """

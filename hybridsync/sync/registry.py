@@ -42,6 +42,8 @@ class SyncSet:
         self.by_route: dict = {}  # (route, placement) -> Synchronizer
         self.route_of: dict = {}  # Variable -> (route, placement)
         self._order: list = []  # synchronizers, those that only send (PS pushes) first
+        self.verified = False
+        self.auto = None  # sync: auto while it measures (hybridsync.sync.auto.AutoStrategy)
 
     def assign(self, var: Variable) -> Synchronizer:
         """Puts var under its planned route's synchronizer (made on first use)."""
@@ -51,14 +53,33 @@ class SyncSet:
             sync = self.by_route[route] = synchronizer_class(*route, var.name)(self.ctx)
             self._order = sorted(self.by_route.values(), key=lambda s: s.waits)
         sync.add(var)
+        sync.verified = self.verified
         self.route_of[var] = route
         return sync
+
+    def move(self, var: Variable) -> Synchronizer:
+        """var leaves its synchronizer for the one of its plan's (new) route."""
+        old = self.by_route[self.route_of.pop(var)]
+        old.variables.remove(var)
+        if not old.variables:
+            del self.by_route[next(k for k, s in self.by_route.items() if s is old)]
+            self._order = sorted(self.by_route.values(), key=lambda s: s.waits)
+        return self.assign(var)
+
+    def start_auto(self, frontend, steps: int, links=None) -> None:
+        """Collective: `sync: auto` variables are measured for `steps` steps, then switched once."""
+        from .auto import AutoStrategy
+
+        variables = [var for var in self.route_of if var.plan.auto]
+        if variables and steps > 0:
+            self.auto = AutoStrategy(self, sorted(variables, key=lambda v: v.index), frontend, steps, links)
 
     def prepare(self) -> None:
         for sync in self.by_route.values():
             sync.prepare()
 
     def mark_verified(self) -> None:
+        self.verified = True
         for sync in self.by_route.values():
             sync.verified = True
 
@@ -68,8 +89,13 @@ class SyncSet:
     def synchronize(self) -> None:
         """Every route's exchange. Routes that only send (PS pushes) go first, so their messages
         travel while the routes that wait complete."""
+        auto = self.auto
+        if auto is not None:
+            auto.before_sync()
         for sync in self._order:
             sync.synchronize()
+        if auto is not None and auto.after_sync():
+            self.auto = None  # decided: from now on no auto work at all
 
     def in_flight(self) -> bool:
         return any(sync.in_flight() for sync in self.by_route.values())

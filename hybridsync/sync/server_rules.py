@@ -25,6 +25,9 @@ class OptimizerSpec:
     hparams: dict  # the rule's hyper-parameters (lr, eps, ...), read now
     blockers: list = dataclasses.field(default_factory=list)  # [(setting, value)] the server cannot apply
     applies_sparse: bool = False  # the optimizer applies a row-sparse gradient itself (allgather)
+    # ... and that update equals the server rule's, duplicate rows included (sync: auto may
+    # then move the table to allgather)
+    sparse_exact: bool = False
 
 
 def server_rule(spec: OptimizerSpec, variable: str) -> dict:

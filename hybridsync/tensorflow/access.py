@@ -62,3 +62,64 @@ class KerasAccess:
 
     def write_rows(self, ids, rows) -> None:
         self.out = (ids, rows)
+
+
+class AutoKerasAccess(KerasAccess):
+    """A `sync: auto` variable (hybridsync.sync.auto): whatever its route -- the PS while it is
+    measured, then the one chosen -- its gradient enters the exchange as rows and leaves it as
+    the same outputs, so a traced step never needs tracing again: (changed ids, rows) written
+    into the variable (PS), (ids, values) the Keras optimizer applies (all-reduced as dense:
+    every row; all-gathered: the gathered rows), and per optimizer slot (ids, values) written
+    into it once, at the switch. Whatever a route leaves alone is empty."""
+
+    def __init__(self, variable, dtype: str, rows: int, dim: int, slots: int):
+        super().__init__(variable, dtype, rows, dim)
+        self.slots = slots
+        self._all_ids = np.arange(rows, dtype=np.int64)
+        self._empty_ids = np.zeros(0, np.int64)
+        self._changed = self._grad = None
+        self._slot_values: list = []
+
+    def begin(self, kind, arrays: tuple, lr: float) -> None:
+        self._kind, self._lr = ("sparse" if len(arrays[0]) else None), lr
+        self._rows, self._dense = arrays, None
+        self._changed = (self._empty_ids, np.zeros((0, self.dim), np.float32))
+        self._grad = (self._empty_ids, np.zeros((0, self.dim), self.dtype))
+
+    def kind(self):
+        return self._kind
+
+    def dense(self, codec):
+        ids, values = self._rows
+        a = np.zeros((self.rows_, self.dim), self.dtype)
+        np.add.at(a, np.asarray(ids, np.int64), np.asarray(values, self.dtype).reshape(-1, self.dim))
+        wire = codec.wire_dtype(a.dtype.name)
+        return a.astype(wire) if wire is not None else a
+
+    def set_dense(self, buffer) -> None:
+        self._grad = (self._all_ids, np.asarray(buffer).astype(self.dtype, copy=False).reshape(self.rows_, self.dim))
+
+    def set_rows(self, ids, values) -> None:
+        self._grad = (np.asarray(ids, np.int64), np.asarray(values).astype(self.dtype, copy=False).reshape(-1, self.dim))
+
+    def write_rows(self, ids, rows) -> None:
+        self._changed = (ids, rows)
+
+    def set_slots(self, values: list) -> None:
+        """The optimizer's slots take these whole (num_rows x dim) values at this step."""
+        self._slot_values = list(values)
+
+    @property
+    def out(self) -> tuple:
+        slots = []
+        for k in range(self.slots):
+            if self._slot_values:
+                slots += [self._all_ids, np.asarray(self._slot_values[k], np.float32).reshape(self.rows_, self.dim)]
+            else:
+                slots += [self._empty_ids, np.zeros((0, self.dim), np.float32)]
+        self._slot_values = []
+        return (*self._changed, *self._grad, *slots)
+
+    @out.setter
+    def out(self, value) -> None:
+        pass  # KerasAccess.__init__ sets it; this access builds its outputs itself

@@ -28,8 +28,10 @@ from ..sync.registry import SyncSet
 from ..sync.server_rules import server_rule
 from ..types import GradKind, Placement, ReduceOp, Route
 from . import collectives
-from .access import KerasAccess
-from .server_optimizer import describe
+from ..sync import cost_model
+from ..sync.auto import candidates_for
+from .access import AutoKerasAccess, KerasAccess
+from .server_optimizer import describe, slots
 
 
 def variable_name(v) -> str:
@@ -83,6 +85,11 @@ class _DistributedKerasOptimizer:
             dtype = tf.as_dtype(v.dtype)  # Keras variables give a string, tf.Variables a DType
             vp = VariablePlan(name=variable_name(v), shape=tuple(v.shape), dtype=dtype.name, kind=kind, route=None)
             resolver.decide(vp, v)
+            if vp.auto and candidates_for(describe(self), vp.optimizer_source) == (cost_model.PS,):
+                # Nothing to choose, and a Keras optimizer applying no rows would still move
+                # Adam's moments: the variable stays on the PS without being measured.
+                vp.auto = None
+                vp.reason = vp.reason.split("; auto:")[0] + f"; auto: only ps applies {type(self).__name__} exactly"
             if vp.route is Route.PS and dtype != tf.float32:
                 raise ValueError(
                     f"variable '{vp.name}' is {dtype.name} (Keras mixed-precision policy "
@@ -95,10 +102,22 @@ class _DistributedKerasOptimizer:
         backend = collectives.mpi()
         self._hs_plan = agree(plan, backend)
         self._hs_vars = []
+        self._hs_auto = set()  # sync: auto variables keep one graph layout whatever their route
+        applied = [v for vp, v in zip(self._hs_plan.variables, variables)
+                   if vp.auto or vp.route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE, Route.ALLGATHER)]
+        if any(vp.auto for vp in self._hs_plan.variables) and not self.built:
+            self.build(applied)  # the slots an auto variable may hand its server state to must exist
+        self._hs_slots = {}
         for i, (vp, v) in enumerate(zip(self._hs_plan.variables, variables)):
             layer = getattr(v, "_hybridsync_table", None)
-            access = KerasAccess(v, vp.dtype, *_table_shape(vp.shape))
+            if vp.auto:
+                self._hs_slots[i] = slots(self, v)
+                access = AutoKerasAccess(v, vp.dtype, *_table_shape(vp.shape), slots=len(self._hs_slots[i]))
+            else:
+                access = KerasAccess(v, vp.dtype, *_table_shape(vp.shape))
             self._hs_vars.append(Variable(vp.name, vp, access, index=i, table=layer.table if layer else None))
+            if vp.auto:
+                self._hs_auto.add(self._hs_vars[-1])
         self._hs_sync = SyncSet(SyncContext(backend, self._hs_op, world.size, self._hs_predivide,
                                             loss_scale=float(self.loss_scale_factor or 1.0)))
         for var in self._hs_vars:
@@ -106,6 +125,7 @@ class _DistributedKerasOptimizer:
         with tf.init_scope():  # eager, also while tf.function traces: replicated tables start from rank 0
             self._hs_sync.prepare()
         self._hs_sync.mark_verified()
+        self._hs_sync.start_auto(_KerasAuto(self), resolver.auto_steps)
         plan_mod.announce(self._hs_plan)
 
     # -- every step --------------------------------------------------------------------------------
@@ -129,13 +149,15 @@ class _DistributedKerasOptimizer:
         collectives.check_not_xla("gradient exchange")
         inputs, layout = [tf.cast(self.learning_rate, tf.float64)], []
         for g, v, var in zip(grads, variables, self._hs_vars):
-            if var.plan.route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE):
+            if var in self._hs_auto:
+                kind, parts = "sparse", self._hs_rows(g, v, var)
+            elif var.plan.route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE):
                 kind, parts = "dense", [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)]
             else:
                 kind, parts = "sparse", self._hs_rows(g, v, var)
             layout.append((kind, len(inputs), len(parts)))
             inputs += parts
-        out_types = [self._hs_output_types(var) for var in self._hs_vars]
+        out_types = [self._hs_output_types(var, var in self._hs_auto) for var in self._hs_vars]
 
         def exchange(lr, *arrays):
             for var, (kind, at, n) in zip(self._hs_vars, layout):
@@ -147,9 +169,17 @@ class _DistributedKerasOptimizer:
                                     stateful=True, name="hybridsync_exchange")
         done, results = results[0], iter(results[1:])
         keep_g, keep_v, updates = [], [], [done]
-        for v, var in zip(variables, self._hs_vars):
+        for i, (v, var) in enumerate(zip(variables, self._hs_vars)):
             route, placement = var.plan.route, var.plan.placement
-            if route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE):
+            if var in self._hs_auto:
+                changed, rows, ids, values = (next(results) for _ in range(4))
+                updates.append(_variable(v).scatter_update(_rows(rows, changed, v)))
+                for slot in self._hs_slots[i].values():
+                    slot_ids, slot_values = next(results), next(results)
+                    updates.append(_variable(slot).scatter_update(_rows(slot_values, slot_ids, v)))
+                keep_g.append(_rows(values, ids, v, dense_shape=True))
+                keep_v.append(v)
+            elif route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE):
                 reduced = next(results)
                 reduced.set_shape(v.shape)
                 keep_g.append(reduced)
@@ -180,10 +210,11 @@ class _DistributedKerasOptimizer:
             return [tf.cast(g.indices, tf.int64), g.values]
         return [tf.range(tf.shape(g, out_type=tf.int64)[0]), tf.reshape(g, [-1, dim])]
 
-    @staticmethod
-    def _hs_output_types(var):
+    def _hs_output_types(self, var, auto=False):
         route = var.plan.route
         dtype = tf.as_dtype(var.plan.dtype)
+        if auto:  # (changed ids, rows), (gradient ids, values), (ids, values) per optimizer slot
+            return [tf.int64, tf.float32, tf.int64, dtype] + [tf.int64, tf.float32] * var.access.slots
         if route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE):
             return [dtype]
         if route is Route.ALLGATHER:
@@ -191,6 +222,41 @@ class _DistributedKerasOptimizer:
         if var.plan.placement is Placement.REPLICATED:
             return [tf.int64, tf.float32]
         return []
+
+
+def _variable(v):
+    """The tf.Variable behind a Keras variable (scatter_update lives there)."""
+    return v.value if hasattr(v, "value") and isinstance(v.value, tf.Variable) else v
+
+
+def _rows(values, ids, v, dense_shape=False):
+    """(ids, values) from the exchange as IndexedSlices of v's shape."""
+    ids.set_shape([None])
+    values = tf.reshape(values, [-1] + list(v.shape[1:]))
+    return tf.IndexedSlices(values, ids, tf.shape(v, out_type=tf.int64) if dense_shape else None)
+
+
+class _KerasAuto:
+    """`sync: auto` in Keras (hybridsync.sync.auto.AutoFrontend). Tables here are replicated (the
+    variable holds every row), so leaving the PS moves no rows; the server's slots reach the
+    Keras optimizer's through the exchange's slot outputs (AutoKerasAccess)."""
+
+    def __init__(self, optimizer):
+        self.opt = optimizer
+
+    def candidates(self, var):
+        return candidates_for(describe(self.opt), var.plan.optimizer_source)
+
+    def to_replica(self, var, rows) -> None:
+        if rows is not None:
+            raise NotImplementedError(f"variable '{var.name}': a sharded Keras table cannot leave the PS")
+
+    def set_optimizer_state(self, var, slot_values: dict, step: int) -> None:
+        names = list(self.opt._hs_slots[var.index])
+        var.access.set_slots([slot_values[name] for name in names])
+
+    def set_table(self, var, table) -> None:
+        raise NotImplementedError(f"variable '{var.name}': a sharded Keras table is not re-sharded")
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=None, compression=None,

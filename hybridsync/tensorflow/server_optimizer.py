@@ -38,4 +38,15 @@ def describe(optimizer) -> OptimizerSpec:
         if optimizer.amsgrad:
             blockers.append(("amsgrad", True))
     sparse_capable = isinstance(optimizer, (keras.optimizers.SGD, keras.optimizers.Adagrad, keras.optimizers.Adam))
-    return OptimizerSpec(type(optimizer).__name__, family, hparams, blockers, applies_sparse=sparse_capable)
+    # Applied rows equal the server's update only for SGD: Keras's Adagrad squares duplicate rows
+    # separately (the server sums them first), Keras's Adam decays every row's moments.
+    return OptimizerSpec(type(optimizer).__name__, family, hparams, blockers, applies_sparse=sparse_capable,
+                         sparse_exact=family == "sgd")
+
+
+def slots(optimizer, variable) -> dict:
+    """The Keras optimizer's state variables for `variable`, by the server rule's slot names
+    (Adagrad's accumulator is the server's "sum"); built optimizers only."""
+    if isinstance(optimizer, keras.optimizers.Adagrad):
+        return {"sum": optimizer._accumulators[optimizer._get_variable_index(variable)]}
+    return {}

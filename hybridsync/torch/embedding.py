@@ -67,6 +67,26 @@ def _weights_of(module):
     return None if module.weight.is_meta else module.weight
 
 
+def _rows_to_load(weight, give_up: bool):
+    """(rank 0's rows of `weight` as a float32 C-contiguous array, whether loading may consume
+    them): a copy made here always may; the weight's own memory only when the caller gives the
+    weight up (a wrapped model's table, emptied right after) and nothing else shares it."""
+    own = give_up and _sole_owner(weight)
+    rows = weight.detach().to("cpu", torch.float32).contiguous()
+    copied = rows.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    return rows.numpy(), copied or own
+
+
+def _sole_owner(weight) -> bool:
+    """Whether `weight` is the only tensor on its memory (no view, state_dict or .data kept)."""
+    try:  # 2: weight's own reference, and the temporary storage object asked
+        storage = weight.untyped_storage()
+        return (torch._C._storage_Use_Count(storage._cdata) == 2 and weight.storage_offset() == 0
+                and storage.nbytes() == weight.numel() * weight.element_size())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _check_shardable(module, name: str) -> None:
     if module.max_norm is not None:
         raise ValueError(f"embedding '{name}': max_norm renormalises rows in place during forward, which "
@@ -83,7 +103,7 @@ class _PSTableModule(torch.nn.Module):
     """What PS-backed Embedding and EmbeddingBag share: the table handle, pulls, state."""
 
     def _setup(self, num_embeddings, embedding_dim, padding_idx, name, partitions, partition,
-               initial_weight, seed, initializer):
+               initial_weight, seed, initializer, table=None, give_up_weight=False):
         if num_embeddings < 1 or embedding_dim < 1:
             raise ValueError(f"PS embedding needs num_embeddings >= 1 and embedding_dim >= 1, got "
                              f"({num_embeddings}, {embedding_dim})")
@@ -92,29 +112,50 @@ class _PSTableModule(torch.nn.Module):
                 raise ValueError(f"padding_idx {padding_idx} is out of range for {num_embeddings} embeddings")
             padding_idx = padding_idx % num_embeddings
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        # The rule is a placeholder until a DistributedOptimizer sets the real one.
-        self.table = PSTable(name or f"ps_embedding_{next(_unnamed)}", num_embeddings, embedding_dim, partitions or 0,
-                             partition)
-        if initial_weight is not None:
-            # Rank 0's weights become the shards' rows (pretrained / custom-initialised tables).
-            values = None
-            if runtime.world().rank == 0:
-                values = initial_weight.detach().to("cpu", torch.float32).contiguous().numpy()
-            self.table.load_from_root(values, 0)
+        if table is not None:  # another module's table, rows and all: modules that shared one weight (tied)
+            if (table.num_rows, table.dim) != (num_embeddings, embedding_dim):
+                raise ValueError(f"PS embedding of shape ({num_embeddings}, {embedding_dim}) cannot share table "
+                                 f"'{table.name}' of shape ({table.num_rows}, {table.dim})")
+            self.table = table
         else:
-            # A seed from rank 0's torch RNG: reproducible under torch.manual_seed.
-            seed = shared_seed(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
-            self.table.initialize(initializer, seed)
-            if padding_idx is not None:
-                self.table.write_rows(np.array([padding_idx]), np.zeros((1, embedding_dim), np.float32))
+            # The rule is a placeholder until a DistributedOptimizer sets the real one.
+            self.table = PSTable(name or f"ps_embedding_{next(_unnamed)}", num_embeddings, embedding_dim,
+                                 partitions or 0, partition)
+            self._fill(initial_weight, seed, initializer, give_up_weight)
         self._sink = None  # set by the DistributedOptimizer that owns the table
         self._warned_no_sink = False
         self._anchor = torch.empty(0, requires_grad=True)  # lets autograd reach _Lookup.backward
         self._batcher = None  # set when the owning optimizer batches this model's lookups
 
+    def _fill(self, initial_weight, seed, initializer, give_up_weight=False) -> None:
+        """The new table's first rows. give_up_weight: the caller drops initial_weight right
+        after (wrapping a model), so rank 0 may hand its memory back while the rows move."""
+        if initial_weight is not None:
+            # Rank 0's weights become the shards' rows (pretrained / custom-initialised tables).
+            values, consume = None, False
+            if runtime.world().rank == 0:
+                values, consume = _rows_to_load(initial_weight, give_up_weight)
+            self.table.load_from_root(values, 0, consume=consume)
+        else:
+            # A seed from rank 0's torch RNG: reproducible under torch.manual_seed.
+            seed = shared_seed(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
+            self.table.initialize(initializer, seed)
+            if self.padding_idx is not None:
+                self.table.write_rows(np.array([self.padding_idx]), np.zeros((1, self.embedding_dim), np.float32))
+
     @property
     def table_name(self) -> str:
         return self.table.name
+
+    def __getattr__(self, name):
+        if name == "weight":  # code that reads the table itself, e.g. F.embedding(ids, emb.weight)
+            table = self.__dict__.get("table")
+            raise AttributeError(
+                f"PS embedding '{table.name if table is not None else '?'}' has no local weight: its rows live "
+                "on the parameter server's shards. Read rows by calling the module (module(ids)); for code "
+                "that needs the weight tensor, keep this table replicated (DistributedOptimizer without "
+                "model=, or a config rule with placement: replicated)")
+        return super().__getattr__(name)
 
     @property
     def shape(self):
@@ -192,18 +233,24 @@ class Embedding(_PSTableModule):
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, scale_grad_by_freq=False, *,
                  name=None, partitions=None, partition="cyclic", seed=None, initializer=("normal", 0.0, 1.0),
-                 _initial_weight=None):
+                 _initial_weight=None, _table=None, _give_up_weight=False):
         super().__init__()
         self.scale_grad_by_freq = scale_grad_by_freq
         self._setup(num_embeddings, embedding_dim, padding_idx, name, partitions, partition, _initial_weight, seed,
-                    initializer)
+                    initializer, _table, _give_up_weight)
 
     @classmethod
-    def from_module(cls, module: torch.nn.Embedding, name: str, partitions=None, partition="cyclic"):
-        """A PS-backed copy of `module` whose shards start from rank 0's weights."""
+    def from_module(cls, module: torch.nn.Embedding, name: str, partitions=None, partition="cyclic", table=None,
+                    give_up_weight=False):
+        """A PS-backed copy of `module` whose shards start from rank 0's weights; or, given
+        `table` (that of another module sharing module's weight), one reading that table.
+        give_up_weight: the caller empties module.weight right after, so rank 0 may return its
+        memory while the rows move (it is then unreadable: zeros)."""
         _check_shardable(module, name)
         return cls(module.num_embeddings, module.embedding_dim, module.padding_idx, module.scale_grad_by_freq,
-                   name=name, partitions=partitions, partition=partition, _initial_weight=_weights_of(module))
+                   name=name, partitions=partitions, partition=partition,
+                   _initial_weight=None if table is not None else _weights_of(module), _table=table,
+                   _give_up_weight=give_up_weight)
 
     def forward(self, input):
         return _Lookup.apply(self._anchor, self, input)
@@ -214,20 +261,23 @@ class EmbeddingBag(_PSTableModule):
 
     def __init__(self, num_embeddings, embedding_dim, mode="mean", scale_grad_by_freq=False,
                  include_last_offset=False, padding_idx=None, *, name=None, partitions=None,
-                 partition="cyclic", seed=None, initializer=("normal", 0.0, 1.0), _initial_weight=None):
+                 partition="cyclic", seed=None, initializer=("normal", 0.0, 1.0), _initial_weight=None,
+                 _table=None, _give_up_weight=False):
         super().__init__()
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         self.mode, self.scale_grad_by_freq, self.include_last_offset = mode, scale_grad_by_freq, include_last_offset
         self._setup(num_embeddings, embedding_dim, padding_idx, name, partitions, partition, _initial_weight, seed,
-                    initializer)
+                    initializer, _table, _give_up_weight)
 
     @classmethod
-    def from_module(cls, module: torch.nn.EmbeddingBag, name: str, partitions=None, partition="cyclic"):
+    def from_module(cls, module: torch.nn.EmbeddingBag, name: str, partitions=None, partition="cyclic", table=None,
+                    give_up_weight=False):
         _check_shardable(module, name)
         return cls(module.num_embeddings, module.embedding_dim, module.mode, module.scale_grad_by_freq,
                    module.include_last_offset, module.padding_idx, name=name, partitions=partitions,
-                   partition=partition, _initial_weight=_weights_of(module))
+                   partition=partition, _initial_weight=None if table is not None else _weights_of(module),
+                   _table=table, _give_up_weight=give_up_weight)
 
     def forward(self, input, offsets=None, per_sample_weights=None):
         weight, index, padding = self._lookup(input)

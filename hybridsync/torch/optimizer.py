@@ -30,6 +30,7 @@ from .compression import Compression, NoneCompressor
 from .embedding import Embedding, EmbeddingBag
 from .optimizer_args import check_groups, check_op, check_process_set, sparse_as_dense_config
 from .planner import plan_for, ps_modules, route_for_observed
+from .server_optimizer import describe, group_of
 
 
 def _compression_name(compression) -> str:
@@ -97,6 +98,8 @@ class _DistributedOptimizer:
         self._hs_sync = SyncSet(SyncContext(dense_backend, op, world.size, gradient_predivide_factor,
                                             tensor_buffers=tensor_buffers))
         self._hs_model = model
+        self._hs_swapped: dict = {}  # Variable -> ([(PS module, the nn module it replaced)], its parameter)
+        self._hs_custom_compression = custom
         self._hs_plan_confirmed = False
         self._hs_pending_state: dict = {}  # server state loaded before its route existed
         swaps = [var for var in self._hs_vars if var.plan.route is not None and var.table is None
@@ -129,22 +132,32 @@ class _DistributedOptimizer:
 
     def _hs_swap(self, var):
         """Replaces var's nn.Embedding(sparse=True) by a PS-backed copy whose shards start from
-        rank 0's weights, then frees this rank's whole table."""
+        rank 0's weights, then frees this rank's whole table. Other sparse embedding modules that
+        share the weight (tied) become PS modules reading the same table: their gradients add up
+        in one push, as autograd adds them into one .grad."""
         p = self._hs_param_of.pop(var)
-        old = next(m for m in self._hs_model.modules()
-                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.weight is p)
+        old, *tied = [m for m in self._hs_model.modules()
+                      if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.weight is p]
         cls = Embedding if isinstance(old, torch.nn.Embedding) else EmbeddingBag
         if runtime.world().rank != 0:  # the shards take rank 0's rows: ours can go before they are made
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        new = cls.from_module(old, var.name, partitions=var.plan.shards or None, partition=var.plan.partition)
+        new = cls.from_module(old, var.name, partitions=var.plan.shards or None, partition=var.plan.partition,
+                              give_up_weight=True)  # rank 0's table shrinks as its shards fill
+        new_of = {id(old): new}
+        for other in tied:
+            new_of[id(other)] = (Embedding if isinstance(other, torch.nn.Embedding) else EmbeddingBag).from_module(
+                other, var.name, table=new.table)
         for parent in self._hs_model.modules():
             for key, child in list(parent._modules.items()):
-                if child is old:
-                    parent._modules[key] = new
+                if child is not None and id(child) in new_of:
+                    parent._modules[key] = new_of[id(child)]
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # from now on the rows live on the shards only
         p.grad = None
-        var.access = _ModuleRows(self, new)
-        new._sink = var.access
+        originals = {id(m): m for m in [old, *tied]}
+        self._hs_swapped[var] = ([(m, originals[k]) for k, m in new_of.items()], p)  # sync: auto may swap back
+        var.access = _ModuleRows(self, new)  # `new` alone may have its lookups batched
+        for module in new_of.values():
+            module._sink = var.access
         var.table = new.table
 
     def _hs_trace_forward(self, model):
@@ -197,6 +210,7 @@ class _DistributedOptimizer:
         self._hs_plan_confirmed = True
         self._hs_sync.mark_verified()
         self._hs_load_route_state(self._hs_pending_state)
+        self._hs_sync.start_auto(TorchAuto(self), self._hs_planner.auto_steps)
 
     # -- Horovod's optimizer API --------------------------------------------------------------
     @property
@@ -290,6 +304,63 @@ def _map_arrays(state, convert, kind=np.ndarray):
     if isinstance(state, dict):
         return {k: _map_arrays(v, convert, kind) for k, v in state.items()}
     return convert(state) if isinstance(state, kind) else state
+
+
+class TorchAuto:
+    """`sync: auto` in PyTorch (hybridsync.sync.auto.AutoFrontend): a table leaving the PS gets
+    its nn.Embedding / nn.EmbeddingBag and parameter back, and the server's slots become the
+    wrapped optimizer's state for that parameter."""
+
+    def __init__(self, optimizer):
+        self.opt = optimizer
+
+    def _param(self, var):
+        return self.opt._hs_param_of[var] if var in self.opt._hs_param_of else self.opt._hs_swapped[var][1]
+
+    def candidates(self, var):
+        from ..sync.auto import candidates_for
+
+        return candidates_for(describe(self.opt, group_of(self.opt, self._param(var))), var.plan.optimizer_source)
+
+    def to_replica(self, var, rows) -> None:
+        opt = self.opt
+        if rows is None:  # replicated: the parameter held the rows all along
+            return
+        pairs, p = opt._hs_swapped.pop(var)  # [(PS module, the nn module it replaced)], tied ones too
+        device = torch.device("cpu") if p.is_meta else p.device  # a meta table becomes a real one
+        with torch.no_grad():
+            p.data = torch.from_numpy(np.ascontiguousarray(rows)).reshape(var.plan.shape).to(device, p.dtype)
+        back = {id(new): old for new, old in pairs}
+        for parent in opt._hs_model.modules():
+            for key, child in list(parent._modules.items()):
+                if child is not None and id(child) in back:
+                    parent._modules[key] = back[id(child)]
+        for new, _ in pairs:
+            batcher, new._batcher, new._sink = new._batcher, None, None
+            if batcher is not None:  # its batched pull leaves this table out from now on
+                batcher.modules = [m for m in batcher.modules if m is not new]
+                if batcher.pattern:
+                    batcher.pattern = [(m, w) for m, w in batcher.pattern if m is not new]
+        var.access = ParamAccess(p, opt, opt._hs_sync.ctx.tensor_buffers, opt._hs_custom_compression)
+        opt._hs_param_of[var] = p
+        if p.requires_grad:
+            opt._hs_hooks.append(p.register_post_accumulate_grad_hook(opt._hs_make_hook(var)))
+
+    def set_optimizer_state(self, var, slots: dict, step: int) -> None:
+        p = self._param(var)
+        state = self.opt.state[p]
+        for name, values in slots.items():  # Adagrad: sum; SparseAdam: exp_avg, exp_avg_sq
+            state[name] = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(p.shape).to(p.device, p.dtype)
+        if slots or "step" in state:
+            old = state.get("step")
+            state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
+                             if isinstance(old, torch.Tensor) else
+                             int(step) if isinstance(self.opt, torch.optim.SparseAdam) else
+                             torch.tensor(float(step)))
+
+    def set_table(self, var, table) -> None:
+        for module, _ in self.opt._hs_swapped[var][0]:
+            module.table = table
 
 
 class _ModuleRows(StagedRowsAccess):

@@ -1,8 +1,9 @@
 """Classifies a torch optimizer's variables and picks each one's route: the plan.
 
 Kinds: weights of nn.Embedding / nn.EmbeddingBag built with sparse=True (seen through the
-model) and hybridsync.torch PS embeddings are sparse; without a model, a parameter whose first
-gradient is sparse is. Everything else is dense.
+model) and hybridsync.torch PS embeddings are sparse -- unless a module of another kind holds the
+same weight (tied to an nn.Linear output layer: the gradient is dense); without a model, a
+parameter whose first gradient is sparse is. Everything else is dense.
 
 Routes come from hybridsync.routing.RouteResolver (shared with the TensorFlow frontend); this
 module supplies the torch specifics: which variables are sparse and how the wrapped optimizer
@@ -21,14 +22,34 @@ from .embedding import PS_MODULES
 from .server_optimizer import describe, group_of
 
 
+def _is_sparse_embedding(module) -> bool:
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse
+
+
 def sparse_parameter_ids(model) -> set:
-    """ids of parameters whose gradients will be sparse, from the model's modules."""
-    out = set()
+    """ids of parameters whose gradients will be sparse, from the model's modules: the weights
+    of sparse embeddings, held by no other kind of module (see tied_dense_reasons)."""
     if model is None:
-        return out
-    for module in model.modules():
-        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
-            out.add(id(module.weight))
+        return set()
+    return {id(m.weight) for m in model.modules() if _is_sparse_embedding(m)} - set(tied_dense_reasons(model))
+
+
+def tied_dense_reasons(model) -> dict:
+    """{id(param): why it is dense} for weights of sparse embeddings that another kind of module
+    also holds (an output nn.Linear tied to the input embedding, a dense nn.Embedding): autograd
+    sums that module's dense gradient into the embedding's sparse one, so the whole gradient is
+    dense. Several sparse embeddings sharing one weight stay sparse (one table on the PS)."""
+    if model is None:
+        return {}
+    sparse = {id(m.weight): name for name, m in model.named_modules() if _is_sparse_embedding(m)}
+    out = {}
+    for name, module in model.named_modules():
+        if _is_sparse_embedding(module):
+            continue
+        for p in module._parameters.values():
+            if p is not None and id(p) in sparse and id(p) not in out:
+                out[id(p)] = (f"tied: '{sparse[id(p)]}' (sparse embedding) shares its weight with "
+                              f"'{name}' ({type(module).__name__}), so its gradient is dense")
     return out
 
 
@@ -46,13 +67,15 @@ def plan_for(optimizer, named, model, config: Config | None, compression_name: s
         server_rule=lambda name, param: server_rule(describe(optimizer, group_of(optimizer, param)), name),
         applies_sparse=describe(optimizer, optimizer.param_groups[0]).applies_sparse,
         optimizer_name=type(optimizer).__name__)
-    sparse_ids = sparse_parameter_ids(model)
+    sparse_ids, tied = sparse_parameter_ids(model), tied_dense_reasons(model)
     variables = []
     for name, p in named:
         kind = (GradKind.SPARSE if id(p) in sparse_ids else GradKind.DENSE) if model is not None else None
         v = VariablePlan(name=name, shape=tuple(p.shape), dtype=str(p.dtype).replace("torch.", ""), kind=kind, route=None)
         if kind is not None:
             planner.decide(v, p)
+            if id(p) in tied:
+                v.reason = f"{tied[id(p)]}; {v.reason}"
         variables.append(v)
     for name, module in ps_modules(model):
         v = VariablePlan(name=name, shape=module.shape, dtype="float32", kind=GradKind.SPARSE, route=None)

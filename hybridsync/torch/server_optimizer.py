@@ -32,8 +32,10 @@ def describe(optimizer, group: dict) -> OptimizerSpec:
     elif isinstance(optimizer, torch.optim.SGD):
         family, hparams = "sgd", {"lr": lr}
         blockers += [(k, group[k]) for k in ("momentum", "weight_decay") if set_(k)]
+    # torch coalesces a sparse gradient (sums duplicate rows) before applying it, as the server does
     return OptimizerSpec(type(optimizer).__name__, family, hparams, blockers,
-                         applies_sparse=isinstance(optimizer, _SPARSE_CAPABLE))
+                         applies_sparse=isinstance(optimizer, _SPARSE_CAPABLE),
+                         sparse_exact=isinstance(optimizer, _SPARSE_CAPABLE))
 
 
 def group_of(optimizer, param) -> dict:

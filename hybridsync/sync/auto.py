@@ -1,0 +1,224 @@
+"""`sync: auto` (the default for sparse variables): measure, predict, switch once.
+
+For the first K steps (`auto_steps` in the config, else HYBRIDSYNC_AUTO_STEPS, default 20)
+each auto variable runs on the parameter server -- the route it was planned on, which applies
+the wrapped optimizer's update exactly whatever the density -- while this module records the
+rows each rank touched per step. After step K, on every rank at once (it runs inside the
+step's synchronize, a collective point):
+
+1. the per-step row ids and compute times are gathered on rank 0, which computes each
+   variable's density (rows per rank, rows over all ranks) and feeds it, with the link probe's
+   numbers (hybridsync/comm/probe.py, measured when the optimizer was wrapped), to the cost
+   model (cost_model.py): ps on 1..N shards vs allgather vs allreduce-as-dense, among the
+   routes whose frontend update equals the server rule (auto never changes the arithmetic);
+2. rank 0 broadcasts the decisions; every rank applies them in plan order:
+   - ps, same shards: nothing moves;
+   - ps, other shard count: the rows and the server optimizer's slots and step are gathered
+     and loaded into a new table on that many shards;
+   - allgather / allreduce-as-dense: the rows (sharded placement: gathered; replicated: the
+     local replica, identical everywhere) become a local variable again (the frontend swaps
+     the PS module back), the server slots become the wrapped optimizer's state for it
+     (Adagrad "sum", SparseAdam "exp_avg"/"exp_avg_sq", and the step), and the variable moves
+     to the new route's synchronizer.
+3. the plan records, per variable, what was measured, each candidate's predicted time, the
+   choice and its margin (explain() prints them; the JSON plan keeps them and loads back as
+   a fixed config). Then this object detaches itself: later steps do no auto work at all.
+
+The frontend supplies what is framework-specific (AutoFrontend).
+"""
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import numpy as np
+
+from .. import timeline
+from ..types import Placement, Route
+from . import cost_model
+from .base import Variable
+
+_ROUTES = {cost_model.PS: Route.PS, cost_model.ALLGATHER: Route.ALLGATHER, cost_model.DENSE: Route.SPARSE_AS_DENSE}
+
+
+class AutoFrontend(Protocol):
+    """What a frontend does for `sync: auto`."""
+
+    def candidates(self, var: Variable) -> tuple:
+        """Routes (cost_model names) whose update of var equals the server rule's."""
+
+    def to_replica(self, var: Variable, rows: np.ndarray | None) -> None:
+        """var leaves the parameter server: it becomes a local variable holding `rows` (the whole
+        table; None when var already keeps an identical replica), and var.access an access to it."""
+
+    def set_optimizer_state(self, var: Variable, slots: dict, step: int) -> None:
+        """The wrapped optimizer's state for var: the server's slots (num_rows x dim arrays by
+        slot name) and step."""
+
+    def set_table(self, var: Variable, table) -> None:
+        """var's PS module (sharded placement) reads from `table` from now on."""
+
+
+def candidates_for(spec, optimizer_source: str) -> tuple:
+    """Routes that apply the same update as the server rule of a wrapped optimizer described by
+    `spec` (server_rules.OptimizerSpec): a dense update equals it for SGD and Adagrad (a row with a
+    zero gradient does not move); an applied row-sparse gradient equals it when the frontend's
+    sparse update matches the rule (spec.sparse_exact). A server optimizer fixed in the config
+    differs from the wrapped one: only ps."""
+    if optimizer_source == "config":
+        return (cost_model.PS,)
+    out = [cost_model.PS]
+    if spec.applies_sparse and spec.sparse_exact:
+        out.append(cost_model.ALLGATHER)
+    if spec.family in ("sgd", "adagrad"):
+        out.append(cost_model.DENSE)
+    return tuple(out)
+
+
+class _Recording:
+    """var.access while measuring: passes everything through, and keeps the unique ids of the
+    rows the route takes each step."""
+
+    __slots__ = ("inner", "ids")
+
+    def __init__(self, inner):
+        self.inner, self.ids = inner, None
+
+    def rows(self):
+        got = self.inner.rows()
+        if got is not None:
+            self.ids = np.unique(np.asarray(got[0], dtype=np.int64))
+        return got
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class AutoStrategy:
+    """Measures a SyncSet's auto variables for `steps` steps, then switches them once."""
+
+    def __init__(self, sync_set, variables: list, frontend: AutoFrontend, steps: int, links=None):
+        """Collective (the link probe, unless `links` is given)."""
+        from ..comm import probe
+
+        self.sync_set, self.frontend, self.steps = sync_set, frontend, int(steps)
+        self.variables = [var for var in variables if var.plan.auto]
+        self.links = links if links is not None else probe.links()
+        self.step = 0
+        self.ids = {var: [] for var in self.variables}
+        self.compute_s: list = []
+        self._sync_end = None
+        self.retired: list = []  # tables the variables left (kept alive: the engine knows them)
+        for var in self.variables:
+            var.access = _Recording(var.access)
+            var.plan.auto.update(links={k: v for k, v in self.links.to_json().items()})
+
+    # -- every step while measuring ---------------------------------------------------------------
+    def before_sync(self) -> None:
+        if self._sync_end is not None:
+            self.compute_s.append(time.perf_counter() - self._sync_end)
+
+    def after_sync(self) -> bool:
+        """Records the step; after the last one, decides and switches. True when done."""
+        for var in self.variables:
+            rec = var.access
+            self.ids[var].append(rec.ids if rec.ids is not None else np.zeros(0, np.int64))
+            rec.ids = None
+        self.step += 1
+        if self.step < self.steps:
+            self._sync_end = time.perf_counter()
+            return False
+        with timeline.span(f"sync: auto ({len(self.variables)} variables)", "ps"):
+            self._switch()
+        return True
+
+    # -- the switch ---------------------------------------------------------------------------------
+    def _switch(self) -> None:
+        backend = self.sync_set.ctx.backend
+        compute = float(np.median(self.compute_s)) if self.compute_s else 0.0
+        mine = {"ids": [self.ids[var] for var in self.variables], "compute_s": compute}
+        everyone = backend.allgather_object(mine, name="hybridsync.auto.stats")
+        decisions = None
+        if backend.rank == 0:
+            decisions = [self._decide(i, var, everyone) for i, var in enumerate(self.variables)]
+        decisions = backend.broadcast_object(decisions, 0, name="hybridsync.auto.decisions")
+        for var, decision in zip(self.variables, decisions):
+            var.access = var.access.inner
+            self._apply(var, decision)
+        self.ids.clear()
+
+    def _decide(self, i: int, var: Variable, everyone: list) -> dict:
+        per_rank = [[len(ids) for ids in stats["ids"][i]] for stats in everyone]
+        steps = len(per_rank[0])
+        union = [len(np.unique(np.concatenate([stats["ids"][i][s] for stats in everyone]))) for s in range(steps)]
+        compute = max(stats["compute_s"] for stats in everyone)
+        dense_allreduce = any(route[0] is Route.ALLREDUCE for route in self.sync_set.by_route)
+        stats = cost_model.TableStats(
+            name=var.name, num_rows=int(var.plan.shape[0]), dim=var.dim, world_size=self.sync_set.ctx.world_size,
+            placement=var.plan.placement.value, rows_per_rank=float(np.mean(per_rank)),
+            union_rows=float(np.mean(union)), compute_s=compute, steps=steps,
+            candidates=self.frontend.candidates(var), dense_allreduce=dense_allreduce)
+        decision = cost_model.decide(stats, self.links, var.plan.shards)
+        measured = {"steps": steps, "rows_per_rank": round(stats.rows_per_rank, 3),
+                    "union_rows": round(stats.union_rows, 3), "density": round(stats.density, 6),
+                    "bytes_per_step": round(stats.bytes_per_step, 1), "compute_ms": round(compute * 1e3, 4)}
+        return {**decision.to_json(), "measured": measured, "candidates": list(stats.candidates)}
+
+    def _apply(self, var: Variable, decision: dict) -> None:
+        plan = var.plan
+        route = _ROUTES[decision["choice"]]
+        if route is Route.PS:
+            if decision["shards"] != plan.shards:
+                self._reshard(var, decision["shards"])
+        else:
+            self._leave_ps(var, route)
+        auto = plan.auto
+        auto.update(decision, status="decided", switched_at_step=self.steps)
+        head = plan.reason.split("; auto:")[0]
+        placement = (f" {plan.placement.value}, {plan.shards} shard{'s' if plan.shards != 1 else ''}"
+                     if route is Route.PS else "")
+        plan.reason = (f"{head}; auto: {route.value}{placement} from step {self.steps} "
+                       f"(margin {decision['margin']:+.0%}; explain() shows the prediction)")
+
+    def _leave_ps(self, var: Variable, route: Route) -> None:
+        """Collective: var's rows and server state go to the frontend's own variable and optimizer."""
+        backend = self.sync_set.ctx.backend
+        table, plan = var.table, var.plan
+        state = table.state(backend.broadcast_object)
+        rows = table.gather() if plan.placement is Placement.SHARDED else None
+        if table.attached is not None:  # the shard aliased the replica: it keeps a copy of its own
+            table.attach(None)
+        self.frontend.to_replica(var, rows)
+        self.frontend.set_optimizer_state(var, state["slots"], state["step"])
+        self.retired.append(table)
+        var.table = None
+        plan.route, plan.placement, plan.shards = route, Placement.NONE, 0
+        plan.optimizer, plan.optimizer_source, plan.compression = None, "-", "none"
+        plan.bytes_per_step = None
+        self.sync_set.move(var)
+
+    def _reshard(self, var: Variable, shards: int) -> None:
+        """Collective: a new table on `shards` shards takes var's rows and server state."""
+        from .table import PSTable
+
+        backend = self.sync_set.ctx.backend
+        old, plan = var.table, var.plan
+        state = old.state(backend.broadcast_object)
+        sharded = plan.placement is Placement.SHARDED
+        view = None if sharded else var.access.replica()  # replicated: the shard may alias the replica
+        rows = old.gather() if view is None else None  # identical to a replica, where there is one
+        new = PSTable(var.name, plan.shape[0], var.dim, shards, plan.partition, plan.optimizer)
+        if old.attached is not None:
+            old.attach(None)
+        if view is not None:
+            new.attach(view)
+        else:
+            if not sharded:
+                new.attach(None)
+            new.scatter(rows)
+        if sharded:
+            self.frontend.set_table(var, new)
+        new.load_state(state, var.name)
+        self.retired.append(old)
+        var.table = new
+        plan.shards = shards

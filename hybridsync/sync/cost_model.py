@@ -1,0 +1,161 @@
+"""The cost model of `sync: auto`: per sparse variable, the time one step of each route would
+take, from what was measured during the first steps (rows touched per rank and over all ranks)
+and what the link probe measured (hybridsync/comm/probe.py). Plain arithmetic, no
+communication: unit-tested on its own (tests/unit/test_cost_model.py).
+
+Per step, with p ranks, N rows of R = 4*dim bytes, I = 8 id bytes, n rows touched per rank
+(unique) and u rows touched by any rank:
+
+allreduce-as-dense  all-reduce of N*R bytes (its latency is free when the step all-reduces
+                    dense variables anyway: the table joins their fused buffers), plus the
+                    local dense update: about DENSE_PASSES passes over N*R bytes of memory.
+allgather           two variable-size all-gathers (ids and rows: counts then data, 4
+                    latencies), (p-1)*n*(R+I) bytes received per rank, and every rank applying
+                    the p*n gathered rows.
+ps, k shards        every rank sends its rows' share for remote shards (a fraction 1 - 1/p of
+                    them, whatever k), and the busiest shard serves (p-1)*n/k rows from the
+                    other ranks: the step takes the larger of what a rank sends and receives,
+                    over the p2p bandwidth, plus the round latencies (sharded: a pull and a
+                    push; replicated: a push answered by every changed row), plus the shard
+                    applying the rows. Fewer shards: fewer messages per round, more load on
+                    each; the best k is the one with the smallest time.
+
+The choice: the fastest candidate, except that the route the variable is on (the parameter
+server, where it was measured) is kept unless another one is predicted SWITCH_THRESHOLD faster
+-- a switch costs a gather of the table, and the PS keeps memory per rank lowest.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+ID_BYTES = 8
+DENSE_PASSES = 6.0  # densify, read the gradient, read/write optimizer state and parameter
+SPARSE_PASSES = 8.0  # sort/coalesce the rows, then the same per row
+SERVER_PASSES = 6.0  # sum the ranks' rows, read/write the slots and the row
+SWITCH_THRESHOLD = 0.10
+PS, ALLGATHER, DENSE = "ps", "allgather", "allreduce-as-dense"
+
+
+@dataclasses.dataclass
+class TableStats:
+    """What `sync: auto` measured for one variable (means per step)."""
+
+    name: str
+    num_rows: int
+    dim: int
+    world_size: int
+    placement: str  # "sharded" | "replicated": where it is measured (its rounds per step)
+    rows_per_rank: float  # unique rows a rank touched
+    union_rows: float  # unique rows any rank touched
+    compute_s: float = 0.0  # forward + backward (time outside the exchange), per step
+    steps: int = 0
+    candidates: tuple = (PS, ALLGATHER, DENSE)  # routes that apply the same update as the PS
+    dense_allreduce: bool = True  # the step all-reduces dense variables anyway
+
+    @property
+    def density(self) -> float:
+        """Fraction of the table's rows touched per step by some rank."""
+        return self.union_rows / self.num_rows if self.num_rows else 0.0
+
+    @property
+    def bytes_per_step(self) -> float:
+        """Gradient bytes a rank produced per step (unique rows with their ids)."""
+        return self.rows_per_rank * (4 * self.dim + ID_BYTES)
+
+
+@dataclasses.dataclass
+class Decision:
+    route: str
+    shards: int  # PS shards (0 when not on the PS)
+    predicted_s: dict  # route -> seconds per step (exchange + local update)
+    ps_by_shards: dict  # k -> seconds per step on k shards
+    margin: float  # (runner-up - choice) / runner-up; negative when kept by the threshold
+    why: str
+
+    def to_json(self) -> dict:
+        return {"choice": self.route, "shards": self.shards,
+                "predicted_ms": {k: round(v * 1e3, 4) for k, v in self.predicted_s.items()},
+                "ps_ms_by_shards": {str(k): round(v * 1e3, 4) for k, v in self.ps_by_shards.items()},
+                "margin": round(self.margin, 4), "why": self.why}
+
+
+def allreduce_as_dense(s: TableStats, links) -> float:
+    table = s.num_rows * 4 * s.dim
+    latency = 0.0 if s.dense_allreduce else links.allreduce_latency_s
+    return latency + table / links.allreduce_bandwidth + DENSE_PASSES * table / links.memory_bandwidth
+
+
+def allgather(s: TableStats, links) -> float:
+    p, row = s.world_size, 4 * s.dim
+    received = (p - 1) * s.rows_per_rank * (row + ID_BYTES)
+    return (4 * links.allreduce_latency_s + received / links.p2p_bandwidth
+            + SPARSE_PASSES * p * s.rows_per_rank * row / links.memory_bandwidth)
+
+
+def ps(s: TableStats, links, shards: int) -> float:
+    p, k, row, n, u = s.world_size, shards, 4 * s.dim, s.rows_per_rank, s.union_rows
+    remote = 1.0 - 1.0 / p  # a rank's rows on other ranks' shards, whatever k
+    served = (p - 1) * n / k  # rows the busiest shard takes from other ranks
+    round_latency = 2 * links.p2p_latency_s + 0.5 * (k - 1) * links.p2p_latency_s
+    if s.placement == "sharded":  # pull (ids out, rows back), then push (ids + rows)
+        sent = n * remote * (2 * ID_BYTES + row) + served * row
+        received = n * remote * row + served * (2 * ID_BYTES + row)
+        rounds, local = 2, 0.0
+    else:  # push (ids + rows), answered by every changed row of the shard, to every rank
+        sent = n * remote * (ID_BYTES + row) + (p - 1) * (u / k) * (ID_BYTES + row)
+        received = served * (ID_BYTES + row) + u * remote * (ID_BYTES + row)
+        rounds, local = 1, 2 * u * row / links.memory_bandwidth  # changed rows into the replica
+    server = SERVER_PASSES * (served + n / k) * row / links.memory_bandwidth
+    return rounds * round_latency + max(sent, received) / links.p2p_bandwidth + server + local
+
+
+def decide(s: TableStats, links, current_shards: int) -> Decision:
+    """The route (and PS shard count) for one variable measured on the PS with current_shards."""
+    by_shards = {k: ps(s, links, k) for k in range(1, s.world_size + 1)}
+    best_k = min(by_shards, key=lambda k: (by_shards[k], k != current_shards))
+    # Re-sharding moves every row: only worth it when clearly faster.
+    if by_shards[current_shards] <= by_shards[best_k] * (1 + SWITCH_THRESHOLD):
+        best_k = current_shards
+    predicted = {PS: by_shards[best_k]}
+    if ALLGATHER in s.candidates:
+        predicted[ALLGATHER] = allgather(s, links)
+    if DENSE in s.candidates:
+        predicted[DENSE] = allreduce_as_dense(s, links)
+    fastest = min(predicted, key=predicted.get)
+    if fastest != PS and predicted[fastest] < predicted[PS] * (1 - SWITCH_THRESHOLD):
+        choice = fastest
+        why = f"{fastest} predicted {_pct(predicted[PS], predicted[fastest])} faster than ps"
+    else:
+        choice = PS
+        if fastest == PS:
+            why = "ps predicted fastest" if len(predicted) > 1 else "only ps applies this optimizer's update exactly"
+        else:
+            why = (f"{fastest} predicted only {_pct(predicted[PS], predicted[fastest])} faster: kept on ps "
+                   f"(switch threshold {SWITCH_THRESHOLD:.0%})")
+    others = [t for r, t in predicted.items() if r != choice]
+    margin = (min(others) - predicted[choice]) / min(others) if others and min(others) > 0 else 0.0
+    return Decision(choice, best_k if choice == PS else 0, predicted, by_shards, margin, why)
+
+
+def _pct(slow: float, fast: float) -> str:
+    return f"{(slow - fast) / slow:.0%}" if slow > 0 else "0%"
+
+
+def _time(ms: float) -> str:
+    return f"{ms:.3f} ms" if ms >= 1 else f"{ms * 1e3:.1f} us"
+
+
+def describe_auto(name: str, auto: dict, shape) -> str:
+    """One line of explain() for a `sync: auto` variable (plan.VariablePlan.auto)."""
+    if auto.get("status") != "decided":
+        return f"{name}: measuring ({auto.get('steps')} steps on ps, then the route is chosen once)"
+    m = auto.get("measured", {})
+    pred = auto.get("predicted_ms", {})
+    cands = ", ".join(f"{r} {_time(ms)}" for r, ms in sorted(pred.items(), key=lambda kv: kv[1]))
+    k = auto.get("shards", 0)
+    shards = f" on {k} shard{'s' if k != 1 else ''}" if auto.get("choice") == PS else ""
+    return (f"{name}: density {m.get('density', 0.0):.2%} ({m.get('rows_per_rank', 0.0):.1f} rows/rank, "
+            f"{m.get('union_rows', 0.0):.1f} over ranks, of {shape[0] if shape else '?'}; "
+            f"{m.get('bytes_per_step', 0.0):.0f} B/rank/step; compute {m.get('compute_ms', 0.0):.2f} ms) | "
+            f"predicted: {cands} | choice: {auto.get('choice')}{shards} at step {auto.get('switched_at_step')}, "
+            f"margin {auto.get('margin', 0.0):+.0%} ({auto.get('why', '')})")

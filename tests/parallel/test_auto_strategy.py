@@ -1,0 +1,371 @@
+"""`sync: auto`: two sparse tables, one touched densely (most of its rows by every rank, every
+step) and one sparsely (a few rows of thousands). After the measured steps, auto moves the
+first to allreduce-as-dense and keeps the second on the parameter server (on the shard count
+the cost model prefers), at the same step on every rank; the parameters match one process
+training on the whole batch, before and after the switch, for SGD and Adagrad, in both
+placements, at -np 2 and 3. The plan's JSON loads back as a fixed config that trains the same.
+
+The links are fixed (a cache file in a temporary HYBRIDSYNC_CACHE_DIR: a 10 Gbit-like network)
+so the choice depends only on what was measured; one scenario runs the real probe instead."""
+import json
+import os
+import tempfile
+
+import pytest
+
+from tests.parallel.harness import rank_main, run_ranks
+
+LOCAL_BATCH, AUTO_STEPS, STEPS = 5, 4, 9
+DENSE_ROWS, SPARSE_ROWS, DIM = 40, 4000, 4
+LINKS = {"p2p_latency_s": 20e-6, "p2p_bandwidth": 1.25e9, "allreduce_latency_s": 40e-6,
+         "allreduce_bandwidth": 0.6e9, "memory_bandwidth": 5e9, "ranks": 0, "hosts": 1, "source": "test"}
+CONFIG = {"auto_steps": AUTO_STEPS}
+
+
+def _model():
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hot = torch.nn.Embedding(DENSE_ROWS, DIM, sparse=True)
+            self.cold = torch.nn.EmbeddingBag(SPARSE_ROWS, DIM, mode="sum", sparse=True)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(2 * DIM + 2, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+        def forward(self, hot_ids, cold_ids, dense):
+            return self.mlp(torch.cat([self.hot(hot_ids).mean(1), self.cold(cold_ids), dense], dim=1))
+
+    torch.manual_seed(11)
+    return Net()
+
+
+def _batch(step, size):
+    """The global batch: every local batch touches most of `hot` (20 draws of 40 rows per
+    sample), and a handful of `cold`'s 4000 rows (with repeats across ranks)."""
+    import torch
+
+    g = torch.Generator().manual_seed(500 + step)
+    n = LOCAL_BATCH * size
+    hot = torch.randint(0, DENSE_ROWS, (n, 20), generator=g)
+    cold = torch.randint(0, 12, (n, 2), generator=g)
+    cold[:, 1] = torch.randint(0, SPARSE_ROWS, (n,), generator=g)
+    return hot, cold, torch.randn(n, 2, generator=g), torch.randn(n, 1, generator=g)
+
+
+def _optimizer(name, model):
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.3)
+    return torch.optim.Adagrad(model.parameters(), lr=0.2, initial_accumulator_value=0.1, lr_decay=0.01)
+
+
+def _train(name, placement, config, rank, size, steps=STEPS, check=None):
+    import torch
+    import torch.nn.functional as F
+
+    import hybridsync.torch as hvd
+
+    model = _model()
+    opt = _optimizer(name, model)
+    if placement is not None:
+        kwargs = {"model": model} if placement == "sharded" else {"named_parameters": model.named_parameters()}
+        opt = hvd.DistributedOptimizer(opt, config=config, **kwargs)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    for step in range(steps):
+        hot, cold, dense, y = _batch(step, size)
+        if placement is not None:
+            part = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+            hot, cold, dense, y = hot[part], cold[part], dense[part], y[part]
+        opt.zero_grad()
+        F.mse_loss(model(hot, cold, dense), y).backward()
+        opt.step()
+        schedule.step()
+        if check is not None:
+            check(step, opt)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt
+
+
+def _routes(plan):
+    return {v.name: (v.route.value, v.placement.value, v.shards) for v in plan.variables}
+
+
+def _close(got, want, what):
+    import torch
+
+    assert set(got) == set(want), (what, set(got) ^ set(want))
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {key}: {m}")
+
+
+def rank_auto_parity(backend):
+    import hybridsync.torch as hvd
+
+    hvd.init(backend=backend)
+    rank, size = hvd.rank(), hvd.size()
+    for name in ("sgd", "adagrad"):
+        for placement in ("sharded", "replicated"):
+            reference, _ = _train(name, None, None, rank, size)
+
+            def check(step, opt):
+                routes = _routes(opt.plan)
+                if step < AUTO_STEPS - 1:  # measuring, on the parameter server
+                    assert routes["hot.weight"][0] == routes["cold.weight"][0] == "ps", (step, routes)
+                    assert opt.plan.by_name()["hot.weight"].auto["status"] == "measuring"
+                else:  # switched at the end of step AUTO_STEPS - 1, on every rank
+                    assert routes["hot.weight"] == ("allreduce-as-dense", "-", 0), (step, routes)
+                    assert routes["cold.weight"][:2] == ("ps", placement), (step, routes)
+
+            got, opt = _train(name, placement, CONFIG, rank, size, check=check)
+            _close(got, reference, f"{name}/{placement} auto")
+            plan = opt.plan
+            # Every rank agrees (the decision was rank 0's, broadcast).
+            mine = {v.name: (v.route.value, v.placement.value, v.shards, v.auto) for v in plan.variables}
+            everyone = hvd.allgather_object(json.dumps(mine, sort_keys=True))
+            assert all(e == everyone[0] for e in everyone)
+            hot, cold = plan.by_name()["hot.weight"].auto, plan.by_name()["cold.weight"].auto
+            assert hot["status"] == cold["status"] == "decided" and hot["switched_at_step"] == AUTO_STEPS
+            assert hot["choice"] == "allreduce-as-dense" and cold["choice"] == "ps", (hot, cold)
+            assert hot["measured"]["density"] > 0.8 > 0.01 > cold["measured"]["density"], (hot, cold)
+            assert set(hot["predicted_ms"]) == {"ps", "allgather", "allreduce-as-dense"}, hot
+            assert hot["margin"] > 0 and cold["margin"] > 0, (hot, cold)
+            # With these links a few rows go fastest to one shard: the table was re-sharded.
+            assert cold["shards"] == 1 and plan.by_name()["cold.weight"].shards == 1, cold
+            text = plan.table()
+            line = next(x for x in text.splitlines() if x.strip().startswith("hot.weight: density"))
+            assert "allreduce-as-dense" in line and "choice: allreduce-as-dense" in line and "margin" in line, text
+            # The JSON plan (measurements and predictions kept) loads back as a fixed config.
+            saved = json.loads(json.dumps(plan.to_json()))
+            assert saved["variables"][0]["auto"]["choice"] in ("allreduce-as-dense", "ps")
+            fixed, fixed_opt = _train(name, placement, saved, rank, size)
+            assert _routes(fixed_opt.plan) == _routes(plan), (_routes(fixed_opt.plan), _routes(plan))
+            assert all(v.auto is None for v in fixed_opt.plan.variables)
+            _close(fixed, got, f"{name}/{placement} fixed config from the auto plan")
+            print(f"rank {rank}: {name}/{placement}: auto switched and matches the {size * LOCAL_BATCH}-sample run",
+                  flush=True)
+
+
+def rank_real_probe():
+    """The real link probe (cached per host set): the sparse table stays on the PS, the step
+    is the same everywhere, and parity holds whatever the dense table's choice."""
+    import hybridsync.torch as hvd
+    from hybridsync.comm import probe
+
+    rank, size = hvd.rank(), hvd.size()
+    reference, _ = _train("adagrad", None, None, rank, size)
+    got, opt = _train("adagrad", "replicated", CONFIG, rank, size)
+    _close(got, reference, "adagrad/replicated auto, probed links")
+    cold = opt.plan.by_name()["cold.weight"]
+    assert cold.route.value == "ps" and cold.auto["choice"] == "ps", cold.auto
+    links = cold.auto["links"]
+    assert links["source"] == "probe" and links["p2p_latency_s"] > 0 and links["allreduce_bandwidth"] > 0, links
+    files = os.listdir(os.environ["HYBRIDSYNC_CACHE_DIR"])
+    assert len(files) == 1 and files[0].startswith("links-"), files
+    # A second optimizer reads the cache instead of probing again.
+    _, again = _train("adagrad", "replicated", CONFIG, rank, size, steps=1)
+    assert again.plan.by_name()["cold.weight"].auto["links"]["source"] == "cache"
+
+
+def rank_adam_stays_on_ps():
+    """Adam on the PS is lazy (only rows with a gradient move): no other route applies that
+    update, so auto keeps both tables on the PS and says why; parity with SparseAdam."""
+    import torch
+    import torch.nn.functional as F
+
+    import hybridsync.torch as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    results = []
+    for wrap in (False, True):
+        model = _model()
+        dense = [p for n, p in model.named_parameters() if n.startswith("mlp")]
+        sparse = [p for n, p in model.named_parameters() if not n.startswith("mlp")]
+        if wrap:
+            opts = [hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model=model, config=CONFIG)]
+        else:
+            opts = [torch.optim.Adam(dense, lr=0.01), torch.optim.SparseAdam(sparse, lr=0.01)]
+        for step in range(STEPS):
+            hot, cold, x, y = _batch(step, size)
+            if wrap:
+                part = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+                hot, cold, x, y = hot[part], cold[part], x[part], y[part]
+            for o in opts:
+                o.zero_grad()
+            F.mse_loss(model(hot, cold, x), y).backward()
+            for o in opts:
+                o.step()
+        results.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    _close(results[1], results[0], "adam auto")
+    plan = opts[0].plan
+    for name in ("hot.weight", "cold.weight"):
+        v = plan.by_name()[name]
+        assert v.route.value == "ps" and v.auto["candidates"] == ["ps"], v.auto
+        assert "only ps" in v.auto["why"], v.auto
+
+
+def rank_auto_off():
+    """HYBRIDSYNC_AUTO=off: sparse tables default to the PS, nothing is measured."""
+    import hybridsync.torch as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    _, opt = _train("sgd", "sharded", None, rank, size, steps=AUTO_STEPS + 1)
+    assert all(v.auto is None for v in opt.plan.variables)
+    assert _routes(opt.plan)["hot.weight"][0] == "ps"
+
+
+def _env(links=True):
+    tmp = tempfile.mkdtemp(prefix="hybridsync-cache-")
+    if links:
+        # Every host set reads these links: write the file under every name the job could hash to
+        # (one host here), by asking the probe module for the name.
+        import socket
+
+        from hybridsync.comm.probe import cache_path
+
+        for np_ in (1, 2, 3):
+            with open(cache_path([socket.gethostname()] * np_, tmp), "w") as fh:
+                json.dump(LINKS, fh)
+    return {"HYBRIDSYNC_CACHE_DIR": tmp}
+
+
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+@pytest.mark.parametrize("np_", [2, 3])
+def test_auto_moves_the_dense_table_to_allreduce_and_keeps_parity(np_, backend):
+    run_ranks(__file__, "rank_auto_parity", np_, backend, timeout=300, env=_env())
+
+
+def test_auto_with_the_real_link_probe():
+    run_ranks(__file__, "rank_real_probe", 2, timeout=240, env=_env(links=False))
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_auto_keeps_lazy_adam_on_the_ps(np_):
+    run_ranks(__file__, "rank_adam_stays_on_ps", np_, timeout=240, env=_env())
+
+
+def test_auto_off():
+    run_ranks(__file__, "rank_auto_off", 2, timeout=240, env={**_env(), "HYBRIDSYNC_AUTO": "off"})
+
+
+# -- TensorFlow / Keras ------------------------------------------------------------------------------
+
+def _keras_model():
+    import keras
+
+    keras.utils.set_random_seed(5)
+    hot_ids = keras.Input(shape=(20,), dtype="int64", name="hot_ids")
+    cold_ids = keras.Input(shape=(2,), dtype="int64", name="cold_ids")
+    hot = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(DENSE_ROWS, DIM, name="hot")(hot_ids))
+    cold = keras.layers.Flatten()(keras.layers.Embedding(SPARSE_ROWS, DIM, name="cold")(cold_ids))
+    x = keras.layers.Dense(5, activation="tanh", name="hidden")(keras.layers.Concatenate()([hot, cold]))
+    return keras.Model([hot_ids, cold_ids], keras.layers.Dense(1, name="out")(x))
+
+
+def _keras_optimizer(name):
+    import keras
+
+    return keras.optimizers.SGD(0.3) if name == "sgd" else keras.optimizers.Adagrad(0.2)
+
+
+def _keras_data(size):
+    import numpy as np
+
+    hot, cold, y = [], [], []
+    for step in range(STEPS):
+        h, c, _, t = (x.numpy() for x in _batch(step, size))
+        hot.append(h), cold.append(c), y.append(t)
+    return np.concatenate(hot), np.concatenate(cold), np.concatenate(y).astype("float32")
+
+
+def _keras_reference(name, size):
+    """One process, the whole batch, gradients densified (the exact math: see test_tf_parity)."""
+    import tensorflow as tf
+
+    model, opt = _keras_model(), _keras_optimizer(name)
+    hot, cold, y = _keras_data(size)
+    n = LOCAL_BATCH * size
+    for s in range(STEPS):
+        part = slice(s * n, (s + 1) * n)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model([hot[part], cold[part]]) - y[part]))
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return model.get_weights()
+
+
+def _keras_mine(size, rank):
+    import numpy as np
+
+    hot, cold, y = _keras_data(size)
+    n = LOCAL_BATCH * size
+    pick = np.concatenate([np.arange(s * n + rank * LOCAL_BATCH, s * n + (rank + 1) * LOCAL_BATCH) for s in range(STEPS)])
+    return hot[pick], cold[pick], y[pick]
+
+
+def _keras_train(name, size, rank, how, config):
+    import tensorflow as tf
+
+    import hybridsync.tensorflow as hvd
+
+    model = _keras_model()
+    opt = hvd.DistributedOptimizer(_keras_optimizer(name), config=config)
+    hot, cold, y = _keras_mine(size, rank)
+    if how == "fit":
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+        model.fit([hot, cold], y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    else:
+        @tf.function(jit_compile=False)
+        def step(h, c, t):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model([h, c]) - t))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+        for s in range(STEPS):
+            part = slice(s * LOCAL_BATCH, (s + 1) * LOCAL_BATCH)
+            step(hot[part], cold[part], y[part])
+    return model, opt
+
+
+def rank_keras_auto_parity():
+    import numpy as np
+
+    import hybridsync
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    for name in ("sgd", "adagrad"):
+        want = _keras_reference(name, size)
+        for how in ("fit", "tape"):
+            model, opt = _keras_train(name, size, rank, how, CONFIG)
+            for w, got, v in zip(want, model.get_weights(), model.trainable_variables):
+                np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6, err_msg=f"keras {name}/{how} {v.path}")
+            plan = opt.plan.by_name()
+            hot, cold = plan["hot/embeddings"], plan["cold/embeddings"]
+            assert (hot.route.value, cold.route.value) == ("allreduce-as-dense", "ps"), (hot, cold)
+            assert hot.auto["switched_at_step"] == cold.auto["switched_at_step"] == AUTO_STEPS
+            assert cold.auto["shards"] == 1 and cold.shards == 1 and cold.placement.value == "replicated", cold
+            expected = {"ps", "allreduce-as-dense"} | ({"allgather"} if name == "sgd" else set())
+            assert set(hot.auto["predicted_ms"]) == expected, hot.auto  # Keras Adagrad: no exact allgather
+            if name == "adagrad":  # the server's sums became Keras's accumulator
+                acc = opt._accumulators[opt._get_variable_index(model.get_layer("hot").embeddings)]
+                assert float(np.min(acc.numpy())) > 0.1, "accumulator never took the server's sums"
+            print(f"rank {rank}: keras {name} via {how}: auto switched and matches the one-process run", flush=True)
+    # Keras's Adam decays every row's moments on a dense gradient: only the (lazy) PS is exact.
+    import keras
+
+    adam = hybridsync.DistributedOptimizer(keras.optimizers.Adam(0.01), config=CONFIG)
+    m = _keras_model()
+    m.compile(optimizer=adam, loss="mse", jit_compile=False)
+    hot, cold, y = _keras_mine(size, rank)
+    m.fit([hot, cold], y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    for v in adam.plan.variables:
+        if v.name.endswith("embeddings"):
+            assert v.route.value == "ps" and v.auto is None and "only ps" in v.reason, v
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_keras_auto_moves_the_dense_table_to_allreduce_and_keeps_parity(np_):
+    run_ranks(__file__, "rank_keras_auto_parity", np_, timeout=400, env=_env())
+
+
+if __name__ == "__main__":
+    rank_main(globals())

@@ -1,0 +1,154 @@
+"""The cost model of `sync: auto` (hybridsync/sync/cost_model.py), the candidate routes per
+optimizer, the probe cache's name, and the config / environment switches of auto."""
+import json
+
+import pytest
+
+from hybridsync.comm.probe import Links, cache_path
+from hybridsync.sync import cost_model
+from hybridsync.sync.auto import candidates_for
+from hybridsync.sync.cost_model import ALLGATHER, DENSE, PS, TableStats, decide
+from hybridsync.sync.server_rules import OptimizerSpec
+
+NET = Links(p2p_latency_s=20e-6, p2p_bandwidth=1.25e9, allreduce_latency_s=40e-6, allreduce_bandwidth=0.6e9,
+            memory_bandwidth=5e9)
+
+
+def _stats(rows=100_000, dim=32, p=4, per_rank=100.0, union=None, placement="sharded", **kw):
+    return TableStats(name="t", num_rows=rows, dim=dim, world_size=p, placement=placement, rows_per_rank=per_rank,
+                      union_rows=per_rank * p if union is None else union, **kw)
+
+
+def test_a_densely_touched_table_goes_to_allreduce():
+    s = _stats(rows=1000, dim=16, per_rank=950, union=1000)
+    d = decide(s, NET, current_shards=4)
+    assert d.route == DENSE and d.shards == 0, d
+    assert d.predicted_s[DENSE] < d.predicted_s[PS] and d.predicted_s[DENSE] < d.predicted_s[ALLGATHER]
+    assert d.margin > cost_model.SWITCH_THRESHOLD
+
+
+def test_a_sparsely_touched_table_stays_on_the_ps():
+    d = decide(_stats(rows=1_000_000, dim=64, per_rank=2000), NET, current_shards=4)
+    assert d.route == PS and d.shards >= 1, d
+    assert d.predicted_s[DENSE] > 10 * d.predicted_s[PS]
+    assert 0 < d.margin < 1
+
+
+def test_allgather_wins_over_ps_only_when_latency_rules_and_ranks_are_few():
+    # Gathered bytes grow with the world size; at 64 ranks the PS is far ahead.
+    big = decide(_stats(rows=10_000_000, dim=64, p=64, per_rank=20_000), NET, current_shards=64)
+    assert big.predicted_s[ALLGATHER] > 3 * big.predicted_s[PS], big
+
+
+def test_density_and_bytes():
+    s = _stats(rows=1000, dim=8, p=2, per_rank=10, union=15)
+    assert s.density == pytest.approx(0.015)
+    assert s.bytes_per_step == pytest.approx(10 * (32 + 8))
+
+
+def test_predictions_grow_with_the_work():
+    small, large = _stats(per_rank=100), _stats(per_rank=10_000)
+    assert cost_model.ps(large, NET, 4) > cost_model.ps(small, NET, 4)
+    assert cost_model.allgather(large, NET) > cost_model.allgather(small, NET)
+    assert cost_model.allreduce_as_dense(_stats(rows=10**6), NET) > cost_model.allreduce_as_dense(_stats(rows=10**4), NET)
+    slow = Links(**{**NET.to_json(), "p2p_bandwidth": NET.p2p_bandwidth / 10})
+    assert cost_model.ps(large, slow, 4) > cost_model.ps(large, NET, 4)
+
+
+def test_allreduce_latency_is_free_when_dense_variables_are_all_reduced_anyway():
+    alone = cost_model.allreduce_as_dense(_stats(rows=10, dense_allreduce=False), NET)
+    fused = cost_model.allreduce_as_dense(_stats(rows=10, dense_allreduce=True), NET)
+    assert alone - fused == pytest.approx(NET.allreduce_latency_s)
+
+
+def test_partition_count_few_rows_prefer_fewer_shards_many_rows_more():
+    few = decide(_stats(rows=100_000, dim=8, p=4, per_rank=5, candidates=(PS,)), NET, current_shards=4)
+    assert few.route == PS and few.shards == 1, few.ps_by_shards
+    many = decide(_stats(rows=10_000_000, dim=128, p=4, per_rank=200_000, candidates=(PS,)), NET, current_shards=4)
+    assert many.shards == 4, many.ps_by_shards
+    assert set(many.ps_by_shards) == {1, 2, 3, 4}
+
+
+def test_the_current_route_is_kept_within_the_switch_threshold(monkeypatch):
+    s = _stats(rows=1000, dim=16, p=2, per_rank=950, union=1000, candidates=(PS, DENSE))
+    ps_time = min(cost_model.ps(s, NET, k) for k in (1, 2))
+    monkeypatch.setattr(cost_model, "allreduce_as_dense", lambda stats, links: 0.95 * ps_time)
+    kept = decide(s, NET, current_shards=2)
+    assert kept.route == PS and kept.margin < 0 and "kept on ps" in kept.why, kept
+    monkeypatch.setattr(cost_model, "allreduce_as_dense", lambda stats, links: 0.5 * ps_time)
+    moved = decide(s, NET, current_shards=2)
+    assert moved.route == DENSE and moved.margin == pytest.approx(0.5), moved
+    # Re-sharding moves every row: the current shard count stays unless another is clearly faster.
+    only_ps = _stats(rows=1000, dim=16, p=2, per_rank=950, union=1000, candidates=(PS,))
+    monkeypatch.setattr(cost_model, "ps", lambda stats, links, k: {1: 1.0, 2: 1.05}[k])
+    assert decide(only_ps, NET, current_shards=2).shards == 2
+    monkeypatch.setattr(cost_model, "ps", lambda stats, links, k: {1: 1.0, 2: 1.5}[k])
+    assert decide(only_ps, NET, current_shards=2).shards == 1
+
+
+def test_only_ps_when_no_other_route_applies_the_same_update():
+    d = decide(_stats(rows=1000, dim=16, per_rank=950, union=1000, candidates=(PS,)), NET, current_shards=4)
+    assert d.route == PS and set(d.predicted_s) == {PS} and "only ps" in d.why
+
+
+@pytest.mark.parametrize("family,applies,exact,source,want", [
+    ("sgd", True, True, "wrapped", (PS, ALLGATHER, DENSE)),
+    ("adagrad", True, True, "wrapped", (PS, ALLGATHER, DENSE)),
+    ("adagrad", True, False, "wrapped", (PS, DENSE)),  # Keras: duplicate rows square separately
+    ("adam", False, False, "wrapped", (PS,)),  # torch Adam: dense moments decay every row
+    ("adam", True, True, "wrapped", (PS, ALLGATHER)),  # SparseAdam: lazy, like the server
+    ("sgd", True, True, "config", (PS,)),  # a server optimizer from the config is not the wrapped one
+])
+def test_candidates(family, applies, exact, source, want):
+    spec = OptimizerSpec("X", family, {}, applies_sparse=applies, sparse_exact=exact)
+    assert candidates_for(spec, source) == want
+
+
+def test_decision_json_round_trips():
+    d = decide(_stats(rows=1000, dim=16, per_rank=950, union=1000), NET, current_shards=4)
+    j = json.loads(json.dumps(d.to_json()))
+    assert j["choice"] == DENSE and set(j["predicted_ms"]) == {PS, ALLGATHER, DENSE} and j["margin"] > 0
+    line = cost_model.describe_auto("emb", {"status": "decided", **j, "measured": {"density": 0.95}}, (1000, 16))
+    assert "density 95.00%" in line and "choice: allreduce-as-dense" in line and "margin +" in line
+
+
+def test_probe_cache_is_per_sorted_host_set(tmp_path):
+    a = cache_path(["b", "a", "a"], str(tmp_path))
+    assert a == cache_path(["a", "b", "a"], str(tmp_path)) and a.startswith(str(tmp_path))
+    assert a != cache_path(["a", "b"], str(tmp_path)) and a.split("/")[-1].startswith("links-")
+
+
+def test_auto_settings_from_the_environment(monkeypatch):
+    from hybridsync import settings as settings_mod
+
+    for raw, want in (("off", False), ("0", False), ("on", True), ("", True)):
+        monkeypatch.setenv("HYBRIDSYNC_AUTO", raw)
+        settings_mod.settings.cache_clear()
+        assert settings_mod.settings().auto is want
+    monkeypatch.setenv("HYBRIDSYNC_AUTO", "sometimes")
+    settings_mod.settings.cache_clear()
+    with pytest.raises(settings_mod.SettingsError, match="HYBRIDSYNC_AUTO"):
+        settings_mod.settings()
+    monkeypatch.setenv("HYBRIDSYNC_AUTO", "on")
+    monkeypatch.setenv("HYBRIDSYNC_AUTO_STEPS", "0")
+    settings_mod.settings.cache_clear()
+    with pytest.raises(settings_mod.SettingsError, match="HYBRIDSYNC_AUTO_STEPS"):
+        settings_mod.settings()
+    monkeypatch.setenv("HYBRIDSYNC_AUTO_STEPS", "7")
+    settings_mod.settings.cache_clear()
+    assert settings_mod.settings().auto_steps == 7
+    monkeypatch.delenv("HYBRIDSYNC_AUTO")
+    monkeypatch.delenv("HYBRIDSYNC_AUTO_STEPS")
+    settings_mod.settings.cache_clear()
+
+
+def test_config_auto_keys(tmp_path):
+    from hybridsync import config
+
+    path = tmp_path / "hs.yaml"
+    path.write_text("defaults:\n  sparse: {sync: auto}\nauto_steps: 5\n")
+    cfg = config.load(str(path))
+    assert cfg.sparse.sync == "auto" and cfg.auto_steps == 5
+    path.write_text("auto_steps: 0\n")
+    with pytest.raises(config.ConfigError, match=r"hs.yaml:1: auto_steps: expected an integer >= 1"):
+        config.load(str(path))
