@@ -69,7 +69,7 @@ class _FastPath:
         self.rounds = collections.Counter()  # digest -> rounds this rank took part in (run or posted)
         self.posted: dict = {}  # digest -> [(requests, buffers)]: this joined rank's zeros in flight
 
-    def reduce(self, arrays, keys) -> bool:
+    def reduce(self, arrays, keys, while_waiting=None) -> bool:
         shapes = tuple((a.dtype.str, a.shape) for a in arrays)
         digest_ = _layout_digest((shapes, keys[0]))
         entry = self.layouts.get(digest_)
@@ -79,7 +79,7 @@ class _FastPath:
             # Collective, and safe here: every rank reaches an optimizer's first verified step
             # together, right after agreeing on its plan (which a joined rank refuses).
             entry = self.layouts[digest_] = (self.parent.Dup(), shapes, keys[0])
-        k.reduce_buckets(entry[0], self.size, arrays, keys)
+        k.reduce_buckets(entry[0], self.size, arrays, keys, while_waiting)
         self.rounds[digest_] += 1
         return True
 
@@ -223,6 +223,11 @@ class MPICollectives:
         rnd, self._round = self._round, None
         return self._finish_round(rnd, waiting)
 
+    def _finish_round_if_done(self) -> None:
+        if self._round is not None and self._round.request.Test():
+            rnd, self._round = self._round, None
+            self._finish_round(rnd, None)
+
     def _post_round(self) -> _Round:
         entries = [h.desc for h in self._pending.values()] + [Desc(DUPLICATE, n, kind) for n, kind in self._poison.items()]
         rnd = _Round()
@@ -315,8 +320,17 @@ class MPICollectives:
         arrays = [check_buffer(a, name) for a in arrays]
         opn = op_name(op)
         keys = [(opn, (float(prescale_factor), float(postscale_factor)))] * len(arrays)
-        if verified_layout and self._fast is not None and self._fast.reduce(arrays, keys):
-            return arrays
+        if verified_layout and self._fast is not None:
+            side_work = None
+            if self._pending and self.size > 1:
+                # A peer may be waiting for one of these collectives before its own step, as
+                # Horovod allows: take part in their negotiation while this step's all-reduce
+                # waits, or the two waits would wait for each other.
+                if self._round is None:
+                    self._round = self._post_round()
+                side_work = self._finish_round_if_done
+            if self._fast.reduce(arrays, keys, side_work):
+                return arrays
         k.mpi_op(opn, np.float32)  # Adasum is an error before anything is submitted
         handles = [self.submit("allreduce", f"{name}.{i}", a, dtype=k.label(a.dtype), shape=a.shape, op=opn,
                                scales=keys[0][1]) for i, a in enumerate(arrays)]

@@ -67,14 +67,16 @@ def scale(array, factor: float) -> None:
         array *= array.dtype.type(factor)
 
 
-def wait(requests, any_done=False) -> None:
+def wait(requests, any_done=False, while_waiting=None) -> None:
     """Waits without sitting in a blocking MPI call: OpenMPI's blocking waits spin, stealing the
     core a peer needs to catch up (measured: 4-5 ms of CPU per step on the ranks that arrive
     first, at 4 ranks on 2 cores). Polls, yielding the core, for HYBRIDSYNC_SPIN_US, then sleeps
-    with back-off."""
+    with back-off. while_waiting: called at every poll (other work this rank's peers may need)."""
     from ..ps import wait_spin_us
 
     def done():
+        if while_waiting is not None:
+            while_waiting()
         return MPI.Request.Testany(requests)[1] if any_done else MPI.Request.Testall(requests)
     if done():
         return
@@ -119,7 +121,7 @@ def _rows(array) -> int:
     return int(np.prod(array.shape[1:], dtype=np.int64))
 
 
-def reduce_buckets(comm, size: int, arrays, keys) -> None:
+def reduce_buckets(comm, size: int, arrays, keys, while_waiting=None) -> None:
     """All-reduces arrays in place, fused into buckets per (key, dtype); key = (op, (pre, post))."""
     buckets = make_buckets(arrays, keys, settings().fusion_bytes)
     requests = []
@@ -128,7 +130,7 @@ def reduce_buckets(comm, size: int, arrays, keys) -> None:
         scale(b.flat, pre)  # in place: the result overwrites the caller's arrays anyway
         if size > 1:
             requests.append(comm.Iallreduce(MPI.IN_PLACE, buf(b.flat), op=mpi_op(op, b.flat.dtype)))
-    wait(requests)
+    wait(requests, while_waiting=while_waiting)
     for b in buckets:
         (op, (_, post)), _ = b.key
         scale(b.flat, post / size if op == "average" else post)
