@@ -93,7 +93,7 @@ def summarise(raw):
         rows.append({"place": place, "workload": workload, "config": name, "repeats": len(rs),
                      "samples_per_s": median([r["samples_per_s"] for r in rs]),
                      "ms_per_step": median([r["ms_per_step"] for r in rs]),
-                     "routes": rs[-1].get("routes")})
+                     "routes": rs[-1].get("routes"), "auto": rs[-1].get("auto")})
     verdicts = []
     for place, workload in sorted({(r["place"], r["workload"]) for r in rows}):
         mine = [r for r in rows if r["place"] == place and r["workload"] == workload]
@@ -104,12 +104,37 @@ def summarise(raw):
             verdicts.append({"place": place, "workload": workload, "best_hand_written": best["config"],
                              "auto_over_best": auto["samples_per_s"] / best["samples_per_s"],
                              "auto_routes": auto["routes"]})
-    return rows, verdicts
+    return rows, verdicts, prediction_errors(rows)
 
 
-def markdown(rows, verdicts, meta) -> str:
-    lines = [f"Measured {meta['date']}; medians of {meta['repeats']} interleaved rounds, {meta['steps']} timed steps "
-             f"(the first {meta['auto_steps']} of which auto measures on the PS before it switches).", "",
+def prediction_errors(rows):
+    """The cost model against the measurements: for each hand-written config, the step-time
+    difference from all-PS that auto's predictions (per variable, summed) said it would make,
+    and the difference measured (DLRM workloads, which report ms/step)."""
+    out = []
+    for auto in (r for r in rows if r["config"] == "auto" and r.get("auto") and r["ms_per_step"]):
+        same = {r["config"]: r for r in rows if (r["place"], r["workload"]) == (auto["place"], auto["workload"])}
+        ps = same.get("ps")
+        if not ps or not ps["ms_per_step"]:
+            continue
+        for name, r in same.items():
+            if name in ("auto", "ps") or not r["ms_per_step"] or not r["routes"]:
+                continue
+            predicted = 0.0
+            for var, route in r["routes"].items():
+                costs = (auto["auto"].get(var) or {}).get("predicted_ms") or {}
+                route = route.split("/")[0]
+                if route in costs and "ps" in costs:
+                    predicted += costs[route] - costs["ps"]
+            out.append({"place": auto["place"], "workload": auto["workload"], "config": name,
+                        "predicted_ms_vs_ps": predicted, "measured_ms_vs_ps": r["ms_per_step"] - ps["ms_per_step"]})
+    return out
+
+
+def markdown(rows, verdicts, meta, errors=()) -> str:
+    lines = [f"Measured {meta['date']}; medians of {meta['repeats']} interleaved rounds. DLRM: {meta['steps']} timed "
+             f"steps after {meta['warmup']} untimed ones, within which auto measures ({meta['auto_steps']} steps) and "
+             f"switches; NLP: the examples' own rate over {meta['nlp_steps']} steps, auto's measuring included.", "",
              "| where | workload | config | samples/s | ms/step |", "| --- | --- | --- | ---: | ---: |"]
     for r in rows:
         ms = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.1f}"
@@ -118,7 +143,23 @@ def markdown(rows, verdicts, meta) -> str:
     for v in verdicts:
         chose = ", ".join(f"{k}: {x}" for k, x in (v["auto_routes"] or {}).items())
         lines.append(f"| {v['place']} | {v['workload']} | {v['best_hand_written']} | {v['auto_over_best']:.3f}x | {chose} |")
+    if errors:
+        lines += ["", "The cost model vs the measurements: each config's step time minus all-PS, as auto's per-variable "
+                  "predictions add up and as measured (ms):", "",
+                  "| where | workload | config | predicted | measured |", "| --- | --- | --- | ---: | ---: |"]
+        for e in errors:
+            lines.append(f"| {e['place']} | {e['workload']} | {e['config']} | {e['predicted_ms_vs_ps']:+.2f} | "
+                         f"{e['measured_ms_vs_ps']:+.2f} |")
     return "\n".join(lines)
+
+
+def update_readme(text: str) -> None:
+    readme = ROOT / "README.md"
+    body = readme.read_text()
+    start, end = "<!-- bench-auto:start -->", "<!-- bench-auto:end -->"
+    if start in body and end in body:
+        head, rest = body.split(start, 1)
+        readme.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
 
 
 def main():
@@ -162,18 +203,21 @@ def main():
     finally:
         if cluster is not None:
             cluster.down()
-    rows, verdicts = summarise(raw)
+    rows, verdicts, errors = summarise(raw)
     from hybridsync.settings import settings
 
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
-            "steps": args.steps, "auto_steps": settings().auto_steps}
-    table = markdown(rows, verdicts, meta)
+            "steps": args.steps, "warmup": args.warmup, "nlp_steps": args.nlp_steps,
+            "auto_steps": settings().auto_steps}
+    table = markdown(rows, verdicts, meta, errors)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "auto.json").write_text(json.dumps({"meta": meta, "summary": rows, "verdicts": verdicts, "runs": raw},
-                                                  indent=2))
+    (RESULTS / "auto.json").write_text(json.dumps({"meta": meta, "summary": rows, "verdicts": verdicts,
+                                                   "prediction_errors": errors, "runs": raw}, indent=2))
     (RESULTS / "auto.md").write_text(table + "\n")
     print(table)
     print(f"\nwrote {RESULTS / 'auto.json'} and auto.md")
+    if not args.quick:
+        update_readme(table)
 
 
 if __name__ == "__main__":

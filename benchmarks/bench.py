@@ -237,14 +237,15 @@ def targets(summary) -> list[tuple[str, bool | None, str]]:
     def check(name, ok, detail):
         out.append((name, ok, detail))
 
-    one, base_one = by.get((hs, 1)), by.get((hvd, 1))
-    if one and base_one:
-        r = one["samples_per_s"] / base_one["samples_per_s"]
-        check("1 rank within 10% of Horovod", r >= 0.9, f"{r:.2f}x Horovod's samples/s")
-    for n in (2, 4):
+    # Against Horovod at its best setting here (yield_when_idle): 1 rank >= 0.95x, 2 ranks >= 1.35x.
+    for n, need in ((1, 0.95), (2, 1.35)):
         s = by.get((hs, n))
         if s and s["vs_horovod_tuned"]:
-            check(f"{n} ranks vs Horovod with yield_when_idle", None, f"{s['vs_horovod_tuned']:.2f}x")
+            check(f"{n} rank(s) >= {need}x Horovod at its best (yield_when_idle)", s["vs_horovod_tuned"] >= need,
+                  f"{s['vs_horovod_tuned']:.2f}x")
+    s = by.get((hs, 4))
+    if s and s["vs_horovod_tuned"]:
+        check("4 ranks vs Horovod at its best (yield_when_idle)", None, f"{s['vs_horovod_tuned']:.2f}x")
     two = by.get((hs, 2))
     if two and two["scaling"]:
         check("2 ranks >= 1.6x own 1 rank", two["scaling"] >= 1.6, f"{two['scaling']:.2f}x")
@@ -313,6 +314,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="1 repeat, 60 steps: a smoke run")
     p.add_argument("--no-readme", action="store_true")
     p.add_argument("--retries", type=int, default=2, help="re-runs of a run that crashed (each failure is reported)")
+    p.add_argument("--rerender", action="store_true",
+                   help="no runs: summarise benchmarks/results/latest.json's runs again (tables, targets, README)")
     p.add_argument("--compare", metavar="CHECKOUT", help="also run this checkout's hybridsync systems as "
                    "'<system>@before' (its C++ extension built in place), in the same interleaved rounds")
     args = p.parse_args()
@@ -326,8 +329,12 @@ def main():
         COMPARE_TREE = Path(args.compare).resolve()
         args.systems += [f"{s}@before" for s in args.systems if s.startswith("hybridsync")]
 
-    runs = plan_runs(args)
+    runs = [] if args.rerender else plan_runs(args)
     raw = []
+    if args.rerender:
+        previous = json.loads((RESULTS / "latest.json").read_text())
+        raw, args.compare = previous["runs"], previous.get("compared_with")
+        args.repeats, args.steps = previous["meta"]["repeats"], previous["meta"]["steps"]
     for kind, system, ranks, steps, warmup, global_ranks in tqdm(runs, desc="benchmark runs", unit="run"):
         # A crashed run is retried, and kept in the results as a failure so it is never hidden
         # (torch's own DDP over Gloo intermittently corrupts its heap at 1 rank with sparse grads).
@@ -341,6 +348,8 @@ def main():
     summary = summarise(raw)
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} cores",
             "repeats": args.repeats, "steps": args.steps}
+    if args.rerender:
+        meta["date"] = previous["meta"]["date"]
     table = markdown(summary, meta) + checkpoint_table(summary) + failures(raw)
     checks = targets(summary)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -348,7 +357,7 @@ def main():
     payload = {"meta": meta, "summary": summary, "targets": [{"target": n, "met": ok, "measured": d} for n, ok, d in checks],
                "compared_with": args.compare, "after_vs_before": before_lines, "runs": raw}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    for name in (f"bench-{stamp}.json", "latest.json"):
+    for name in ([] if args.rerender else [f"bench-{stamp}.json"]) + ["latest.json"]:
         (RESULTS / name).write_text(json.dumps(payload, indent=2))
     target_lines = "\n".join(f"- {'met' if ok else ('MISSED' if ok is False else 'info')}: {n} ({d})"
                              for n, ok, d in checks)

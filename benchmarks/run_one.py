@@ -233,6 +233,10 @@ def main():
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
+    if args.system.startswith("hybridsync"):
+        import hybridsync
+
+        hybridsync.init()  # first, as in a user's script: its MPI settings apply before MPI starts
     comm = _TorchCoordinator() if args.system == "ddp-gloo" else _MPICoordinator()
     rank, size = comm.rank, comm.size
     ranks = args.global_ranks or size

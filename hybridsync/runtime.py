@@ -64,6 +64,9 @@ def default_backend() -> str | None:
     return _default_backend
 
 
+_TCP_EAGER_BYTES = 4 << 20
+
+
 def init(comm=None) -> World:
     """Joins the job (idempotent). `comm`: an mpi4py communicator to use instead of COMM_WORLD."""
     global _world
@@ -76,6 +79,13 @@ def init(comm=None) -> World:
             # Waiting MPI calls yield the core (OpenMPI turns this on only when oversubscribed):
             # Horovod's MPI controller thread otherwise spins on a core training needs.
             os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+            # Between hosts (TCP), a message above the eager limit moves only while its sender
+            # polls MPI, and a rank that answered a pull goes back to computing: PS answers
+            # (~0.1-1 MB) then waited for the server's next MPI call. Sent eagerly, they leave at
+            # once (measured: 2 hosts x 2 ranks at 1 Gbit, 21 -> 14 ms per step). A user's
+            # setting wins.
+            for param in ("btl_tcp_eager_limit", "btl_tcp_rndv_eager_limit", "btl_tcp_max_send_size"):
+                os.environ.setdefault(f"OMPI_MCA_{param}", str(_TCP_EAGER_BYTES))
             from mpi4py import MPI
 
             _world = World(comm if comm is not None else MPI.COMM_WORLD)
