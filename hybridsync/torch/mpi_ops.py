@@ -249,9 +249,12 @@ def join(device=-1) -> int:
 
 
 def _refuse_join_with_ps_tables() -> None:
+    from .. import runtime
     from ..plan import current_plans
     from ..types import Route
 
+    if runtime.world().size == 1:  # no peer to leave waiting
+        return
     on_ps = [v.name for plan in current_plans() for v in plan.variables if v.route is Route.PS]
     if on_ps:
         raise RuntimeError(f"join(): '{on_ps[0]}' is on the parameter server, whose pulls and pushes need every "
