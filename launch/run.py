@@ -6,7 +6,9 @@
 It adds what a run needs and people forget: --allow-run-as-root when run as root,
 --oversubscribe when a host gets more ranks than it has cores, --bind-to none (one torch
 thread per rank), TCP keepalives on mpirun's links to other hosts (a host that drops off the
-network ends the job within about HYBRIDSYNC_PEER_TIMEOUT_S, not after TCP's 15 minutes); it checks the config before launching (errors name file:line), hands its
+network ends the job within about HYBRIDSYNC_PEER_TIMEOUT_S, not after TCP's 15 minutes), and
+it ends mpirun itself if mpirun is still waiting on a lost host's daemon 10 s (or the peer
+timeout) after a rank aborted the job; it checks the config before launching (errors name file:line), hands its
 absolute path to every rank (HYBRIDSYNC_CONFIG), and has rank 0 print the plan once, when the
 DistributedOptimizer is created, before training starts. --dry-run prints the command.
 """
@@ -16,8 +18,15 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
+
+# What mpirun (and hybridsync's ranks) print on stderr once a rank has aborted the job.
+_ABORT_MARKERS = (b"MPI_ABORT was invoked", b"aborting the job")
 
 
 def _parse(argv):
@@ -126,7 +135,62 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(" ".join(shlex.quote(c) for c in cmd))
         return 0
-    return subprocess.call(cmd, env=env)
+    return run_watching_aborts(cmd, env, grace_s=_abort_grace_s())
+
+
+def _abort_grace_s() -> float:
+    from hybridsync.settings import settings
+
+    return max(10.0, settings().peer_timeout_s)
+
+
+def run_watching_aborts(cmd: list[str], env: dict, grace_s: float) -> int:
+    """Run the launcher; once a rank has aborted the job, give it grace_s to end, then end it.
+
+    After MPI_Abort, mpirun waits for every daemon to confirm its ranks are gone. A daemon on a
+    host that dropped off the network never answers, and with the kill message unacknowledged TCP
+    keepalives no longer apply: mpirun would wait out TCP's retransmits (about 15 minutes). The
+    launcher's stderr passes through unchanged, line by line; stdout is not touched."""
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    aborted_at: list[float] = []
+
+    def relay():
+        out = sys.stderr.buffer
+        for line in iter(proc.stderr.readline, b""):
+            out.write(line)
+            out.flush()
+            if not aborted_at and any(m in line for m in _ABORT_MARKERS):
+                aborted_at.append(time.monotonic())
+
+    relay_thread = threading.Thread(target=relay, daemon=True)
+    relay_thread.start()
+    forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731 - a scheduler's SIGTERM reaches mpirun
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            except KeyboardInterrupt:  # the terminal sent SIGINT to mpirun too; let it end the job
+                continue
+            if aborted_at and time.monotonic() - aborted_at[0] > grace_s:
+                sys.stderr.write(f"hybridsync-run: the job was aborted {grace_s:.0f} s ago and {Path(cmd[0]).name} "
+                                 "has not ended (a host is unreachable?); killing it\n")
+                sys.stderr.flush()
+                proc.terminate()
+                try:
+                    proc.wait(timeout=3)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                rc = 1
+                break
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    relay_thread.join(2)
+    return rc
 
 
 if __name__ == "__main__":

@@ -118,11 +118,17 @@ def test_parity_of_every_route_across_hosts(cluster, scenario, backend):
               env=cluster.env(), timeout=300)
 
 
-def test_a_host_whose_link_goes_down_ends_the_job_naming_it(cluster):
-    """The ranks left name the silent rank and its host within the peer timeout, and mpirun,
-    which hybridsync-run has watch its daemons, ends the job instead of waiting on the lost one."""
+# With keepalives off, only hybridsync-run's own watch can end mpirun once the ranks aborted: mpirun's
+# kill message to the lost daemon stays unacknowledged, and TCP retransmits for about 15 minutes.
+@pytest.mark.parametrize("keepalive", ["on", "off"])
+def test_a_host_whose_link_goes_down_ends_the_job_naming_it(cluster, keepalive):
+    """The ranks left name the silent rank and its host within the peer timeout, and the job ends
+    instead of waiting on the lost host: mpirun's keepalives notice it, or hybridsync-run ends mpirun
+    once the ranks have aborted."""
     lost = f"{PREFIX}1"
     env = cluster.env({**os.environ, "HYBRIDSYNC_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)})
+    if keepalive == "off":
+        env["OMPI_MCA_oob_tcp_keepalive_time"] = "0"  # a value the user set wins over hybridsync-run's
     # hybridsync-run, as users launch across hosts: it also has mpirun watch its remote daemons.
     cmd = hybridsync_run("-np", "4", "-H", cluster.hosts_arg(PER_HOST)) + [
         sys.executable, "-u", __file__, "rank_train_until_the_link_drops"]
@@ -155,6 +161,8 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(cluster):
     out = "".join(lines)
     assert proc.returncode != 0, out
     assert f"on host {lost} has not been heard from" in out, out
+    if keepalive == "off":
+        assert "hybridsync-run: the job was aborted" in out, out
 
 
 if __name__ == "__main__":
