@@ -155,7 +155,8 @@ class MPICollectives:
         collective submitted here is negotiated.)"""
         array = check_buffer(buf, name or "a tensor")
         opn = op_name(op)
-        k.mpi_op(opn, array.dtype)  # Adasum is an error now, not at synchronize
+        if opn == "adasum":
+            k.check_adasum(name or "a tensor", array.dtype, self.size)
         if array.dtype == np.bool_:
             raise TypeError(f"allreduce '{name}': bool tensors cannot be reduced (as in Horovod)")
         return self.submit("allreduce", name, array, dtype=dtype or k.label(array.dtype), shape=array.shape, op=opn,
@@ -190,7 +191,8 @@ class MPICollectives:
                             dtype=None):
         array = np.array(buf, copy=True, order="C")  # scaled in place below
         opn = op_name(op)
-        k.mpi_op(opn, array.dtype)
+        if opn == "adasum":
+            raise NotImplementedError(f"reducescatter '{name}': op=Adasum is an all-reduce only (as in Horovod)")
         if array.ndim == 0:
             raise ValueError(f"reducescatter '{name}': needs a tensor with at least one dimension")
         return self.submit("reducescatter", name, array, dtype=dtype or k.label(array.dtype), shape=array.shape, op=opn,
@@ -264,7 +266,13 @@ class MPICollectives:
         """Runs agreed collectives, in the same order on every rank. A rank without a handle for
         one (it called join()) contributes zeros."""
         items = [(d, self._pending.pop(d.name, None)) for d in descs if d.kind != DUPLICATE]
-        reduces = [(d, h) for d, h in items if d.kind == "allreduce"]
+        adasums = [(d, h) for d, h in items if d.kind == "allreduce" and d.op == "adasum"]
+        for d, h in adasums:  # one tensor at a time: each has its own coefficients and scales
+            array = h.payload if h else np.zeros(d.shape, k.np_dtype(d.dtype))  # a joined rank adds nothing
+            k.adasum(self.comm, self.size, self.rank, [array], d.scales)
+            if h is not None:
+                h.result, h.done = array, True
+        reduces = [(d, h) for d, h in items if d.kind == "allreduce" and d.op != "adasum"]
         if reduces:
             arrays = [h.payload if h else np.zeros(d.shape, k.np_dtype(d.dtype)) for d, h in reduces]
             k.reduce_buckets(self.comm, self.size, arrays, [(d.op, d.scales) for d, _ in reduces])
@@ -320,7 +328,10 @@ class MPICollectives:
         arrays = [check_buffer(a, name) for a in arrays]
         opn = op_name(op)
         keys = [(opn, (float(prescale_factor), float(postscale_factor)))] * len(arrays)
-        if verified_layout and self._fast is not None:
+        if opn == "adasum":
+            for i, a in enumerate(arrays):
+                k.check_adasum(f"{name}.{i}", a.dtype, self.size)
+        if verified_layout and self._fast is not None and opn != "adasum":
             side_work = None
             if self._pending and self.size > 1:
                 # A peer may be waiting for one of these collectives before its own step, as
@@ -331,7 +342,6 @@ class MPICollectives:
                 side_work = self._finish_round_if_done
             if self._fast.reduce(arrays, keys, side_work):
                 return arrays
-        k.mpi_op(opn, np.float32)  # Adasum is an error before anything is submitted
         handles = [self.submit("allreduce", f"{name}.{i}", a, dtype=k.label(a.dtype), shape=a.shape, op=opn,
                                scales=keys[0][1]) for i, a in enumerate(arrays)]
         for h in handles:  # negotiated in one round: the first wait completes them all

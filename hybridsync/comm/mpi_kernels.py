@@ -21,7 +21,7 @@ _fp16_ops: dict = {}
 
 def mpi_op(name: str, dtype):
     if name == "adasum":
-        raise NotImplementedError("op=Adasum needs Horovod as the dense backend")
+        raise ValueError("op=Adasum has no MPI reduction op: it runs as hybridsync.comm.mpi_kernels.adasum")
     if dtype != np.float16:
         return _MPI_OPS[name]
     if name not in _fp16_ops:  # MPI has no half type: uint16 carrier, reduced by NumPy
@@ -135,6 +135,56 @@ def reduce_buckets(comm, size: int, arrays, keys, while_waiting=None) -> None:
         (op, (_, post)), _ = b.key
         scale(b.flat, post / size if op == "average" else post)
         b.scatter_back()
+
+
+ADASUM_DTYPES = ("float16", "float32", "float64")  # Horovod's Adasum rejects every other type
+
+
+def check_adasum(name: str, dtype, size: int) -> None:
+    """Horovod's limits on Adasum, raised at submit on every rank alike (size is the set's)."""
+    label = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if label not in ADASUM_DTYPES:
+        raise TypeError(f"allreduce '{name}': op=Adasum reduces float16, float32 or float64 tensors "
+                        f"(as in Horovod), not {label}")
+    if size & (size - 1):
+        raise NotImplementedError(f"allreduce '{name}': op=Adasum needs a power-of-two number of ranks "
+                                  f"(as in Horovod), not {size}")
+
+
+def adasum(comm, size: int, rank: int, arrays, scales, while_waiting=None) -> None:
+    """Horovod's Adasum, in place, per tensor: ranks combine pairwise, neighbours at distance 1,
+    then 2, 4, ... (the lower-ranked side first), each pair (a, b) becoming
+        (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b
+    (a coefficient is 1 where its vector's squared norm is below 1e-8): orthogonal gradients
+    add, parallel ones average. Horovod splits the vectors across a pair's group (vector halving);
+    here both ranks of a pair exchange whole tensors and compute the same combination, in the same
+    order, so every rank ends with identical bits. Products and norms are taken in float64;
+    `scales` = (prescale, postscale), applied before and after as Horovod does."""
+    for a in arrays:
+        scale(a, scales[0])
+    distance = 1
+    while distance < size:
+        peer = rank ^ distance
+        received = [np.empty_like(a) for a in arrays]
+        requests = []
+        for mine, theirs in zip(arrays, received):
+            requests.append(comm.Irecv(buf(theirs), source=peer, tag=distance))
+            requests.append(comm.Isend(buf(mine), dest=peer, tag=distance))
+        wait(requests, while_waiting=while_waiting)
+        for mine, theirs in zip(arrays, received):
+            left, right = (mine, theirs) if rank & distance == 0 else (theirs, mine)
+            _combine(left, right, out=mine)
+        distance <<= 1
+    for a in arrays:
+        scale(a, scales[1])
+
+
+def _combine(a, b, out) -> None:
+    a64, b64 = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+    dot, a_sq, b_sq = float(a64 @ b64), float(a64 @ a64), float(b64 @ b64)
+    a_coeff = 1.0 - dot / a_sq * 0.5 if a_sq >= 1e-8 else 1.0
+    b_coeff = 1.0 - dot / b_sq * 0.5 if b_sq >= 1e-8 else 1.0
+    out.reshape(-1)[...] = a_coeff * a64 + b_coeff * b64
 
 
 def post_zero_buckets(comm, shapes, key):

@@ -13,6 +13,7 @@ from .. import comm, runtime
 from ..comm import horovod as hvd_backend
 from ..comm.negotiation import op_name
 from ..comm.negotiation import Desc
+from ..comm.mpi_kernels import check_adasum
 from . import process_sets
 from .access import host_array, viewable
 
@@ -172,6 +173,8 @@ class _HorovodTorch:
 
     def allreduce_async_(self, tensor, name, op, pre, post):
         desc = self._desc("allreduce", tensor, name, op=op_name(op), scales=(float(pre), float(post)))
+        if desc.op == "adasum":  # Horovod would find out only once the data is moving
+            check_adasum(desc.name, desc.dtype, runtime.world().size)
         return self._in_place(tensor, lambda t, n: self.hvd.allreduce_async_(
             t, name=n, op=hvd_backend.reduce_op(op), prescale_factor=pre, postscale_factor=post), desc)
 

@@ -25,6 +25,7 @@ from ..sync.base import SyncContext, Variable, check_options
 from ..sync.registry import SyncSet
 from ..types import GradKind, Placement, ReduceOp
 from .access import ParamAccess, StagedRowsAccess
+from .adasum_optimizer import adasum_optimizer
 from .batching import BatchedLookups
 from .compression import Compression, NoneCompressor
 from .embedding import Embedding, EmbeddingBag
@@ -383,7 +384,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     named_parameters: (name, param) pairs, as model.named_parameters(); names the variables.
     compression: hybridsync.torch.Compression.none | .fp16 for the dense all-reduce.
     backward_passes_per_step: backward passes accumulated locally (summed) before exchange.
-    op: Average (default) or Sum across ranks. gradient_predivide_factor: with Average,
+    op: Average (default) or Sum across ranks, or Adasum: Horovod's Adasum optimizer (each rank
+        applies its own update; the changes are combined with the Adasum all-reduce; see
+        hybridsync.torch.adasum_optimizer). gradient_predivide_factor: with Average,
         divide by this before the sum and by size/factor after.
     num_groups / groups: Horovod's explicit grouping of gradient all-reduces; validated, and a
         scheduling hint only (see optimizer_args.check_groups).
@@ -403,7 +406,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a hybridsync DistributedOptimizer")
     check_process_set(process_set)
-    op = check_options(check_op(op), gradient_predivide_factor, backward_passes_per_step)
+    op = check_op(op)
+    adasum = op == "adasum"
+    op = check_options(ReduceOp.AVERAGE if adasum else op, gradient_predivide_factor, backward_passes_per_step)
+    if adasum and gradient_predivide_factor != 1.0:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if compression is None:
         compression = NoneCompressor
     elif isinstance(compression, str):
@@ -412,6 +419,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise TypeError("compression must be hybridsync.torch.Compression.none / .fp16 (or have compress/decompress)")
     named = _named_parameters(optimizer, named_parameters, model)
     check_groups(num_groups, groups, named)
+    if adasum:  # Horovod's Adasum optimizer: each rank's update, combined (sparse_as_dense is implied)
+        return adasum_optimizer(optimizer, named, compression, backward_passes_per_step, model, config, backend)
     if sparse_as_dense:
         config = sparse_as_dense_config(config)
 

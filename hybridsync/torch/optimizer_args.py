@@ -22,16 +22,19 @@ def check_process_set(process_set) -> None:
 
 
 def check_op(op):
-    """Average or Sum (as hybridsync.types understands them); Horovod's other ops are errors."""
+    """Average, Sum (as hybridsync.types understands them) or 'adasum'; Horovod's other ops,
+    which no optimizer of Horovod's takes either, are errors."""
     if isinstance(op, int) and not isinstance(op, bool):  # a constant taken from horovod.torch
         if op in (0, 1):
             return ("average", "sum")[op]
         name = {2: "adasum", 3: "min", 4: "max", 5: "product"}.get(op, str(op))
     else:
         name = str(getattr(op, "value", op)).lower()
-    if name in ("adasum", "min", "max", "product"):
-        raise NotImplementedError(f"DistributedOptimizer(op={name}): hybridsync's optimizer reduces gradients "
-                                  "with Average or Sum only")
+    if name == "adasum":
+        return name
+    if name in ("min", "max", "product"):
+        raise NotImplementedError(f"DistributedOptimizer(op={name}): gradients are combined with Average, Sum or "
+                                  "Adasum (as in Horovod)")
     return op
 
 

@@ -75,8 +75,10 @@ def _size_one_checks(hvd, torch):
     assert hvd.join() == 0 and hvd.alltoall(x).tolist() == x.tolist()
     with pytest.raises(ValueError, match="still in flight"):
         hvd.allreduce_async(x, name="twice"), hvd.allreduce_async(x, name="twice")
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.allreduce(x, op=hvd.Adasum)
+    # Adasum of one rank's tensor is the tensor, scaled as Horovod scales it.
+    assert hvd.allreduce(x, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.5).tolist() == x.tolist()
+    with pytest.raises(TypeError, match="float16, float32 or float64"):
+        hvd.allreduce(torch.tensor([1, 2]), op=hvd.Adasum)
 
 
 # -- negotiation ---------------------------------------------------------------------------
@@ -136,9 +138,9 @@ def test_horovod_keywords_of_distributed_optimizer():
                                   "variables": [{"match": "emb2", "sync": "ps"}]})
     assert cfg.sparse.sync == "allreduce-as-dense" and cfg.sparse.partitions is None and cfg.rules[0].sync == "ps"
     assert "sparse_as_dense=True" in cfg.where["defaults.sparse"]
-    assert check_op(0) == "average" and check_op(1) == "sum"
-    with pytest.raises(NotImplementedError):
-        check_op(2)
+    assert check_op(0) == "average" and check_op(1) == "sum" and check_op(2) == "adasum"
+    with pytest.raises(NotImplementedError, match="Average, Sum or Adasum"):
+        check_op(3)  # horovod.torch.Min
     p = torch.nn.Parameter(torch.zeros(1))
     with pytest.warns(DeprecationWarning):
         assert check_groups(2, None, [("p", p)]) == 2
