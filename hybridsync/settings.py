@@ -40,6 +40,7 @@ class Settings:
     max_sleep_us: float
     timeline: str | None
     batch_lookups: bool
+    overlap_dense: bool
     explain: bool
     fusion_bytes: int
     peer_timeout_s: float
@@ -77,6 +78,7 @@ def settings() -> Settings:
         max_sleep_us=_float("HYBRIDSYNC_MAX_SLEEP_US", 200.0),
         timeline=os.environ.get("HYBRIDSYNC_TIMELINE") or None,
         batch_lookups=os.environ.get("HYBRIDSYNC_BATCH_LOOKUPS", "1") not in ("0", "false", "no"),
+        overlap_dense=os.environ.get("HYBRIDSYNC_OVERLAP_DENSE", "1") not in ("0", "false", "no"),
         explain=os.environ.get("HYBRIDSYNC_EXPLAIN", "0") in ("1", "true", "yes"),
         fusion_bytes=max(1, int(_float("HYBRIDSYNC_FUSION_MB", 64.0) * 2**20)),
         peer_timeout_s=_float("HYBRIDSYNC_PEER_TIMEOUT_S", 60.0),

@@ -70,18 +70,26 @@ class _FastPath:
         self.posted: dict = {}  # digest -> [(requests, buffers)]: this joined rank's zeros in flight
 
     def reduce(self, arrays, keys, while_waiting=None) -> bool:
+        started = self.start(arrays, keys)
+        if started is None:
+            return False
+        k.wait(started[1], while_waiting=while_waiting)
+        k.finish_buckets(self.size, started[0])
+        return True
+
+    def start(self, arrays, keys):
+        """Posts one fused round; (buckets, requests), or None when no layout is left."""
         shapes = tuple((a.dtype.str, a.shape) for a in arrays)
         digest_ = _layout_digest((shapes, keys[0]))
         entry = self.layouts.get(digest_)
         if entry is None:
             if len(self.layouts) >= _MAX_FAST_LAYOUTS:
-                return False
+                return None
             # Collective, and safe here: every rank reaches an optimizer's first verified step
             # together, right after agreeing on its plan (which a joined rank refuses).
             entry = self.layouts[digest_] = (self.parent.Dup(), shapes, keys[0])
-        k.reduce_buckets(entry[0], self.size, arrays, keys, while_waiting)
         self.rounds[digest_] += 1
-        return True
+        return k.start_buckets(entry[0], self.size, arrays, keys)
 
     def _post(self, digest_) -> None:
         comm, shapes, key = self.layouts[digest_]
@@ -347,6 +355,28 @@ class MPICollectives:
         for h in handles:  # negotiated in one round: the first wait completes them all
             self.synchronize(h)
         return arrays
+
+    def start_allreduce_arrays(self, arrays, op="average", prescale_factor=1.0, postscale_factor=1.0):
+        """Posts the optimizer's verified fused all-reduce of `arrays` without waiting (from a
+        gradient hook, while backward goes on; any MPI call -- the parameter server's included --
+        moves it along). Returns what finish_allreduce_arrays takes, or None where it cannot
+        start early (one rank, no fast path, user collectives pending, Adasum): then call
+        allreduce_arrays at synchronize as usual."""
+        opn = op_name(op)
+        if self.size == 1 or self._fast is None or self._pending or opn == "adasum":
+            return None
+        keys = [(opn, (float(prescale_factor), float(postscale_factor)))] * len(arrays)
+        return self._fast.start([check_buffer(a, "hybridsync.fused") for a in arrays], keys)
+
+    def finish_allreduce_arrays(self, started) -> None:
+        buckets, requests = started
+        side_work = None
+        if self._pending:  # as in allreduce_arrays: a peer may wait for these before its step
+            if self._round is None:
+                self._round = self._post_round()
+            side_work = self._finish_round_if_done
+        k.wait(requests, while_waiting=side_work)
+        k.finish_buckets(self.size, buckets)
 
     # -- join -----------------------------------------------------------------------------------
     def join(self) -> int:

@@ -123,6 +123,13 @@ def _rows(array) -> int:
 
 def reduce_buckets(comm, size: int, arrays, keys, while_waiting=None) -> None:
     """All-reduces arrays in place, fused into buckets per (key, dtype); key = (op, (pre, post))."""
+    buckets, requests = start_buckets(comm, size, arrays, keys)
+    wait(requests, while_waiting=while_waiting)
+    finish_buckets(size, buckets)
+
+
+def start_buckets(comm, size: int, arrays, keys):
+    """The first half of reduce_buckets: (buckets, requests in flight)."""
     buckets = make_buckets(arrays, keys, settings().fusion_bytes)
     requests = []
     for b in buckets:
@@ -130,7 +137,11 @@ def reduce_buckets(comm, size: int, arrays, keys, while_waiting=None) -> None:
         scale(b.flat, pre)  # in place: the result overwrites the caller's arrays anyway
         if size > 1:
             requests.append(comm.Iallreduce(MPI.IN_PLACE, buf(b.flat), op=mpi_op(op, b.flat.dtype)))
-    wait(requests, while_waiting=while_waiting)
+    return buckets, requests
+
+
+def finish_buckets(size: int, buckets) -> None:
+    """The second half, once the requests are done: post-scaling, results into the arrays."""
     for b in buckets:
         (op, (_, post)), _ = b.key
         scale(b.flat, post / size if op == "average" else post)
