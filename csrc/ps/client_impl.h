@@ -40,6 +40,7 @@ struct Routed {
   Routing routing;
   const float* rows = nullptr;
   std::vector<float> summed;  // gradients of duplicate ids added up (only when there are some)
+  float* out = nullptr;       // a pull's rows in input order (TableBatch::out)
 };
 
 // An operation between its start (requests sent) and its completion (replies collected).

@@ -65,6 +65,16 @@ std::vector<char> write_request(RequestKind kind, const std::vector<Routed>& bat
   return w.take();
 }
 
+// A pull in input order in a world of one: rows straight from the shard, which holds them all
+// and is current (the pending pushes were applied); no wire, so nothing to deduplicate.
+void copy_in_order(const Table& t, const TableBatch& b) {
+  check_ids(t.spec.name, b.ids, b.n, t.spec.num_rows);
+  thread_local std::vector<int64_t> local;
+  local.resize(static_cast<size_t>(b.n));
+  for (int64_t i = 0; i < b.n; ++i) local[i] = t.part.local_index(b.ids[i]);
+  t.shard->gather(local.data(), b.n, b.out);
+}
+
 // Routes every batch of this worker's operation; bad input becomes `error` (announced to the
 // peers instead of thrown, so no rank is left waiting). For a push, duplicate ids' gradients
 // are added up, so each row crosses the wire once.
@@ -76,7 +86,14 @@ std::vector<Routed> route_batches(const Client::Impl& c, const std::vector<Table
     for (const TableBatch& b : batches) {
       const Table& t = c.table_at(b.table);
       const int64_t dim = t.spec.dim;
-      Routed r{b.table, dim, route_ids(t.spec.name, t.part, b.ids, b.n, c.size()), nullptr, {}};
+      if (!with_grads && b.out && c.size() == 1 && t.shard && t.shard->rows() == t.spec.num_rows) {
+        copy_in_order(t, b);
+        Routed done{b.table, dim, Routing{}, nullptr, {}, nullptr};  // asks the server for nothing
+        done.routing.offset.assign(2, 0);
+        routed.push_back(std::move(done));
+        continue;
+      }
+      Routed r{b.table, dim, route_ids(t.spec.name, t.part, b.ids, b.n, c.size()), nullptr, {}, b.out};
       const auto& dd = r.routing.dedup;
       if (with_grads && static_cast<int64_t>(dd.unique.size()) == b.n) {
         r.rows = b.grads;  // no duplicates: unique u is input u
@@ -222,21 +239,6 @@ void Client::flush() {
   c.guarded([&] { c.begin_collective(); });
 }
 
-void Client::lookup_local(int table, const int64_t* ids, int64_t n, float* out) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
-  c.guarded([&] {
-    c.begin_collective();
-    Table& t = c.table_at(table);
-    if (c.size() != 1 || !t.shard || t.shard->rows() != t.spec.num_rows) {
-      throw PSError("lookup_local needs every row of table '" + t.spec.name + "' on this rank");
-    }
-    check_ids(t.spec.name, ids, n, t.spec.num_rows);
-    const int64_t dim = t.spec.dim;
-    for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * dim, t.shard->row(t.part.local_index(ids[i])), dim * sizeof(float));
-  });
-}
-
 Completion Client::Impl::finish(InFlight& op) { return op.is_push ? finish_push(op) : finish_pull(op); }
 
 Completion Client::Impl::finish_pull(InFlight& op) {
@@ -270,12 +272,24 @@ Completion Client::Impl::finish_pull(InFlight& op) {
     transport->send(src, kTagReply, reply.take());
   }
   tracer.record("serve pulls", serve_start, served_rows);
-  // Collect the rows this worker asked for, into each batch's unique order.
+  // Collect the rows this worker asked for: into each batch's unique order, or for a batch
+  // with `out`, straight to the first input position of each unique id (copied to the others
+  // below), so the rows are copied once.
   std::vector<Routed>& routed = op.routed;
   Completion done;
   done.pulled.resize(routed.size());
+  std::vector<std::vector<int64_t>> first(routed.size());  // out: unique u's first input position
   for (size_t b = 0; b < routed.size(); ++b) {
-    done.pulled[b].rows.resize(routed[b].routing.dedup.unique.size() * routed[b].dim);
+    const Dedup& dd = routed[b].routing.dedup;
+    if (!routed[b].out) {
+      done.pulled[b].rows.resize(dd.unique.size() * routed[b].dim);
+      continue;
+    }
+    first[b].resize(dd.unique.size());
+    int64_t seen = 0;  // uniques are in first-seen order: u first appears where inverse == u
+    for (size_t i = 0; i < dd.inverse.size(); ++i) {
+      if (dd.inverse[i] == seen) first[b][seen++] = static_cast<int64_t>(i);
+    }
   }
   for (int d = 0; d < P; ++d) {
     auto msg = transport->recv(d, kTagReply);
@@ -285,8 +299,10 @@ Completion Client::Impl::finish_pull(InFlight& op) {
       const Routing& rt = routed[b].routing;
       const int64_t dim = routed[b].dim;
       const float* rows = r.f32s(static_cast<size_t>(rt.count(d) * dim));
+      float* out = routed[b].out;
       for (int64_t k = rt.offset[d]; k < rt.offset[d + 1]; ++k, rows += dim) {
-        std::memcpy(done.pulled[b].rows.data() + rt.order[k] * dim, rows, dim * sizeof(float));
+        float* dst = out ? out + first[b][rt.order[k]] * dim : done.pulled[b].rows.data() + rt.order[k] * dim;
+        std::memcpy(dst, rows, dim * sizeof(float));
       }
     }
   }
@@ -296,8 +312,16 @@ Completion Client::Impl::finish_pull(InFlight& op) {
   }
   throw_remote(errors, rank(), "pull");
   for (size_t b = 0; b < routed.size(); ++b) {
-    done.pulled[b].unique = std::move(routed[b].routing.dedup.unique);
-    done.pulled[b].inverse = std::move(routed[b].routing.dedup.inverse);
+    Dedup& dd = routed[b].routing.dedup;
+    if (float* out = routed[b].out) {  // duplicates: from the first position that got the row
+      const int64_t dim = routed[b].dim;
+      for (size_t i = 0; i < dd.inverse.size(); ++i) {
+        const int64_t from = first[b][dd.inverse[i]];
+        if (from != static_cast<int64_t>(i)) std::memcpy(out + i * dim, out + from * dim, dim * sizeof(float));
+      }
+    }
+    done.pulled[b].unique = std::move(dd.unique);
+    done.pulled[b].inverse = std::move(dd.inverse);
   }
   return done;
 }
