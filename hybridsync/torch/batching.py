@@ -9,15 +9,21 @@ in one round from a forward pre-hook on the model. Each module then checks that 
 exactly the view that was predicted and that no one wrote to it since; a mismatch is an error
 naming the module, never a stale row. Models that do not fit keep one pull per call.
 HYBRIDSYNC_BATCH_LOOKUPS=0 turns this off.
+
+The engine writes each Embedding's rows in input order straight into its output's memory, and
+all those outputs come from one autograd node: even in a world of one, where a pull is a local
+copy, a forward then costs one engine call, one Python forward and one backward, not one per table.
 """
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .. import comm, runtime, timeline
 from ..sync.table import pull
+from .embedding import Embedding, _Prefetched
 
 
 def _inputs(args, kwargs):
@@ -60,6 +66,16 @@ def _locate(x, inputs):
     return None
 
 
+def _expected_view(t, kind: str, k: int):
+    """(data_ptr, shape, stride, dtype) of the view `kind`/`k` of t, without making it."""
+    if kind == "whole":
+        return t.data_ptr(), t.shape, t.stride(), t.dtype
+    size = t.element_size()
+    if kind == "column":
+        return t.data_ptr() + k * t.stride(1) * size, (t.shape[0],), (t.stride(0),), t.dtype
+    return t.data_ptr() + k * t.stride(0) * size, (t.shape[1],), (t.stride(1),), t.dtype
+
+
 class BatchedLookups:
     def __init__(self, model: torch.nn.Module, modules: list):
         self.modules = list(modules)
@@ -67,6 +83,7 @@ class BatchedLookups:
         self._seen: list = []
         self._cache: dict = {}
         self._inputs = None
+        self._anchor = torch.empty(0, requires_grad=True)  # lets autograd reach _Prefetched.backward
         model.register_forward_pre_hook(self._before, with_kwargs=True)
         model.register_forward_hook(self._after, with_kwargs=True, always_call=True)
         for m in self.modules:
@@ -79,6 +96,7 @@ class BatchedLookups:
         if not self.pattern:
             return
         by_path = dict(self._inputs)
+        hosts = {}  # path -> the input as a NumPy array (one device copy per input, not per table)
         ids, predicted = [], []
         for module, (path, kind, k) in self.pattern:
             t = by_path.get(path)
@@ -86,18 +104,29 @@ class BatchedLookups:
                 raise RuntimeError(f"hybridsync batched lookups: the model input {path} that PS embedding "
                                    f"'{module.table_name}' reads is missing or changed shape; set "
                                    "HYBRIDSYNC_BATCH_LOOKUPS=0 for models whose inputs vary in structure")
-            x = t if kind == "whole" else (t[:, k] if kind == "column" else t[k])
-            predicted.append((module, x, t._version))
-            host = x.detach() if x.device.type == "cpu" else x.detach().cpu()
-            ids.append(host.contiguous().numpy())
+            host = hosts.get(path)
+            if host is None:
+                host = hosts[path] = (t.detach() if t.device.type == "cpu" else t.detach().cpu()).numpy()
+            # NumPy slicing: far cheaper per table than torch views, and the check in take()
+            # compares the module's input with the view's address instead of a view made here.
+            ids.append(np.ascontiguousarray(host if kind == "whole" else (host[:, k] if kind == "column" else host[k])))
+            predicted.append((module, _expected_view(t, kind, k), t._version, t.device))
+        in_order = [isinstance(m, Embedding) for m, _ in self.pattern]
         tl = timeline.get()
         start = time.perf_counter_ns() if tl else 0
-        results = pull([m.table for m, _ in self.pattern], ids)
+        results = pull([m.table for m, _ in self.pattern], ids, in_order)
         if tl:
             tl.complete(f"pull ({len(ids)} tables)", start, time.perf_counter_ns(), "ps", rows=sum(len(r[0]) for r in results))
             tl.engine_events()
-        for (module, x, version), flat, result in zip(predicted, ids, results):
-            self._cache[module] = (x, version, flat, result)
+        ordered = [i for i, flag in enumerate(in_order) if flag]
+        outputs = {}
+        if ordered:  # every Embedding's output, from one autograd node
+            made = _Prefetched.apply(self._anchor, [predicted[i][0] for i in ordered],
+                                     [ids[i].reshape(-1) for i in ordered], [predicted[i][3] for i in ordered],
+                                     *[results[i][2] for i in ordered])
+            outputs = dict(zip(ordered, made))
+        for i, ((module, view, version, _), result) in enumerate(zip(predicted, results)):
+            self._cache[module] = (view, version, outputs[i] if i in outputs else result)
 
     def _after(self, model, args, kwargs, output):
         if self.pattern is None:
@@ -108,7 +137,8 @@ class BatchedLookups:
 
     # -- module side ------------------------------------------------------------------------------
     def take(self, module, x):
-        """The prefetched (ids, unique, inverse, rows) of `module` for input x, or None."""
+        """What the batched pull brought `module` for input x, or None: an Embedding's output
+        tensor, an EmbeddingBag's (unique, inverse, unique rows)."""
         if self.pattern is None:
             if self._inputs is not None:
                 self._seen.append((module, x))
@@ -116,13 +146,16 @@ class BatchedLookups:
         entry = self._cache.pop(module, None)
         if entry is None:
             return None
-        predicted, version, flat, result = entry
-        if not _same_view(x, predicted) or x._version != version:
+        (ptr, shape, stride, dtype), version, got = entry
+        if (x.data_ptr() != ptr or x.shape != shape or x.stride() != stride or x.dtype != dtype
+                or x._version != version):
             raise RuntimeError(
                 f"hybridsync batched lookups: PS embedding '{module.table_name}' was called with an input other "
                 "than the model input it read at the first step (or one modified in place since the forward "
                 "began); set HYBRIDSYNC_BATCH_LOOKUPS=0 for this model")
-        return (flat,) + tuple(result)
+        if isinstance(got, torch.Tensor) and not torch.is_grad_enabled():
+            return got.detach()  # called under no_grad inside a forward that records
+        return got
 
     def _learn(self):
         seen = {}
