@@ -139,6 +139,24 @@ std::unique_ptr<InFlight> Client::Impl::start_push(const std::vector<TableBatch>
   op->is_push = true;
   op->return_updates = return_updates;
   op->local_error = error;
+  if (size() == 1 && !return_updates) {
+    // A world of one has no wire to save and no peer to wait for: no deduplication, message or
+    // deferral (the shard's aggregation sums duplicate ids itself). Errors still reach Wait().
+    op->applied = true;
+    op->round.scale = scale;
+    for (const TableBatch& b : batches) {
+      if (b.lr >= 0) op->round.lr[b.table] = b.lr;
+    }
+    try {
+      if (op->local_error.empty()) apply_local(batches, op->round);
+    } catch (const PSIndexError& e) {
+      op->local_error = e.what();
+      op->index_error = true;
+    } catch (const PSError& e) {
+      op->local_error = e.what();
+    }
+    return op;
+  }
   op->routed = route_batches(*this, batches, true, &op->local_error, &op->index_error);
   send_requests(*transport, RequestKind::kPush, op->routed, op->local_error);
   op->round.scale = scale;
@@ -328,7 +346,9 @@ Completion Client::Impl::finish_pull(InFlight& op) {
 
 Completion Client::Impl::finish_push(InFlight& op) {
   Completion done;
-  if (!op.return_updates) {
+  if (op.applied) {
+    // nothing left to apply
+  } else if (!op.return_updates) {
     pending.push_back(op.round);  // applied at the start of the next operation
   } else {
     std::map<int, RowUpdates> updates;
@@ -340,6 +360,30 @@ Completion Client::Impl::finish_push(InFlight& op) {
     throw PSError(op.local_error);
   }
   return done;
+}
+
+void Client::Impl::apply_local(const std::vector<TableBatch>& batches, const Round& round) {
+  // Every id is checked before any row changes (all-or-nothing, as for a round over the wire).
+  std::vector<std::vector<int64_t>> local(batches.size());
+  std::map<int, std::vector<GradientRows>> by_table;  // ordered: the apply order of a round
+  for (size_t b = 0; b < batches.size(); ++b) {
+    const TableBatch& batch = batches[b];
+    const Table& t = table_at(batch.table);
+    check_ids(t.spec.name, batch.ids, batch.n, t.spec.num_rows);
+    local[b].resize(static_cast<size_t>(batch.n));
+    for (int64_t i = 0; i < batch.n; ++i) local[b][i] = t.part.local_index(batch.ids[i]);
+    by_table[batch.table].push_back(GradientRows{local[b].data(), batch.n, batch.grads});  // empty ones too: a step
+  }
+  const int64_t start = tracer.start();
+  int64_t applied_rows = 0;
+  for (auto& [table, sources] : by_table) {
+    Table& t = *tables[table];
+    auto lr = round.lr.find(table);
+    if (lr != round.lr.end()) t.shard->rule().set_hyperparameter("lr", lr->second);
+    t.sums.step(*t.shard, sources, round.scale);
+    applied_rows += t.sums.size();
+  }
+  tracer.record("server apply", start, applied_rows);
 }
 
 void Client::Impl::apply_round(const Round& round, std::map<int, RowUpdates>* updates) {

@@ -109,7 +109,7 @@ TEST(threads_sharing_a_client_each_get_their_own_results) {
   CHECK(c->step(t) == 4 * 100);
 }
 
-TEST(a_lazy_push_is_applied_before_the_next_pull_and_sums_duplicates) {
+TEST(a_push_is_applied_before_the_next_pull_and_sums_duplicates) {
   auto c = loopback_client();
   const int t = c->add_table(spec());
   const std::vector<int64_t> ids = {2, 2, 5};
@@ -167,6 +167,12 @@ TEST(bad_input_throws_and_changes_no_row) {
   CHECK_THROWS(c->push({TableBatch{t, bad.data(), 2, grads.data()}}, 1.0f, true), PSIndexError,
                "table 'emb': id 6 is out of range [0, 6)");
   CHECK_THROWS(c->pull({}, "gradients must be float32"), PSError, "gradients must be float32");
+  // Without updates one rank applies a push at once; a bad id in any batch still changes nothing.
+  const std::vector<int64_t> good = {0};
+  const Client::Handle h = c->Push({TableBatch{t, good.data(), 1, grads.data()}, TableBatch{t, bad.data(), 2, grads.data()}}, 1.0f);
+  CHECK_THROWS(c->Wait(h), PSIndexError, "table 'emb': id 6 is out of range [0, 6)");
+  CHECK_THROWS(c->push({TableBatch{t, good.data(), 1, grads.data()}}, 1.0f, false, "bad gradients"), PSError, "bad gradients");
+  CHECK(c->step(t) == 0);
   const std::vector<float> full = c->gather(t, -1);
   for (float v : full) CHECK_NEAR(v, 0.0, 0.0);
   CHECK_THROWS(c->gather(t, 3), PSError, "has no state slot 3");
