@@ -5,7 +5,8 @@
 // Pull()/Push() do step 1 and return a handle; Wait() does steps 2 and 3, so the caller can
 // compute while the requests travel. Requests travel in operation order per (source, tag), so
 // a server always applies a push before it serves the next pull from any rank. A push that
-// returns no updates is applied lazily, at the start of the next operation.
+// returns no updates is applied lazily, at the start of the next operation (in a world of one,
+// at once, with no message at all).
 #include <cstring>
 #include <functional>
 

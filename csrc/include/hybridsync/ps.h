@@ -219,7 +219,8 @@ class Client {
   // Collective. Sends the pull requests now; Wait() serves peers and collects the rows.
   Handle Pull(const std::vector<TableBatch>& batches, const std::string& error = "");
   // Collective. Sends the push: shards sum rows over ranks, scale, apply their rule once per row.
-  // With return_updates Wait() applies it and returns changed rows; else the next operation does.
+  // With return_updates Wait() applies it and returns changed rows; else the next operation does
+  // (a world of one: Push itself).
   Handle Push(const std::vector<TableBatch>& batches, float scale, bool return_updates = false,
               const std::string& error = "");
   // Completes `handle`: its rows, or the exception the operation met.
