@@ -78,7 +78,7 @@ class UpdateRule {
 std::unique_ptr<UpdateRule> make_update_rule(const std::string& name, const std::map<std::string, double>& hparams);
 
 // Memory that reads as zeros and costs nothing until written: blocks of 1 MiB and more come
-// straight from mmap (untouched pages), smaller ones from calloc. Default construction writes
+// straight from mmap (untouched pages, huge ones where granted), smaller ones from calloc. Default construction writes
 // nothing, so a fresh vector<T, ZeroPages<T>>(n) holds n zeros and no resident memory yet: a
 // shard's rows become resident as they are written (a table being loaded from a whole copy
 // does not hold the shard and the copy at once). Only fresh allocations are zero: grow such a
