@@ -66,16 +66,6 @@ def _locate(x, inputs):
     return None
 
 
-def _expected_view(t, kind: str, k: int):
-    """(data_ptr, shape, stride, dtype) of the view `kind`/`k` of t, without making it."""
-    if kind == "whole":
-        return t.data_ptr(), t.shape, t.stride(), t.dtype
-    size = t.element_size()
-    if kind == "column":
-        return t.data_ptr() + k * t.stride(1) * size, (t.shape[0],), (t.stride(0),), t.dtype
-    return t.data_ptr() + k * t.stride(0) * size, (t.shape[1],), (t.stride(1),), t.dtype
-
-
 class BatchedLookups:
     def __init__(self, model: torch.nn.Module, modules: list):
         self.modules = list(modules)
@@ -89,44 +79,68 @@ class BatchedLookups:
         for m in self.modules:
             m._batcher = self
 
+    @property
+    def pattern(self):
+        return self._pattern
+
+    @pattern.setter
+    def pattern(self, pattern):
+        """Also works out, once, what every forward needs of it."""
+        self._pattern = pattern
+        modules = self._modules_pulled = [m for m, _ in pattern or ()]
+        self._in_order = [isinstance(m, Embedding) for m in modules]  # EmbeddingBags: unique rows
+        self._ordered = [i for i, flag in enumerate(self._in_order) if flag]
+        self._ordered_modules = [modules[i] for i in self._ordered]
+
     # -- model hooks ------------------------------------------------------------------------------
     def _before(self, model, args, kwargs):
         self._inputs = _inputs(args, kwargs)
         self._cache.clear()
-        if not self.pattern:
+        if not self._pattern:
             return
         by_path = dict(self._inputs)
-        hosts = {}  # path -> the input as a NumPy array (one device copy per input, not per table)
-        ids, predicted = [], []
-        for module, (path, kind, k) in self.pattern:
-            t = by_path.get(path)
-            if t is None or (kind != "whole" and t.dim() != 2):
+        # Per model input, once: a NumPy view (one device copy, not one per table) and what
+        # take() compares a module's input with (the expected view's address, shape, strides).
+        inputs = {}
+        ids, expected = [], []
+        for module, (path, kind, k) in self._pattern:
+            got = inputs.get(path)
+            if got is None:
+                t = by_path.get(path)
+                if t is not None:
+                    host = (t.detach() if t.device.type == "cpu" else t.detach().cpu()).numpy()
+                    got = inputs[path] = (host, t.data_ptr(), tuple(t.shape), t.stride(), t.element_size(),
+                                          t.dtype, t._version, t.device)
+            if got is None or (kind != "whole" and got[0].ndim != 2):
                 raise RuntimeError(f"hybridsync batched lookups: the model input {path} that PS embedding "
                                    f"'{module.table_name}' reads is missing or changed shape; set "
                                    "HYBRIDSYNC_BATCH_LOOKUPS=0 for models whose inputs vary in structure")
-            host = hosts.get(path)
-            if host is None:
-                host = hosts[path] = (t.detach() if t.device.type == "cpu" else t.detach().cpu()).numpy()
-            # NumPy slicing: far cheaper per table than torch views, and the check in take()
-            # compares the module's input with the view's address instead of a view made here.
-            ids.append(np.ascontiguousarray(host if kind == "whole" else (host[:, k] if kind == "column" else host[k])))
-            predicted.append((module, _expected_view(t, kind, k), t._version, t.device))
-        in_order = [isinstance(m, Embedding) for m, _ in self.pattern]
+            host, ptr, shape, stride, size, dtype, version, _ = got
+            if kind == "whole":
+                ids.append(np.ascontiguousarray(host))
+                expected.append(((ptr, shape, stride, dtype), version))
+            elif kind == "column":
+                ids.append(np.ascontiguousarray(host[:, k]))
+                expected.append(((ptr + k * stride[1] * size, shape[:1], stride[:1], dtype), version))
+            else:
+                ids.append(np.ascontiguousarray(host[k]))
+                expected.append(((ptr + k * stride[0] * size, shape[1:], stride[1:], dtype), version))
         tl = timeline.get()
         start = time.perf_counter_ns() if tl else 0
-        results = pull([m.table for m, _ in self.pattern], ids, in_order)
+        # Tables looked up each time: `sync: auto` may re-shard one into a new table.
+        results = pull([m.table for m in self._modules_pulled], ids, self._in_order)
         if tl:
             tl.complete(f"pull ({len(ids)} tables)", start, time.perf_counter_ns(), "ps", rows=sum(len(r[0]) for r in results))
             tl.engine_events()
-        ordered = [i for i, flag in enumerate(in_order) if flag]
-        outputs = {}
-        if ordered:  # every Embedding's output, from one autograd node
-            made = _Prefetched.apply(self._anchor, [predicted[i][0] for i in ordered],
-                                     [ids[i].reshape(-1) for i in ordered], [predicted[i][3] for i in ordered],
-                                     *[results[i][2] for i in ordered])
-            outputs = dict(zip(ordered, made))
-        for i, ((module, view, version, _), result) in enumerate(zip(predicted, results)):
-            self._cache[module] = (view, version, outputs[i] if i in outputs else result)
+        payloads = list(results)
+        if self._ordered:  # every Embedding's output, from one autograd node
+            devices = [inputs[self._pattern[i][1][0]][7] for i in self._ordered]
+            made = _Prefetched.apply(self._anchor, self._ordered_modules, [ids[i].reshape(-1) for i in self._ordered],
+                                     devices, *[results[i][2] for i in self._ordered])
+            for i, out in zip(self._ordered, made):
+                payloads[i] = out
+        for (module, _), (view, version), payload in zip(self._pattern, expected, payloads):
+            self._cache[module] = (view, version, payload)
 
     def _after(self, model, args, kwargs, output):
         if self.pattern is None:
@@ -147,7 +161,7 @@ class BatchedLookups:
         if entry is None:
             return None
         (ptr, shape, stride, dtype), version, got = entry
-        if (x.data_ptr() != ptr or x.shape != shape or x.stride() != stride or x.dtype != dtype
+        if (x.data_ptr() != ptr or x.stride() != stride or x.shape != shape or x.dtype != dtype
                 or x._version != version):
             raise RuntimeError(
                 f"hybridsync batched lookups: PS embedding '{module.table_name}' was called with an input other "
