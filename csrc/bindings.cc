@@ -38,8 +38,9 @@ std::string shape_text(const py::array& a) {
   return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
-// Ids as a flat int64 array; an empty error string means it is usable.
-IdArray ids_of(const py::object& obj, const std::string& table, std::string* error) {
+// Ids as a flat int64 array; an empty error string means it is usable. `shape`: the ids' own.
+IdArray ids_of(const py::object& obj, const std::string& table, std::string* error,
+               std::vector<py::ssize_t>* shape = nullptr) {
   py::array a = py::array::ensure(obj);
   if (!a) {
     *error = "table '" + table + "': ids must be an array of integers";
@@ -50,6 +51,8 @@ IdArray ids_of(const py::object& obj, const std::string& table, std::string* err
     *error = "table '" + table + "': ids must be integers, got dtype " + std::string(py::str(a.dtype()));
     return IdArray();
   }
+  if (shape) shape->assign(a.shape(), a.shape() + a.ndim());
+  if (a.ndim() == 1) return IdArray::ensure(a);  // no Python-level reshape: this runs per table per step
   return IdArray::ensure(a.attr("reshape")(-1));
 }
 
@@ -124,18 +127,32 @@ class PyEngine {
     return nogil([&] { return client_->add_table(spec, error); });
   }
 
-  py::list pull(const std::vector<int>& tables, const py::list& ids) {
+  // Collective. Per table (unique ids, inverse, unique rows); with in_order[b], (unique ids,
+  // None, rows) instead, rows[i] the row of ids[i] shaped ids.shape + (dim,): a NumPy array the
+  // engine writes each row into once (in a world of one straight from the shard, and unique is
+  // empty: nothing was pulled from anywhere). What embedding forwards need, all in one round.
+  py::list pull(const std::vector<int>& tables, const py::list& ids, const std::vector<bool>& in_order) {
     std::string error;
     std::vector<IdArray> keep;
     std::vector<TableBatch> batches;
     std::vector<int64_t> dims;
+    std::vector<py::object> outs(tables.size(), py::none());
     if (tables.size() != ids.size()) error = "pull: " + std::to_string(tables.size()) + " tables but " + std::to_string(ids.size()) + " id arrays";
+    if (!in_order.empty() && in_order.size() != tables.size()) error = "pull: in_order needs one flag per table";
     for (size_t b = 0; b < tables.size() && error.empty(); ++b) {
       const TableSpec spec = spec_or_error(tables[b], &error);
       if (!error.empty()) break;
-      keep.push_back(ids_of(ids[b], spec.name, &error));
+      std::vector<py::ssize_t> shape;
+      keep.push_back(ids_of(ids[b], spec.name, &error, &shape));
       dims.push_back(spec.dim);
-      if (error.empty()) batches.push_back({tables[b], keep.back().data(), keep.back().size(), nullptr});
+      if (!error.empty()) break;
+      batches.push_back({tables[b], keep.back().data(), keep.back().size(), nullptr});
+      if (!in_order.empty() && in_order[b]) {
+        shape.push_back(static_cast<py::ssize_t>(spec.dim));
+        py::array_t<float> out(shape);
+        batches.back().out = out.mutable_data();
+        outs[b] = std::move(out);
+      }
     }
     if (!error.empty()) batches.clear();  // the operation still runs, so peers stay in step
     std::vector<PullResult> results = nogil([&] { return client_->pull(batches, error); });
@@ -143,53 +160,23 @@ class PyEngine {
     for (size_t b = 0; b < results.size(); ++b) {
       const auto u = static_cast<py::ssize_t>(results[b].unique.size());
       const auto n = static_cast<py::ssize_t>(results[b].inverse.size());
-      out.append(py::make_tuple(to_numpy(std::move(results[b].unique), {u}),
-                                to_numpy(std::move(results[b].inverse), {n}),
+      py::object unique = to_numpy(std::move(results[b].unique), {u});
+      if (!outs[b].is_none()) {
+        out.append(py::make_tuple(unique, py::none(), outs[b]));
+        continue;
+      }
+      out.append(py::make_tuple(unique, to_numpy(std::move(results[b].inverse), {n}),
                                 to_numpy(std::move(results[b].rows), {u, static_cast<py::ssize_t>(dims[b])})));
     }
     return out;
   }
 
-  // Pull for one table, returned in input order: (unique ids, out) with out[i] the row of
-  // ids[i], shaped ids.shape + (dim,). What an nn.Embedding forward needs, in one call.
+  // Pull for one table in input order: (unique ids, rows) as pull(..., in_order) gives them.
   py::tuple lookup(int table, const py::object& ids) {
-    if (client_->size() == 1) return lookup_local(table, ids);
     py::list one;
     one.append(ids);
-    py::list results = pull({table}, one);
-    auto result = results[0].cast<py::tuple>();
-    auto inverse = result[1].cast<py::array_t<int64_t>>();
-    auto rows = result[2].cast<py::array_t<float>>();
-    const int64_t dim = rows.shape(1);
-    std::vector<py::ssize_t> shape;
-    py::array given = py::array::ensure(ids);
-    for (py::ssize_t i = 0; i < given.ndim(); ++i) shape.push_back(given.shape(i));
-    shape.push_back(static_cast<py::ssize_t>(dim));
-    py::array_t<float> out(shape);
-    float* dst = out.mutable_data();
-    const float* src = rows.data();
-    const int64_t* inv = inverse.data();
-    for (py::ssize_t i = 0; i < inverse.size(); ++i) {
-      std::memcpy(dst + i * dim, src + inv[i] * dim, sizeof(float) * dim);
-    }
-    return py::make_tuple(result[0], out);
-  }
-
-  // lookup() in a world of one: rows copied straight from the local shard, nothing deduplicated
-  // or exchanged. The first element is empty: no rows were pulled from anywhere.
-  py::tuple lookup_local(int table, const py::object& ids_obj) {
-    const TableSpec spec = this->spec(table);
-    std::string error;
-    IdArray ids = ids_of(ids_obj, spec.name, &error);
-    if (!error.empty()) throw PSError(error);
-    std::vector<py::ssize_t> shape;
-    py::array given = py::array::ensure(ids_obj);
-    for (py::ssize_t i = 0; i < given.ndim(); ++i) shape.push_back(given.shape(i));
-    shape.push_back(static_cast<py::ssize_t>(spec.dim));
-    py::array_t<float> out(shape);
-    float* dst = out.mutable_data();
-    nogil([&] { client_->lookup_local(table, ids.data(), ids.size(), dst); });
-    return py::make_tuple(py::array_t<int64_t>(0), out);
+    auto result = pull({table}, one, {true})[0].cast<py::tuple>();
+    return py::make_tuple(result[0], result[2]);
   }
 
   // Returns, with return_updates, one (ids, rows) pair per table: every row any shard changed.
@@ -458,7 +445,7 @@ PYBIND11_MODULE(_ps, m) {
       .def("add_table", &PyEngine::add_table, py::arg("name"), py::arg("num_rows"), py::arg("dim"),
            py::arg("num_shards") = 0, py::arg("partition") = "cyclic", py::arg("optimizer") = "sgd",
            py::arg("hparams") = std::map<std::string, double>{})
-      .def("pull", &PyEngine::pull, py::arg("tables"), py::arg("ids"))
+      .def("pull", &PyEngine::pull, py::arg("tables"), py::arg("ids"), py::arg("in_order") = std::vector<bool>{})
       .def("lookup", &PyEngine::lookup, py::arg("table"), py::arg("ids"))
       .def("push", &PyEngine::push, py::arg("tables"), py::arg("ids"), py::arg("grads"),
            py::arg("scale") = 1.0f, py::arg("return_updates") = false, py::arg("lrs") = py::none())

@@ -40,6 +40,7 @@ struct Routed {
   Routing routing;
   const float* rows = nullptr;
   std::vector<float> summed;  // gradients of duplicate ids added up (only when there are some)
+  float* out = nullptr;       // a pull's rows in input order (TableBatch::out)
 };
 
 // An operation between its start (requests sent) and its completion (replies collected).
@@ -51,6 +52,7 @@ struct InFlight {
   std::vector<int> tables;  // push: the batches' tables, in order
   std::string local_error;
   bool index_error = false;
+  bool applied = false;  // a push a world of one applied at once: nothing sent, nothing to queue
   Round round;
 };
 
@@ -95,6 +97,9 @@ struct Client::Impl {
   Completion finish_push(InFlight& op);
   // Receives and applies one push round; with `updates`, also exchanges the changed rows.
   void apply_round(const Round& round, std::map<int, RowUpdates>* updates);
+  // A world of one's push, applied from the caller's rows at once (throws on bad input, then
+  // having changed no row).
+  void apply_local(const std::vector<TableBatch>& batches, const Round& round);
 
   // Runs one collective step; a transport or protocol failure leaves the Client unusable,
   // because peers may be stuck half-way through the operation.

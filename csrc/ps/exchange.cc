@@ -5,7 +5,8 @@
 // Pull()/Push() do step 1 and return a handle; Wait() does steps 2 and 3, so the caller can
 // compute while the requests travel. Requests travel in operation order per (source, tag), so
 // a server always applies a push before it serves the next pull from any rank. A push that
-// returns no updates is applied lazily, at the start of the next operation.
+// returns no updates is applied lazily, at the start of the next operation (in a world of one,
+// at once, with no message at all).
 #include <cstring>
 #include <functional>
 
@@ -65,6 +66,16 @@ std::vector<char> write_request(RequestKind kind, const std::vector<Routed>& bat
   return w.take();
 }
 
+// A pull in input order in a world of one: rows straight from the shard, which holds them all
+// and is current (the pending pushes were applied); no wire, so nothing to deduplicate.
+void copy_in_order(const Table& t, const TableBatch& b) {
+  check_ids(t.spec.name, b.ids, b.n, t.spec.num_rows);
+  thread_local std::vector<int64_t> local;
+  local.resize(static_cast<size_t>(b.n));
+  for (int64_t i = 0; i < b.n; ++i) local[i] = t.part.local_index(b.ids[i]);
+  t.shard->gather(local.data(), b.n, b.out);
+}
+
 // Routes every batch of this worker's operation; bad input becomes `error` (announced to the
 // peers instead of thrown, so no rank is left waiting). For a push, duplicate ids' gradients
 // are added up, so each row crosses the wire once.
@@ -76,7 +87,14 @@ std::vector<Routed> route_batches(const Client::Impl& c, const std::vector<Table
     for (const TableBatch& b : batches) {
       const Table& t = c.table_at(b.table);
       const int64_t dim = t.spec.dim;
-      Routed r{b.table, dim, route_ids(t.spec.name, t.part, b.ids, b.n, c.size()), nullptr, {}};
+      if (!with_grads && b.out && c.size() == 1 && t.shard && t.shard->rows() == t.spec.num_rows) {
+        copy_in_order(t, b);
+        Routed done{b.table, dim, Routing{}, nullptr, {}, nullptr};  // asks the server for nothing
+        done.routing.offset.assign(2, 0);
+        routed.push_back(std::move(done));
+        continue;
+      }
+      Routed r{b.table, dim, route_ids(t.spec.name, t.part, b.ids, b.n, c.size()), nullptr, {}, b.out};
       const auto& dd = r.routing.dedup;
       if (with_grads && static_cast<int64_t>(dd.unique.size()) == b.n) {
         r.rows = b.grads;  // no duplicates: unique u is input u
@@ -122,6 +140,24 @@ std::unique_ptr<InFlight> Client::Impl::start_push(const std::vector<TableBatch>
   op->is_push = true;
   op->return_updates = return_updates;
   op->local_error = error;
+  if (size() == 1 && !return_updates) {
+    // A world of one has no wire to save and no peer to wait for: no deduplication, message or
+    // deferral (the shard's aggregation sums duplicate ids itself). Errors still reach Wait().
+    op->applied = true;
+    op->round.scale = scale;
+    for (const TableBatch& b : batches) {
+      if (b.lr >= 0) op->round.lr[b.table] = b.lr;
+    }
+    try {
+      if (op->local_error.empty()) apply_local(batches, op->round);
+    } catch (const PSIndexError& e) {
+      op->local_error = e.what();
+      op->index_error = true;
+    } catch (const PSError& e) {
+      op->local_error = e.what();
+    }
+    return op;
+  }
   op->routed = route_batches(*this, batches, true, &op->local_error, &op->index_error);
   send_requests(*transport, RequestKind::kPush, op->routed, op->local_error);
   op->round.scale = scale;
@@ -222,21 +258,6 @@ void Client::flush() {
   c.guarded([&] { c.begin_collective(); });
 }
 
-void Client::lookup_local(int table, const int64_t* ids, int64_t n, float* out) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
-  c.guarded([&] {
-    c.begin_collective();
-    Table& t = c.table_at(table);
-    if (c.size() != 1 || !t.shard || t.shard->rows() != t.spec.num_rows) {
-      throw PSError("lookup_local needs every row of table '" + t.spec.name + "' on this rank");
-    }
-    check_ids(t.spec.name, ids, n, t.spec.num_rows);
-    const int64_t dim = t.spec.dim;
-    for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * dim, t.shard->row(t.part.local_index(ids[i])), dim * sizeof(float));
-  });
-}
-
 Completion Client::Impl::finish(InFlight& op) { return op.is_push ? finish_push(op) : finish_pull(op); }
 
 Completion Client::Impl::finish_pull(InFlight& op) {
@@ -270,12 +291,24 @@ Completion Client::Impl::finish_pull(InFlight& op) {
     transport->send(src, kTagReply, reply.take());
   }
   tracer.record("serve pulls", serve_start, served_rows);
-  // Collect the rows this worker asked for, into each batch's unique order.
+  // Collect the rows this worker asked for: into each batch's unique order, or for a batch
+  // with `out`, straight to the first input position of each unique id (copied to the others
+  // below), so the rows are copied once.
   std::vector<Routed>& routed = op.routed;
   Completion done;
   done.pulled.resize(routed.size());
+  std::vector<std::vector<int64_t>> first(routed.size());  // out: unique u's first input position
   for (size_t b = 0; b < routed.size(); ++b) {
-    done.pulled[b].rows.resize(routed[b].routing.dedup.unique.size() * routed[b].dim);
+    const Dedup& dd = routed[b].routing.dedup;
+    if (!routed[b].out) {
+      done.pulled[b].rows.resize(dd.unique.size() * routed[b].dim);
+      continue;
+    }
+    first[b].resize(dd.unique.size());
+    int64_t seen = 0;  // uniques are in first-seen order: u first appears where inverse == u
+    for (size_t i = 0; i < dd.inverse.size(); ++i) {
+      if (dd.inverse[i] == seen) first[b][seen++] = static_cast<int64_t>(i);
+    }
   }
   for (int d = 0; d < P; ++d) {
     auto msg = transport->recv(d, kTagReply);
@@ -285,8 +318,10 @@ Completion Client::Impl::finish_pull(InFlight& op) {
       const Routing& rt = routed[b].routing;
       const int64_t dim = routed[b].dim;
       const float* rows = r.f32s(static_cast<size_t>(rt.count(d) * dim));
+      float* out = routed[b].out;
       for (int64_t k = rt.offset[d]; k < rt.offset[d + 1]; ++k, rows += dim) {
-        std::memcpy(done.pulled[b].rows.data() + rt.order[k] * dim, rows, dim * sizeof(float));
+        float* dst = out ? out + first[b][rt.order[k]] * dim : done.pulled[b].rows.data() + rt.order[k] * dim;
+        std::memcpy(dst, rows, dim * sizeof(float));
       }
     }
   }
@@ -296,15 +331,25 @@ Completion Client::Impl::finish_pull(InFlight& op) {
   }
   throw_remote(errors, rank(), "pull");
   for (size_t b = 0; b < routed.size(); ++b) {
-    done.pulled[b].unique = std::move(routed[b].routing.dedup.unique);
-    done.pulled[b].inverse = std::move(routed[b].routing.dedup.inverse);
+    Dedup& dd = routed[b].routing.dedup;
+    if (float* out = routed[b].out) {  // duplicates: from the first position that got the row
+      const int64_t dim = routed[b].dim;
+      for (size_t i = 0; i < dd.inverse.size(); ++i) {
+        const int64_t from = first[b][dd.inverse[i]];
+        if (from != static_cast<int64_t>(i)) std::memcpy(out + i * dim, out + from * dim, dim * sizeof(float));
+      }
+    }
+    done.pulled[b].unique = std::move(dd.unique);
+    done.pulled[b].inverse = std::move(dd.inverse);
   }
   return done;
 }
 
 Completion Client::Impl::finish_push(InFlight& op) {
   Completion done;
-  if (!op.return_updates) {
+  if (op.applied) {
+    // nothing left to apply
+  } else if (!op.return_updates) {
     pending.push_back(op.round);  // applied at the start of the next operation
   } else {
     std::map<int, RowUpdates> updates;
@@ -316,6 +361,30 @@ Completion Client::Impl::finish_push(InFlight& op) {
     throw PSError(op.local_error);
   }
   return done;
+}
+
+void Client::Impl::apply_local(const std::vector<TableBatch>& batches, const Round& round) {
+  // Every id is checked before any row changes (all-or-nothing, as for a round over the wire).
+  std::vector<std::vector<int64_t>> local(batches.size());
+  std::map<int, std::vector<GradientRows>> by_table;  // ordered: the apply order of a round
+  for (size_t b = 0; b < batches.size(); ++b) {
+    const TableBatch& batch = batches[b];
+    const Table& t = table_at(batch.table);
+    check_ids(t.spec.name, batch.ids, batch.n, t.spec.num_rows);
+    local[b].resize(static_cast<size_t>(batch.n));
+    for (int64_t i = 0; i < batch.n; ++i) local[b][i] = t.part.local_index(batch.ids[i]);
+    by_table[batch.table].push_back(GradientRows{local[b].data(), batch.n, batch.grads});  // empty ones too: a step
+  }
+  const int64_t start = tracer.start();
+  int64_t applied_rows = 0;
+  for (auto& [table, sources] : by_table) {
+    Table& t = *tables[table];
+    auto lr = round.lr.find(table);
+    if (lr != round.lr.end()) t.shard->rule().set_hyperparameter("lr", lr->second);
+    t.sums.step(*t.shard, sources, round.scale);
+    applied_rows += t.sums.size();
+  }
+  tracer.record("server apply", start, applied_rows);
 }
 
 void Client::Impl::apply_round(const Round& round, std::map<int, RowUpdates>* updates) {

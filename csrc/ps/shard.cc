@@ -15,6 +15,10 @@ T* ZeroPages<T>::allocate(size_t n) {
   if (bytes >= kMmapBytes) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
+    // Huge pages where the system grants them on request (THP "madvise"): a step's rows are
+    // scattered over the whole table, so with 4 KiB pages nearly every row read or updated is
+    // also a TLB miss. Still nothing is resident until written (2 MiB at a time). Advisory.
+    madvise(p, bytes, MADV_HUGEPAGE);
     return static_cast<T*>(p);
   }
   void* p = std::calloc(n ? n : 1, sizeof(T));
@@ -73,8 +77,29 @@ void Shard::set_rule(std::unique_ptr<UpdateRule> rule) {
   }
 }
 
+namespace {
+
+// Rows whose cache lines are requested this far ahead of their turn: a step's rows are scattered
+// over a table much larger than the caches, so each one is a memory miss otherwise waited for.
+constexpr int64_t kPrefetchAhead = 8;
+
+inline void prefetch(const float* p, int64_t floats, int write) {
+  for (int64_t j = 0; j < floats; j += 64 / static_cast<int64_t>(sizeof(float))) {
+    if (write) {
+      __builtin_prefetch(p + j, 1);
+    } else {
+      __builtin_prefetch(p + j, 0);
+    }
+  }
+}
+
+}  // namespace
+
 void Shard::gather(const int64_t* local, int64_t n, float* out) const {
-  for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * dim_, row(local[i]), sizeof(float) * dim_);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) prefetch(row(local[i + kPrefetchAhead]), dim_, 0);
+    std::memcpy(out + i * dim_, row(local[i]), sizeof(float) * dim_);
+  }
 }
 
 void Shard::scatter(const int64_t* local, int64_t n, const float* values) {
@@ -84,6 +109,11 @@ void Shard::scatter(const int64_t* local, int64_t n, const float* values) {
 void Shard::apply(const int64_t* local, int64_t n, const float* grads) {
   std::vector<float*> slot_rows(slots_.size());
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) {
+      const int64_t ahead = local[i + kPrefetchAhead];
+      prefetch(row(ahead), dim_, 1);
+      for (auto& slot : slots_) prefetch(slot.data() + ahead * dim_, dim_, 1);
+    }
     const int64_t offset = local[i] * dim_;
     for (size_t k = 0; k < slots_.size(); ++k) slot_rows[k] = slots_[k].data() + offset;
     rule_->apply(row(local[i]), slot_rows.data(), grads + i * dim_, dim_);

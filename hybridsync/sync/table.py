@@ -143,9 +143,11 @@ class PSTable:
         return unique, rows
 
 
-def pull(tables: list, ids: list) -> list:
-    """Collective: one round for several tables; per table (unique ids, inverse, unique rows)."""
-    results = tables[0].engine.pull([t.handle for t in tables], ids) if tables else []
+def pull(tables: list, ids: list, in_order=()) -> list:
+    """Collective: one round for several tables; per table (unique ids, inverse, unique rows),
+    or where in_order[i] is true (unique ids, None, rows) with rows[i] the row of ids[i], shaped
+    ids.shape + (dim,), written there once (in a world of one, unique is empty)."""
+    results = tables[0].engine.pull([t.handle for t in tables], ids, list(in_order)) if tables else []
     for t, (unique, _, _) in zip(tables, results):
         t.pulled_rows += len(unique)
     return results

@@ -9,15 +9,21 @@ in one round from a forward pre-hook on the model. Each module then checks that 
 exactly the view that was predicted and that no one wrote to it since; a mismatch is an error
 naming the module, never a stale row. Models that do not fit keep one pull per call.
 HYBRIDSYNC_BATCH_LOOKUPS=0 turns this off.
+
+The engine writes each Embedding's rows in input order straight into its output's memory, and
+all those outputs come from one autograd node: even in a world of one, where a pull is a local
+copy, a forward then costs one engine call, one Python forward and one backward, not one per table.
 """
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .. import comm, runtime, timeline
 from ..sync.table import pull
+from .embedding import Embedding, _Prefetched
 
 
 def _inputs(args, kwargs):
@@ -67,37 +73,74 @@ class BatchedLookups:
         self._seen: list = []
         self._cache: dict = {}
         self._inputs = None
+        self._anchor = torch.empty(0, requires_grad=True)  # lets autograd reach _Prefetched.backward
         model.register_forward_pre_hook(self._before, with_kwargs=True)
         model.register_forward_hook(self._after, with_kwargs=True, always_call=True)
         for m in self.modules:
             m._batcher = self
 
+    @property
+    def pattern(self):
+        return self._pattern
+
+    @pattern.setter
+    def pattern(self, pattern):
+        """Also works out, once, what every forward needs of it."""
+        self._pattern = pattern
+        modules = self._modules_pulled = [m for m, _ in pattern or ()]
+        self._in_order = [isinstance(m, Embedding) for m in modules]  # EmbeddingBags: unique rows
+        self._ordered = [i for i, flag in enumerate(self._in_order) if flag]
+        self._ordered_modules = [modules[i] for i in self._ordered]
+
     # -- model hooks ------------------------------------------------------------------------------
     def _before(self, model, args, kwargs):
         self._inputs = _inputs(args, kwargs)
         self._cache.clear()
-        if not self.pattern:
+        if not self._pattern:
             return
         by_path = dict(self._inputs)
-        ids, predicted = [], []
-        for module, (path, kind, k) in self.pattern:
-            t = by_path.get(path)
-            if t is None or (kind != "whole" and t.dim() != 2):
+        # Per model input, once: a NumPy view (one device copy, not one per table) and what
+        # take() compares a module's input with (the expected view's address, shape, strides).
+        inputs = {}
+        ids, expected = [], []
+        for module, (path, kind, k) in self._pattern:
+            got = inputs.get(path)
+            if got is None:
+                t = by_path.get(path)
+                if t is not None:
+                    host = (t.detach() if t.device.type == "cpu" else t.detach().cpu()).numpy()
+                    got = inputs[path] = (host, t.data_ptr(), tuple(t.shape), t.stride(), t.element_size(),
+                                          t.dtype, t._version, t.device)
+            if got is None or (kind != "whole" and got[0].ndim != 2):
                 raise RuntimeError(f"hybridsync batched lookups: the model input {path} that PS embedding "
                                    f"'{module.table_name}' reads is missing or changed shape; set "
                                    "HYBRIDSYNC_BATCH_LOOKUPS=0 for models whose inputs vary in structure")
-            x = t if kind == "whole" else (t[:, k] if kind == "column" else t[k])
-            predicted.append((module, x, t._version))
-            host = x.detach() if x.device.type == "cpu" else x.detach().cpu()
-            ids.append(host.contiguous().numpy())
+            host, ptr, shape, stride, size, dtype, version, _ = got
+            if kind == "whole":
+                ids.append(np.ascontiguousarray(host))
+                expected.append(((ptr, shape, stride, dtype), version))
+            elif kind == "column":
+                ids.append(np.ascontiguousarray(host[:, k]))
+                expected.append(((ptr + k * stride[1] * size, shape[:1], stride[:1], dtype), version))
+            else:
+                ids.append(np.ascontiguousarray(host[k]))
+                expected.append(((ptr + k * stride[0] * size, shape[1:], stride[1:], dtype), version))
         tl = timeline.get()
         start = time.perf_counter_ns() if tl else 0
-        results = pull([m.table for m, _ in self.pattern], ids)
+        # Tables looked up each time: `sync: auto` may re-shard one into a new table.
+        results = pull([m.table for m in self._modules_pulled], ids, self._in_order)
         if tl:
             tl.complete(f"pull ({len(ids)} tables)", start, time.perf_counter_ns(), "ps", rows=sum(len(r[0]) for r in results))
             tl.engine_events()
-        for (module, x, version), flat, result in zip(predicted, ids, results):
-            self._cache[module] = (x, version, flat, result)
+        payloads = list(results)
+        if self._ordered:  # every Embedding's output, from one autograd node
+            devices = [inputs[self._pattern[i][1][0]][7] for i in self._ordered]
+            made = _Prefetched.apply(self._anchor, self._ordered_modules, [ids[i].reshape(-1) for i in self._ordered],
+                                     devices, *[results[i][2] for i in self._ordered])
+            for i, out in zip(self._ordered, made):
+                payloads[i] = out
+        for (module, _), (view, version), payload in zip(self._pattern, expected, payloads):
+            self._cache[module] = (view, version, payload)
 
     def _after(self, model, args, kwargs, output):
         if self.pattern is None:
@@ -108,7 +151,8 @@ class BatchedLookups:
 
     # -- module side ------------------------------------------------------------------------------
     def take(self, module, x):
-        """The prefetched (ids, unique, inverse, rows) of `module` for input x, or None."""
+        """What the batched pull brought `module` for input x, or None: an Embedding's output
+        tensor, an EmbeddingBag's (unique, inverse, unique rows)."""
         if self.pattern is None:
             if self._inputs is not None:
                 self._seen.append((module, x))
@@ -116,13 +160,16 @@ class BatchedLookups:
         entry = self._cache.pop(module, None)
         if entry is None:
             return None
-        predicted, version, flat, result = entry
-        if not _same_view(x, predicted) or x._version != version:
+        (ptr, shape, stride, dtype), version, got = entry
+        if (x.data_ptr() != ptr or x.stride() != stride or x.shape != shape or x.dtype != dtype
+                or x._version != version):
             raise RuntimeError(
                 f"hybridsync batched lookups: PS embedding '{module.table_name}' was called with an input other "
                 "than the model input it read at the first step (or one modified in place since the forward "
                 "began); set HYBRIDSYNC_BATCH_LOOKUPS=0 for this model")
-        return (flat,) + tuple(result)
+        if isinstance(got, torch.Tensor) and not torch.is_grad_enabled():
+            return got.detach()  # called under no_grad inside a forward that records
+        return got
 
     def _learn(self):
         seen = {}

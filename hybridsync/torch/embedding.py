@@ -30,34 +30,53 @@ class _Lookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, module, ids):
-        prefetched = module._batcher.take(module, ids) if module._batcher is not None else None
-        if prefetched is not None:  # pulled with every other table by the model's pre-hook
-            flat, unique, inverse, rows = prefetched
-            rows = np.take(rows, inverse, axis=0).reshape(*ids.shape, module.embedding_dim)
-        else:
-            host = ids if ids.device.type == "cpu" else ids.cpu()
-            flat = host.contiguous().numpy()
-            with timeline.span(f"pull {module.table_name}", "ps"):
-                unique, rows = module.table.lookup(flat)
-            _server_events()
+        host = ids if ids.device.type == "cpu" else ids.cpu()
+        flat = host.contiguous().numpy()
+        with timeline.span(f"pull {module.table_name}", "ps"):
+            unique, rows = module.table.lookup(flat)
+        _server_events()
         ctx.module, ctx.ids = module, flat.reshape(-1)
         out = torch.from_numpy(rows)
         return out if ids.device.type == "cpu" else out.to(ids.device)
 
     @staticmethod
     def backward(ctx, grad):
-        module = ctx.module
-        rows = grad.detach().reshape(-1, module.embedding_dim)
-        ids = ctx.ids
-        if module.padding_idx is not None or module.scale_grad_by_freq:
-            rows = rows.clone()
-            if module.padding_idx is not None:
-                rows[torch.from_numpy(ids == module.padding_idx)] = 0
-            if module.scale_grad_by_freq:
-                _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
-                rows /= torch.from_numpy(counts[inverse].astype(np.float32)).to(rows.device)[:, None]
-        module._on_grad(ids, rows)
+        _grad_rows(ctx.module, ctx.ids, grad)
         return None, None, None
+
+
+class _Prefetched(torch.autograd.Function):
+    """The outputs of every PS Embedding whose rows the model's batched pull brought (rows in
+    input order, NumPy arrays the engine wrote): one autograd node for all of them, so a step
+    runs one Python forward and one backward here instead of one per table. An output no loss
+    reached gets no gradient (not even zeros: a zero push would still move stateful rules)."""
+
+    @staticmethod
+    def forward(ctx, anchor, modules, ids, devices, *rows):
+        ctx.set_materialize_grads(False)
+        ctx.modules, ctx.ids = modules, ids
+        out = [torch.from_numpy(r) for r in rows]
+        return tuple(o if d.type == "cpu" else o.to(d) for o, d in zip(out, devices))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for module, ids, grad in zip(ctx.modules, ctx.ids, grads):
+            if grad is not None:
+                _grad_rows(module, ids, grad)
+        return (None,) * (4 + len(grads))
+
+
+def _grad_rows(module, ids, grad) -> None:
+    """Backward of an Embedding's lookup: per-position gradient rows of the flat `ids`."""
+    rows = grad.detach().reshape(-1, module.embedding_dim)
+    if module.padding_idx is not None or module.scale_grad_by_freq:
+        rows = rows.clone()
+        if module.padding_idx is not None:
+            rows[torch.from_numpy(ids == module.padding_idx)] = 0
+        if module.scale_grad_by_freq:
+            _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+            rows /= torch.from_numpy(counts[inverse].astype(np.float32)).to(rows.device)[:, None]
+    module._on_grad(ids, rows)
 
 
 def _weights_of(module):
@@ -166,7 +185,7 @@ class _PSTableModule(torch.nn.Module):
         ids = input.detach()
         prefetched = self._batcher.take(self, input) if self._batcher is not None else None
         if prefetched is not None:
-            _, unique, inverse, rows = prefetched
+            unique, inverse, rows = prefetched
         else:
             host = ids if ids.device.type == "cpu" else ids.cpu()
             with timeline.span(f"pull {self.table_name}", "ps"):
@@ -253,6 +272,10 @@ class Embedding(_PSTableModule):
                    _give_up_weight=give_up_weight)
 
     def forward(self, input):
+        if self._batcher is not None:  # this forward's rows may have come with every other table's
+            out = self._batcher.take(self, input)
+            if out is not None:
+                return out
         return _Lookup.apply(self._anchor, self, input)
 
 

@@ -118,7 +118,7 @@ class _DistributedOptimizer:
                           for var, p in self._hs_param_of.items() if p.requires_grad]
         self._hs_sync.prepare()
         modules = [var.access.module for var in self._hs_vars if isinstance(var.access, _ModuleRows)]
-        if model is not None and modules and settings().batch_lookups and world.size > 1:
+        if model is not None and modules and settings().batch_lookups:
             BatchedLookups(model, modules)
         self._hs_forward_end = None
         if model is not None and timeline.get() is not None:

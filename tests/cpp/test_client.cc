@@ -109,7 +109,7 @@ TEST(threads_sharing_a_client_each_get_their_own_results) {
   CHECK(c->step(t) == 4 * 100);
 }
 
-TEST(a_lazy_push_is_applied_before_the_next_pull_and_sums_duplicates) {
+TEST(a_push_is_applied_before_the_next_pull_and_sums_duplicates) {
   auto c = loopback_client();
   const int t = c->add_table(spec());
   const std::vector<int64_t> ids = {2, 2, 5};
@@ -122,6 +122,30 @@ TEST(a_lazy_push_is_applied_before_the_next_pull_and_sums_duplicates) {
   CHECK_NEAR(rows[0].rows[10], -2.0, 1e-6);  // row 5: lr 0.5 x 4
   CHECK_NEAR(c->hyperparameters(t).at("lr"), 0.5, 0.0);
   CHECK(c->step(t) == 1);
+}
+
+TEST(a_pull_in_input_order_writes_every_ids_row_into_out_once_the_pending_push_is_applied) {
+  auto c = loopback_client();
+  const int t = c->add_table(spec());
+  const std::vector<float> init = iota_table();
+  c->load_local(t, -1, init.data());
+  const std::vector<int64_t> pushed = {1};
+  const std::vector<float> grads = {1, 1};
+  c->Wait(c->Push({TableBatch{t, pushed.data(), 1, grads.data()}}, 1.0f));  // lazy: applied by the pull
+  const std::vector<int64_t> ids = {3, 1, 3, 0}, other = {5, 5};
+  std::vector<float> out(8, -1.0f);
+  TableBatch ordered{t, ids.data(), 4};
+  ordered.out = out.data();
+  std::vector<PullResult> got = c->pull({ordered, TableBatch{t, other.data(), 2}});
+  CHECK((out == std::vector<float>{6, 7, 1, 2, 6, 7, 0, 1}));
+  CHECK(got[0].rows.empty() && got[0].unique.empty() && got[0].inverse.empty());  // one rank: nothing deduplicated
+  CHECK((got[1].unique == std::vector<int64_t>{5}));  // a batch without out, in the same round
+  CHECK((got[1].rows == std::vector<float>{10, 11}));
+  const std::vector<int64_t> bad = {2, 6};
+  TableBatch wrong{t, bad.data(), 2};
+  wrong.out = out.data();
+  CHECK_THROWS(c->pull({wrong}), PSIndexError, "table 'emb': id 6 is out of range [0, 6)");
+  CHECK((c->pull({ordered})[0].rows.empty() && out[0] == 6));  // still usable
 }
 
 TEST(a_push_with_updates_returns_every_changed_row) {
@@ -143,6 +167,12 @@ TEST(bad_input_throws_and_changes_no_row) {
   CHECK_THROWS(c->push({TableBatch{t, bad.data(), 2, grads.data()}}, 1.0f, true), PSIndexError,
                "table 'emb': id 6 is out of range [0, 6)");
   CHECK_THROWS(c->pull({}, "gradients must be float32"), PSError, "gradients must be float32");
+  // Without updates one rank applies a push at once; a bad id in any batch still changes nothing.
+  const std::vector<int64_t> good = {0};
+  const Client::Handle h = c->Push({TableBatch{t, good.data(), 1, grads.data()}, TableBatch{t, bad.data(), 2, grads.data()}}, 1.0f);
+  CHECK_THROWS(c->Wait(h), PSIndexError, "table 'emb': id 6 is out of range [0, 6)");
+  CHECK_THROWS(c->push({TableBatch{t, good.data(), 1, grads.data()}}, 1.0f, false, "bad gradients"), PSError, "bad gradients");
+  CHECK(c->step(t) == 0);
   const std::vector<float> full = c->gather(t, -1);
   for (float v : full) CHECK_NEAR(v, 0.0, 0.0);
   CHECK_THROWS(c->gather(t, 3), PSError, "has no state slot 3");

@@ -78,7 +78,7 @@ class UpdateRule {
 std::unique_ptr<UpdateRule> make_update_rule(const std::string& name, const std::map<std::string, double>& hparams);
 
 // Memory that reads as zeros and costs nothing until written: blocks of 1 MiB and more come
-// straight from mmap (untouched pages), smaller ones from calloc. Default construction writes
+// straight from mmap (untouched pages, huge ones where granted), smaller ones from calloc. Default construction writes
 // nothing, so a fresh vector<T, ZeroPages<T>>(n) holds n zeros and no resident memory yet: a
 // shard's rows become resident as they are written (a table being loaded from a whole copy
 // does not hold the shard and the copy at once). Only fresh allocations are zero: grow such a
@@ -164,15 +164,20 @@ struct TableSpec {
 };
 
 // One table's input to a pull or push; grads (n x dim) and lr (< 0: unchanged) are push-only.
+// out (pull-only, n x dim, valid until Wait()): rows land there in input order instead, the
+// one copy an embedding's output needs; a world of one copies them straight from its shard.
 struct TableBatch {
   int table = -1;
   const int64_t* ids = nullptr;
   int64_t n = 0;
   const float* grads = nullptr;
   double lr = -1.0;
+  float* out = nullptr;
 };
 
 // One table's pull: rows (unique.size() x dim) of the unique ids; ids[i] is unique[inverse[i]].
+// A batch with `out` leaves rows empty; in a world of one its unique and inverse too (nothing
+// is deduplicated where no row crosses a wire).
 struct PullResult {
   std::vector<int64_t> unique, inverse;
   std::vector<float> rows;
@@ -214,7 +219,8 @@ class Client {
   // Collective. Sends the pull requests now; Wait() serves peers and collects the rows.
   Handle Pull(const std::vector<TableBatch>& batches, const std::string& error = "");
   // Collective. Sends the push: shards sum rows over ranks, scale, apply their rule once per row.
-  // With return_updates Wait() applies it and returns changed rows; else the next operation does.
+  // With return_updates Wait() applies it and returns changed rows; else the next operation does
+  // (a world of one: Push itself).
   Handle Push(const std::vector<TableBatch>& batches, float scale, bool return_updates = false,
               const std::string& error = "");
   // Completes `handle`: its rows, or the exception the operation met.
@@ -234,8 +240,6 @@ class Client {
   // Collective. The full table (slot < 0) or an optimizer slot, on every rank.
   std::vector<float> gather(int table, int slot);
 
-  // Local, world of one: rows of ids into out[i*dim...].
-  void lookup_local(int table, const int64_t* ids, int64_t n, float* out);
   // Local. This rank's rows (slot < 0) or a slot, copied from a full-table array.
   void load_local(int table, int slot, const float* values);
   // Local. Rows alias `full_table` (a replica) from now on; nullptr copies them back.
