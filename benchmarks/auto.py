@@ -54,7 +54,7 @@ def run_example(workload, name, ranks, steps, cluster=None, per_host=1, timeout=
     from benchmarks.bench import mpirun
 
     script, extra = EXAMPLES[workload]
-    env = dict(os.environ)
+    env = {**os.environ, "HYBRIDSYNC_EXPLAIN": "1"}  # rank 0 prints auto's decisions
     launcher = mpirun(ranks)
     if cluster is not None:
         env = cluster.env(env)
@@ -69,7 +69,25 @@ def run_example(workload, name, ranks, steps, cluster=None, per_host=1, timeout=
     if out.returncode != 0 or not found:
         return {"error": (out.stdout + out.stderr)[-2000:]}
     rate = float(found.group(1).replace(",", ""))
-    return {"samples_per_s": rate, "ms_per_step": None}
+    return {"samples_per_s": rate, "ms_per_step": None, "routes": decided_routes(out.stdout)}
+
+
+def decided_routes(stdout: str):
+    """{variable: 'ps/4' | route} from the lines `sync: auto` printed when it decided (None if it
+    did not run: a config fixed every route)."""
+    import re
+
+    if "sync: auto decided at step" not in stdout:
+        return None
+    after = stdout.split("sync: auto decided at step", 1)[1].splitlines()[1:]
+    routes = {}
+    for line in after:
+        found = re.match(r"\s+(\S+): density .*\| choice: (\S+)(?: on (\d+) shards?)? at step", line)
+        if not found:
+            break
+        name, route, shards = found.groups()
+        routes[name] = f"{route}/{shards}" if shards else route
+    return routes
 
 
 def plan(args, places):

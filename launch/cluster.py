@@ -5,8 +5,13 @@ process started on it), one veth link to a bridge in the root namespace, and an 
 limit per link (a `tc` token bucket on both ends). mpirun, horovodrun and hybridsync-run span
 the hosts unchanged: the cluster puts an `ssh` on PATH that "logs in" to a host by entering its
 namespace, and sets the OMPI_MCA_* variables that make OpenMPI talk TCP on the bridge subnet.
+By default each host also gets its own share of this machine's CPUs (`cpus="split"`: with 2
+cores and 2 hosts, one core each), as real hosts have: every process started on a host runs on
+its share. Left to the scheduler (`cpus="shared"`), ranks of different hosts take turns on one
+core, and which ranks end up sharing a core changes from run to run -- and with it the speed of
+a 2-host x 2-rank run on 2 cores, by up to 40%.
 
-    python -m launch.cluster up --hosts 2 [--rate 1gbit]      # prints the environment to use
+    python -m launch.cluster up --hosts 2 [--rate 1gbit] [--cpus shared]   # prints the environment
     python -m launch.cluster run --hosts 2 [--rate 1gbit] -- mpirun -np 4 -H hs0:2,hs1:2 python train.py
     python -m launch.cluster down
 
@@ -51,7 +56,10 @@ shift "$(skip_options "$@")"
 host="${1##*@}"; shift
 shift "$(skip_options "$@")"  # as OpenSSH, options may also follow the host
 [ -e "/run/netns/$host" ] || { echo "ssh (hybridsync cluster): no host $host" >&2; exit 255; }
-exec ip netns exec "$host" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+# The host's own CPUs, when the cluster gave it some (a file beside this script).
+pin=""
+[ -r "$(dirname "$0")/$host.cpus" ] && pin="taskset -c $(cat "$(dirname "$0")/$host.cpus")"
+exec $pin ip netns exec "$host" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
 """
 
 
@@ -76,12 +84,15 @@ def _rate_bits(rate: str) -> float:
 class Cluster:
     """N hosts named <prefix>0 ... <prefix>N-1 on subnet <subnet>.0/24 (.254 is this machine)."""
 
-    def __init__(self, hosts: int, rate: str | None = None, prefix: str = "hs", subnet: str = "10.231.7"):
+    def __init__(self, hosts: int, rate: str | None = None, prefix: str = "hs", subnet: str = "10.231.7",
+                 cpus: str = "split"):
         if hosts < 1:
             raise ValueError("a cluster needs at least one host")
+        if cpus not in ("split", "shared"):
+            raise ValueError(f"cpus {cpus!r}: 'split' (each host its own share) or 'shared'")
         if len(prefix) > 6 or not prefix.isalnum():
             raise ValueError(f"prefix {prefix!r}: up to 6 letters/digits (interface names are short)")
-        self.n, self.rate, self.prefix, self.subnet = hosts, rate, prefix, subnet
+        self.n, self.rate, self.prefix, self.subnet, self.cpus = hosts, rate, prefix, subnet, cpus
         self.names = [f"{prefix}{i}" for i in range(hosts)]
         self.bridge = f"{prefix}br"
         self.bin_dir = STATE_DIR / prefix / "bin"
@@ -122,6 +133,8 @@ class Cluster:
         ssh = self.bin_dir / "ssh"
         ssh.write_text(SSH_SHIM)
         ssh.chmod(0o755)
+        for name, share in self.cpu_shares().items():
+            (self.bin_dir / f"{name}.cpus").write_text(",".join(map(str, share)))
         (STATE_DIR / self.prefix / "state.json").write_text(json.dumps(
             {"hosts": self.n, "rate": self.rate, "subnet": self.subnet}))
         return self
@@ -142,6 +155,17 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+    def cpu_shares(self) -> dict[str, list[int]]:
+        """The CPUs each host runs on ({} when shared): this process's CPUs cut into equal,
+        contiguous shares, or -- more hosts than CPUs -- one CPU each, round robin."""
+        if self.cpus == "shared":
+            return {}
+        mine = sorted(os.sched_getaffinity(0))
+        if len(mine) >= self.n:
+            return {name: mine[i * len(mine) // self.n:(i + 1) * len(mine) // self.n]
+                    for i, name in enumerate(self.names)}
+        return {name: [mine[i % len(mine)]] for i, name in enumerate(self.names)}
 
     # -- what a launcher needs -------------------------------------------------------------
     def env(self, base: dict | None = None) -> dict:
@@ -208,6 +232,9 @@ def _parse(argv):
         s.add_argument("--rate", default=None, help="per-link rate each way, tc spelling (1gbit, 10gbit)")
         s.add_argument("--prefix", default="hs")
         s.add_argument("--subnet", default="10.231.7")
+        s.add_argument("--cpus", choices=["split", "shared"], default="split",
+                       help="split: each host runs on its own share of this machine's CPUs (default); "
+                            "shared: the scheduler places every rank anywhere")
         if action == "run":
             s.add_argument("command", nargs=argparse.REMAINDER, help="-- mpirun ... (HOSTS in it: the -H list)")
     down = sub.add_parser("down")
@@ -226,11 +253,13 @@ def main(argv=None) -> int:
         hosts = json.loads(state.read_text())["hosts"] if state.exists() else 1
         Cluster(hosts, prefix=args.prefix).down()
         return 0
-    cluster = Cluster(args.hosts, rate=args.rate, prefix=args.prefix, subnet=args.subnet)
+    cluster = Cluster(args.hosts, rate=args.rate, prefix=args.prefix, subnet=args.subnet, cpus=args.cpus)
     if args.action == "up":
         cluster.up()
         env = cluster.env({})
         print(f"hosts: {' '.join(cluster.names)}   (-H {cluster.hosts_arg(1)})")
+        for name, share in cluster.cpu_shares().items():
+            print(f"# {name} runs on CPU {','.join(map(str, share))}")
         for key in sorted(env):
             value = f"{cluster.bin_dir}:$PATH" if key == "PATH" else shlex.quote(env[key])
             print(f"export {key}={value}")

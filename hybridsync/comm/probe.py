@@ -5,9 +5,15 @@ the memory bandwidth of one rank (what a local optimizer update costs per byte).
 It runs once per host set: rank 0 writes the result to
 `<HYBRIDSYNC_CACHE_DIR or ~/.cache/hybridsync>/links-<hash>.json`, the hash being that of the
 sorted host names of every rank (so 2 ranks on host a and 2 on host b is one set, 4 on host a
-another). Delete the file to probe again. The probe takes well under a second: 8-byte and
-1 MiB ping-pongs between rank 0 and one rank (on another host when there is one), the same
-sizes all-reduced over every rank, and a streaming add on rank 0.
+another). Delete the file to probe again. The probe takes well under a second on 1 Gbit and
+faster links: 8-byte ping-pongs between rank 0 and one rank (on another host when there is
+one) for the latency, 4 MiB streamed one way in 1 MiB messages for the bandwidth (a single
+message can ride a rate limiter's burst and look several times faster than the link), 8-byte
+and 1 MiB all-reduces over every rank, and a streaming add on rank 0.
+
+What the host set alone does not fix is measured at every start and never cached: how many
+ranks share a host (they share its link) and how many CPUs those ranks may run on (more
+ranks than CPUs: every CPU cost stretches).
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ import numpy as np
 
 SMALL, LARGE = 8, 1 << 20  # bytes
 SMALL_REPEATS, LARGE_REPEATS = 40, 6
+STREAM_MESSAGES, STREAM_REPEATS = 4, 3  # bandwidth: STREAM_MESSAGES x LARGE one way, then an ack
+FORMAT = 2  # cache files of another format are probed again
 
 
 @dataclasses.dataclass
@@ -36,6 +44,11 @@ class Links:
     ranks: int = 1
     hosts: int = 1
     source: str = "probe"  # "probe" | "cache" | a caller's own
+    format: int = FORMAT
+    # Facts of this start (not cached; see the module docstring):
+    ranks_per_host: int = 1  # most ranks on one host (they share its link)
+    cpus_per_host: int = 0  # fewest CPUs a host's ranks may run on (0: unknown)
+    collective_s: float = 0.0  # one small collective of the dense backend (0: not measured)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -67,22 +80,36 @@ def links(comm=None) -> Links:
     if cached is not None:
         found = Links.from_json(cached)
         found.source = "cache"
-        return found
-    found = probe(comm, hostnames)
-    if rank == 0:
-        _write(path, found)
-    return comm.bcast(found if rank == 0 else None, root=0)
+    else:
+        found = probe(comm, hostnames)
+        if rank == 0:
+            _write(path, found)
+        found = comm.bcast(found if rank == 0 else None, root=0)
+    found.ranks_per_host, found.cpus_per_host = _hosts(comm, hostnames)
+    return found
+
+
+def _hosts(comm, hostnames) -> tuple[int, int]:
+    """(most ranks on one host, fewest CPUs the ranks of one host may use between them)."""
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    everyone = comm.allgather(mine)
+    ranks, cpus = {}, {}
+    for host, allowed in zip(hostnames, everyone):
+        ranks[host] = ranks.get(host, 0) + 1
+        cpus.setdefault(host, set()).update(allowed)
+    known = [len(c) for c in cpus.values() if c]
+    return max(ranks.values()), (min(known) if len(known) == len(cpus) else 0)
 
 
 def probe(comm, hostnames) -> Links:
     """Collective: measures the links now (results valid on rank 0)."""
     rank, size = comm.Get_rank(), comm.Get_size()
     partner = next((r for r, h in enumerate(hostnames) if h != hostnames[0]), 1 if size > 1 else 0)
-    small, large = _pingpong(comm, partner, SMALL, SMALL_REPEATS), _pingpong(comm, partner, LARGE, LARGE_REPEATS)
+    small, stream = _pingpong(comm, partner, SMALL, SMALL_REPEATS), _stream(comm, partner)
     ar_small, ar_large = _allreduce(comm, SMALL, SMALL_REPEATS), _allreduce(comm, LARGE, LARGE_REPEATS)
     memory = _memory_bandwidth() if rank == 0 else 0.0
     return Links(
-        p2p_latency_s=small, p2p_bandwidth=(LARGE - SMALL) / max(large - small, 1e-9),
+        p2p_latency_s=small, p2p_bandwidth=STREAM_MESSAGES * LARGE / max(stream - small, 1e-9),
         allreduce_latency_s=ar_small, allreduce_bandwidth=(LARGE - SMALL) / max(ar_large - ar_small, 1e-9),
         memory_bandwidth=memory, ranks=size, hosts=len(set(hostnames)), source="probe")
 
@@ -105,6 +132,30 @@ def _pingpong(comm, partner: int, nbytes: int, repeats: int) -> float:
                 comm.Send(buf, dest=other, tag=77)
             if i >= 2:  # warm-up round trips do not count
                 times.append((time.perf_counter() - start) / 2)
+    comm.Barrier()
+    return float(np.median(times)) if times else 0.0
+
+
+def _stream(comm, partner: int) -> float:
+    """Time to send STREAM_MESSAGES x LARGE bytes from rank 0 to `partner` and hear back
+    (median; rank 0's view)."""
+    rank = comm.Get_rank()
+    buf, ack = np.zeros(LARGE, np.uint8), np.zeros(SMALL, np.uint8)
+    times = []
+    comm.Barrier()
+    if partner != 0 and rank in (0, partner):
+        for i in range(STREAM_REPEATS + 1):
+            start = time.perf_counter()
+            if rank == 0:
+                for _ in range(STREAM_MESSAGES):
+                    comm.Send(buf, dest=partner, tag=78)
+                comm.Recv(ack, source=partner, tag=79)
+            else:
+                for _ in range(STREAM_MESSAGES):
+                    comm.Recv(buf, source=0, tag=78)
+                comm.Send(ack, dest=0, tag=79)
+            if i >= 1:  # the first pass sets up the connection's buffers
+                times.append(time.perf_counter() - start)
     comm.Barrier()
     return float(np.median(times)) if times else 0.0
 
@@ -141,7 +192,7 @@ def _read(path: str):
         with open(path) as fh:
             data = json.load(fh)
         Links.from_json(data)  # a file that does not parse as links is probed again
-        return data
+        return data if data.get("format") == FORMAT else None
     except (OSError, ValueError, TypeError):
         return None
 

@@ -75,6 +75,19 @@ def candidates_for(spec, optimizer_source: str) -> tuple:
     return tuple(out)
 
 
+def collective_s(backend, repeats: int = 10) -> float:
+    """Collective: what one small all-gather of the dense backend takes here (the allgather
+    route's fixed cost per variable is two of them), median, the slowest rank's view."""
+    buf = np.zeros(1, np.int64)
+    times = []
+    for i in range(repeats + 3):
+        start = time.perf_counter()
+        backend.allgather(buf, name="hybridsync.auto.latency")
+        if i >= 3:  # the first ones also wait for the ranks to line up
+            times.append(time.perf_counter() - start)
+    return float(max(backend.allgather_object(float(np.median(times)), name="hybridsync.auto.latency_max")))
+
+
 class _Recording:
     """var.access while measuring: passes everything through, and keeps the unique ids of the
     rows the route takes each step."""
@@ -104,6 +117,8 @@ class AutoStrategy:
         self.sync_set, self.frontend, self.steps = sync_set, frontend, int(steps)
         self.variables = [var for var in variables if var.plan.auto]
         self.links = links if links is not None else probe.links()
+        if self.variables and not self.links.collective_s:
+            self.links.collective_s = collective_s(sync_set.ctx.backend)
         self.step = 0
         self.ids = {var: [] for var in self.variables}
         self.compute_s: list = []
@@ -146,6 +161,17 @@ class AutoStrategy:
             var.access = var.access.inner
             self._apply(var, decision)
         self.ids.clear()
+        self._announce(backend.rank)
+
+    def _announce(self, rank: int) -> None:
+        """Rank 0 prints the decisions when plans are printed (HYBRIDSYNC_EXPLAIN=1, hybridsync-run)."""
+        from ..plan import write_lines
+        from ..settings import settings
+
+        if settings().explain and rank == 0:
+            write_lines("\n".join([f"sync: auto decided at step {self.steps}:"]
+                                  + ["  " + cost_model.describe_auto(v.name, v.plan.auto, v.plan.shape)
+                                     for v in self.variables]))
 
     def _decide(self, i: int, var: Variable, everyone: list) -> dict:
         per_rank = [[len(ids) for ids in stats["ids"][i]] for stats in everyone]

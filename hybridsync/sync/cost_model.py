@@ -9,9 +9,10 @@ Per step, with p ranks, N rows of R = 4*dim bytes, I = 8 id bytes, n rows touche
 allreduce-as-dense  all-reduce of N*R bytes (its latency is free when the step all-reduces
                     dense variables anyway: the table joins their fused buffers), plus the
                     local dense update: about DENSE_PASSES passes over N*R bytes of memory.
-allgather           two variable-size all-gathers (ids and rows: counts then data, 4
-                    latencies), (p-1)*n*(R+I) bytes received per rank, and every rank applying
-                    the p*n gathered rows.
+allgather           two variable-size all-gathers of the dense backend (ids, rows: the cost of
+                    one small collective each, measured at start; 4 MPI latencies if not),
+                    (p-1)*n*(R+I) bytes received per rank, and every rank applying the p*n
+                    gathered rows.
 ps, k shards        every rank sends its rows' share for remote shards (a fraction 1 - 1/p of
                     them, whatever k), and the busiest shard serves (p-1)*n/k rows from the
                     other ranks: the step takes the larger of what a rank sends and receives,
@@ -19,6 +20,12 @@ ps, k shards        every rank sends its rows' share for remote shards (a fracti
                     push; replicated: a push answered by every changed row), plus the shard
                     applying the rows. Fewer shards: fewer messages per round, more load on
                     each; the best k is the one with the smallest time.
+
+Across hosts (the probe saw more than one), bytes are counted on the busiest host link, which
+the q ranks of a host share: for allgather q*(p-q)*n*(R+I) each way; for the PS the rows of
+the host's ranks whose shards are on other hosts, plus what its own shards answer them. When
+a host runs more ranks than it has CPUs, every CPU term (updates, the server's work) is
+stretched by ranks/CPUs: they take turns.
 
 The choice: the fastest candidate, except that the route the variable is on (the parameter
 server, where it was measured) is kept unless another one is predicted SWITCH_THRESHOLD faster
@@ -79,17 +86,59 @@ class Decision:
                 "margin": round(self.margin, 4), "why": self.why}
 
 
+def _ranks_per_host(s: TableStats, links) -> int:
+    """Ranks that share one host's link (the whole world on one host)."""
+    return min(max(1, getattr(links, "ranks_per_host", 1)), s.world_size) if links.hosts > 1 else s.world_size
+
+
+def _cpu_stretch(s: TableStats, links) -> float:
+    """How much longer CPU work takes than alone on a core: more ranks than CPUs on a host
+    take turns."""
+    cpus = getattr(links, "cpus_per_host", 0)
+    per_host = min(max(1, getattr(links, "ranks_per_host", 1)), s.world_size)
+    return max(1.0, per_host / cpus) if cpus else 1.0
+
+
 def allreduce_as_dense(s: TableStats, links) -> float:
     table = s.num_rows * 4 * s.dim
     latency = 0.0 if s.dense_allreduce else links.allreduce_latency_s
-    return latency + table / links.allreduce_bandwidth + DENSE_PASSES * table / links.memory_bandwidth
+    update = DENSE_PASSES * table / links.memory_bandwidth * _cpu_stretch(s, links)
+    return latency + table / links.allreduce_bandwidth + update
 
 
 def allgather(s: TableStats, links) -> float:
-    p, row = s.world_size, 4 * s.dim
-    received = (p - 1) * s.rows_per_rank * (row + ID_BYTES)
-    return (4 * links.allreduce_latency_s + received / links.p2p_bandwidth
-            + SPARSE_PASSES * p * s.rows_per_rank * row / links.memory_bandwidth)
+    p, row, n = s.world_size, 4 * s.dim, s.rows_per_rank
+    q = _ranks_per_host(s, links)
+    if links.hosts > 1:  # the host link carries what its q ranks receive from the other hosts
+        wire = q * (p - q) * n * (row + ID_BYTES) / links.p2p_bandwidth
+    else:
+        wire = (p - 1) * n * (row + ID_BYTES) / links.p2p_bandwidth
+    # Ids, then rows, each gathered by one collective of the dense backend (counts, then data).
+    collective = getattr(links, "collective_s", 0.0)
+    latency = 2 * collective if collective > 0 else 4 * links.allreduce_latency_s
+    apply = SPARSE_PASSES * p * n * row / links.memory_bandwidth * _cpu_stretch(s, links)
+    return latency + wire + apply
+
+
+def _ps_link_s(s: TableStats, links, k: int) -> float:
+    """The busiest host link's time for one step of a table on k shards (shard i on rank i,
+    ranks numbered host by host): each host's ranks pull and push the rows whose shards are on
+    other hosts, and its shards answer the other hosts' ranks."""
+    p, row, n = s.world_size, 4 * s.dim, s.rows_per_rank
+    q = _ranks_per_host(s, links)
+    worst = 0.0
+    for h in range(-(-p // q)):
+        ranks = min(q, p - h * q)
+        held = max(0, min(k - h * q, ranks)) / k  # fraction of the rows this host's shards hold
+        if s.placement == "sharded":  # pull: ids out, rows back; push: ids + rows out
+            out = ranks * n * (1 - held) * (2 * ID_BYTES + row) + (p - ranks) * n * held * row
+            into = ranks * n * (1 - held) * row + (p - ranks) * n * held * (2 * ID_BYTES + row)
+        else:  # push (ids + rows), answered by every changed row to every rank
+            changed = s.union_rows * held
+            out = ranks * n * (1 - held) * (ID_BYTES + row) + (p - ranks) * changed * (ID_BYTES + row)
+            into = (p - ranks) * n * held * (ID_BYTES + row) + ranks * s.union_rows * (1 - held) * (ID_BYTES + row)
+        worst = max(worst, out, into)
+    return worst / links.p2p_bandwidth
 
 
 def ps(s: TableStats, links, shards: int) -> float:
@@ -105,8 +154,9 @@ def ps(s: TableStats, links, shards: int) -> float:
         sent = n * remote * (ID_BYTES + row) + (p - 1) * (u / k) * (ID_BYTES + row)
         received = served * (ID_BYTES + row) + u * remote * (ID_BYTES + row)
         rounds, local = 1, 2 * u * row / links.memory_bandwidth  # changed rows into the replica
+    wire = _ps_link_s(s, links, k) if links.hosts > 1 else max(sent, received) / links.p2p_bandwidth
     server = SERVER_PASSES * (served + n / k) * row / links.memory_bandwidth
-    return rounds * round_latency + max(sent, received) / links.p2p_bandwidth + server + local
+    return rounds * round_latency + wire + (server + local) * _cpu_stretch(s, links)
 
 
 def decide(s: TableStats, links, current_shards: int) -> Decision:

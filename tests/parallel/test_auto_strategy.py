@@ -18,7 +18,8 @@ from tests.parallel.harness import rank_main, run_ranks
 LOCAL_BATCH, AUTO_STEPS, STEPS = 5, 4, 9
 DENSE_ROWS, SPARSE_ROWS, DIM = 40, 4000, 4
 LINKS = {"p2p_latency_s": 20e-6, "p2p_bandwidth": 1.25e9, "allreduce_latency_s": 40e-6,
-         "allreduce_bandwidth": 0.6e9, "memory_bandwidth": 5e9, "ranks": 0, "hosts": 1, "source": "test"}
+         "allreduce_bandwidth": 0.6e9, "memory_bandwidth": 5e9, "ranks": 0, "hosts": 1, "source": "test",
+         "format": 2, "collective_s": 80e-6}
 CONFIG = {"auto_steps": AUTO_STEPS}
 
 
@@ -159,6 +160,9 @@ def rank_real_probe():
     assert cold.route.value == "ps" and cold.auto["choice"] == "ps", cold.auto
     links = cold.auto["links"]
     assert links["source"] == "probe" and links["p2p_latency_s"] > 0 and links["allreduce_bandwidth"] > 0, links
+    # Facts of this start, not of the host set: every rank here is on one host.
+    assert links["ranks_per_host"] == size and links["cpus_per_host"] == len(os.sched_getaffinity(0)) >= 1, links
+    assert links["collective_s"] > 0, links
     files = os.listdir(os.environ["HYBRIDSYNC_CACHE_DIR"])
     assert len(files) == 1 and files[0].startswith("links-"), files
     # A second optimizer reads the cache instead of probing again.
@@ -213,6 +217,14 @@ def rank_auto_off():
     assert _routes(opt.plan)["hot.weight"][0] == "ps"
 
 
+def rank_explain_prints_the_decision():
+    """Train past the switch; the test reads what rank 0 printed."""
+    import hybridsync.torch as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    _train("sgd", "sharded", CONFIG, rank, size, steps=AUTO_STEPS + 1)
+
+
 def _env(links=True):
     tmp = tempfile.mkdtemp(prefix="hybridsync-cache-")
     if links:
@@ -232,6 +244,14 @@ def _env(links=True):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_auto_moves_the_dense_table_to_allreduce_and_keeps_parity(np_, backend):
     run_ranks(__file__, "rank_auto_parity", np_, backend, timeout=300, env=_env())
+
+
+def test_hybridsync_explain_prints_auto_decisions_once_on_rank_0():
+    out = run_ranks(__file__, "rank_explain_prints_the_decision", 2, timeout=240,
+                    env={**_env(), "HYBRIDSYNC_EXPLAIN": "1"})
+    assert out.count(f"sync: auto decided at step {AUTO_STEPS}:") == 1, out
+    hot = next(line for line in out.splitlines() if "hot.weight: density" in line and "choice:" in line)
+    assert "choice: allreduce-as-dense" in hot and "predicted:" in hot, hot
 
 
 def test_auto_with_the_real_link_probe():

@@ -42,7 +42,9 @@ def hybridsync_run(*args: str) -> list[str]:
     return [sys.executable, "-m", "launch.run", *args, "--no-explain"]
 
 
-def rank_hosts(prefix, per_host, backend):
+def rank_hosts(prefix, per_host, backend, cpu_shares="{}"):
+    import json
+
     import torch
 
     import hybridsync
@@ -56,6 +58,10 @@ def rank_hosts(prefix, per_host, backend):
     assert (hvd.local_rank(), hvd.local_size()) == (rank % per_host, per_host), (rank, host)
     assert (hvd.cross_rank(), hvd.cross_size()) == (rank // per_host, size // per_host), (rank, host)
     assert hybridsync.local_rank() == hvd.local_rank()
+    # Each host runs on its own share of the machine's CPUs, as a real host would.
+    share = json.loads(cpu_shares).get(host)
+    if share is not None:
+        assert sorted(os.sched_getaffinity(0)) == share, (rank, host, os.sched_getaffinity(0), share)
     hosts = hvd.allgather_object(host, name="hosts")
     assert hosts == [f"{prefix}{r // per_host}" for r in range(size)], hosts
     total = hvd.allreduce(torch.full((5,), float(rank + 1)), op=hvd.Sum, name="cluster.sum")
@@ -89,7 +95,7 @@ def rank_train_until_the_link_drops():
 @pytest.mark.parametrize("backend", ["mpi", "horovod"])
 def test_local_and_cross_ranks_per_host_under_hybridsync_run_with_H(cluster, backend):
     cmd = hybridsync_run("-np", "4", "-H", cluster.hosts_arg(PER_HOST))
-    out = run_ranks(__file__, "rank_hosts", 4, PREFIX, str(PER_HOST), backend, launcher=cmd,
+    out = run_ranks(__file__, "rank_hosts", 4, PREFIX, str(PER_HOST), backend, _shares(cluster), launcher=cmd,
                     env=cluster.env(), timeout=120)
     assert f"rank 3 on {PREFIX}1: local 1/2" in out, out
 
@@ -103,8 +109,18 @@ def test_local_and_cross_ranks_per_host_under_hybridsync_run_with_a_hostfile(clu
 def test_horovodrun_spans_the_hosts(cluster):
     horovodrun = str(Path(sys.executable).with_name("horovodrun"))
     cmd = [horovodrun, "-np", "4", "-H", cluster.hosts_arg(PER_HOST)]
-    run_ranks(__file__, "rank_hosts", 4, PREFIX, str(PER_HOST), "horovod", launcher=cmd, env=cluster.env(),
-              timeout=180)
+    run_ranks(__file__, "rank_hosts", 4, PREFIX, str(PER_HOST), "horovod", _shares(cluster), launcher=cmd,
+              env=cluster.env(), timeout=180)
+
+
+def _shares(cluster) -> str:
+    import json
+
+    shares = cluster.cpu_shares()
+    mine = sorted(os.sched_getaffinity(0))
+    # The shares cut this machine's CPUs between the hosts: disjoint when there are enough.
+    assert sorted(c for share in shares.values() for c in share) == mine or len(mine) < HOSTS, shares
+    return json.dumps(shares)
 
 
 # Every route, dense and sparse, under both dense backends: the single-host parity scenarios,

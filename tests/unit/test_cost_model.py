@@ -152,3 +152,48 @@ def test_config_auto_keys(tmp_path):
     path.write_text("auto_steps: 0\n")
     with pytest.raises(config.ConfigError, match=r"hs.yaml:1: auto_steps: expected an integer >= 1"):
         config.load(str(path))
+
+
+def _hosts(hosts, ranks_per_host, cpus_per_host=0, **kw):
+    return Links(**{**NET.to_json(), "hosts": hosts, "ranks_per_host": ranks_per_host,
+                    "cpus_per_host": cpus_per_host, **kw})
+
+
+def test_across_hosts_the_ranks_of_a_host_share_its_link():
+    s = _stats(rows=1_000_000, dim=32, p=4, per_rank=1000, candidates=(PS, ALLGATHER))
+    row = 4 * 32 + cost_model.ID_BYTES
+    one, two = _hosts(2, 1), _hosts(2, 2)  # 4 hosts x 1 rank would be hosts=4; here the link load only
+    shared = cost_model.allgather(s, two) - cost_model.allgather(s, one)
+    # 2 ranks per host: each host link carries 2 x 2 ranks' rows instead of 1 x 3.
+    assert shared == pytest.approx((2 * 2 - 1 * 3) * 1000 * row / NET.p2p_bandwidth)
+    # The PS sends only the rows of other hosts' shards: fewer bytes than allgather on the link.
+    assert cost_model._ps_link_s(s, two, 4) < 2 * 2 * 1000 * row / NET.p2p_bandwidth
+    # One shard: the host without it sends all its ranks' rows; two shards split the load.
+    assert cost_model._ps_link_s(s, two, 1) > cost_model._ps_link_s(s, two, 4)
+
+
+def test_more_ranks_than_cpus_stretch_the_cpu_terms_only():
+    s = _stats(rows=100_000, dim=32, p=4, per_rank=500)
+    alone, crowded = _hosts(2, 2, cpus_per_host=2), _hosts(2, 2, cpus_per_host=1)
+    dense = cost_model.allreduce_as_dense(s, crowded) - cost_model.allreduce_as_dense(s, alone)
+    assert dense == pytest.approx(cost_model.DENSE_PASSES * 100_000 * 128 / NET.memory_bandwidth)
+    assert cost_model.ps(s, crowded, 4) > cost_model.ps(s, alone, 4)
+    assert cost_model.allgather(s, _hosts(2, 2, cpus_per_host=0)) == cost_model.allgather(s, alone)  # unknown: 1x
+
+
+def test_allgather_pays_two_collectives_of_the_dense_backend_when_measured():
+    s = _stats(per_rank=10)
+    base = cost_model.allgather(s, NET)
+    slow = cost_model.allgather(s, Links(**{**NET.to_json(), "collective_s": 1e-3}))
+    assert slow - base == pytest.approx(2e-3 - 4 * NET.allreduce_latency_s)
+
+
+def test_probe_cache_of_an_older_format_is_probed_again(tmp_path):
+    from hybridsync.comm import probe
+
+    path = tmp_path / "links-x.json"
+    old = {k: v for k, v in NET.to_json().items() if k != "format"}
+    path.write_text(json.dumps(old))
+    assert probe._read(str(path)) is None
+    path.write_text(json.dumps(NET.to_json()))
+    assert probe._read(str(path))["format"] == probe.FORMAT
