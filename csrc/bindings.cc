@@ -458,6 +458,7 @@ PYBIND11_MODULE(_ps, m) {
            py::arg("slot") = -1)
       .def("local_values", &PyEngine::local_values, py::arg("table"), py::arg("slot") = -1)
       .def("rename_table", [](PyEngine& e, int t, const std::string& name) { nogil([&] { e.client().rename_table(t, name); }); })
+      .def("drop_table", [](PyEngine& e, int t) { nogil([&] { e.client().drop_table(t); }); })
       .def("load_from_root", &PyEngine::load_from_root, py::arg("table"), py::arg("values"), py::arg("root") = 0,
            py::arg("consume") = false)
       .def("load_local", &PyEngine::load_local, py::arg("table"), py::arg("slot"), py::arg("values"))

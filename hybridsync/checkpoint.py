@@ -198,6 +198,11 @@ def load_checkpoint(path, model, optimizer):
     error, manifest, tables = "", None, []
     try:
         manifest = _read_manifest(Path(path))
+    except Exception as exc:
+        error = str(exc)
+    _agree(error, "manifest")
+    _adopt_auto(optimizer, manifest)
+    try:
         tables = _tables(optimizer)
         _check_same_model(manifest, tables)
         for (var, table), saved in zip(tables, manifest["tables"]):
@@ -214,6 +219,17 @@ def load_checkpoint(path, model, optimizer):
     for var, table in tables:  # replicas (replicated placement) take the loaded rows whole
         frontend.refresh_replica(var, table)
     return manifest["extra"]
+
+
+def _adopt_auto(optimizer, manifest: dict) -> None:
+    """Collective: where this run's `sync: auto` is still measuring, it takes the saved run's
+    decisions, so tables that run moved off the parameter server (or re-sharded) are laid out as
+    they were saved, without the saved JSON plan as config."""
+    adopt = getattr(optimizer, "_hs_adopt_auto", None)
+    plan = manifest.get("plan") or {}
+    saved = {v["name"]: v["auto"] for v in plan.get("variables", []) if v.get("auto")}
+    if adopt is not None and saved:
+        adopt(saved)
 
 
 def _read_manifest(path: Path) -> dict:

@@ -108,7 +108,9 @@ Table& Client::Impl::table_at(int table) const {
   if (table < 0 || table >= static_cast<int>(tables.size())) {
     throw PSError("unknown PS table handle " + std::to_string(table));
   }
-  return *tables[table];
+  Table& t = *tables[table];
+  if (t.dropped) throw PSError("PS table '" + t.spec.name + "' was dropped (its variable left the parameter server)");
+  return t;
 }
 
 void Client::Impl::check_usable() const {
@@ -367,6 +369,17 @@ std::vector<float> Client::local_values(int table, int slot) const {
   std::vector<float> out(static_cast<size_t>(t.shard->rows() * dim));
   for (int64_t l = 0; l < t.shard->rows(); ++l) std::memcpy(out.data() + l * dim, row_of(*t.shard, slot, l), dim * sizeof(float));
   return out;
+}
+
+void Client::drop_table(int table) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  c.table_at(table);  // an unknown or already dropped handle throws before anything moves
+  c.settle();          // pushes already started may still name the table
+  Table& t = *c.tables[table];
+  t.shard.reset();
+  t.sums = RowAggregator{};
+  t.dropped = true;
 }
 
 void Client::rename_table(int table, const std::string& name) {

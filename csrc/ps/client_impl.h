@@ -24,6 +24,7 @@ struct Table {
   Partitioner part;
   std::unique_ptr<Shard> shard;  // null when this rank holds no shard of the table
   RowAggregator sums;            // server side: a round's gradients summed over workers
+  bool dropped = false;          // drop_table(): the handle stays taken, its use throws
 };
 
 // A push whose requests were sent but not yet received and applied by this rank's shards.

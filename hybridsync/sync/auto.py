@@ -123,7 +123,6 @@ class AutoStrategy:
         self.ids = {var: [] for var in self.variables}
         self.compute_s: list = []
         self._sync_end = None
-        self.retired: list = []  # tables the variables left (kept alive: the engine knows them)
         for var in self.variables:
             var.access = _Recording(var.access)
             var.plan.auto.update(links={k: v for k, v in self.links.to_json().items()})
@@ -191,6 +190,19 @@ class AutoStrategy:
         return {**decision.to_json(), "measured": measured, "candidates": list(stats.candidates)}
 
     def _apply(self, var: Variable, decision: dict) -> None:
+        Switch(self.sync_set, self.frontend).apply(var, decision, self.steps)
+
+
+class Switch:
+    """Moves a variable to the route (and PS shard count) of a decision, carrying its rows and
+    optimizer state over exactly: what `sync: auto` does once it decided, and what resuming from
+    a checkpoint of an auto run does with that run's decisions."""
+
+    def __init__(self, sync_set, frontend: AutoFrontend):
+        self.sync_set, self.frontend = sync_set, frontend
+
+    def apply(self, var: Variable, decision: dict, step: int) -> None:
+        """Collective. decision: cost_model.Decision.to_json() (with `measured`, ...)."""
         plan = var.plan
         route = _ROUTES[decision["choice"]]
         if route is Route.PS:
@@ -198,12 +210,11 @@ class AutoStrategy:
                 self._reshard(var, decision["shards"])
         else:
             self._leave_ps(var, route)
-        auto = plan.auto
-        auto.update(decision, status="decided", switched_at_step=self.steps)
+        plan.auto.update(decision, status="decided", switched_at_step=step)
         head = plan.reason.split("; auto:")[0]
         placement = (f" {plan.placement.value}, {plan.shards} shard{'s' if plan.shards != 1 else ''}"
                      if route is Route.PS else "")
-        plan.reason = (f"{head}; auto: {route.value}{placement} from step {self.steps} "
+        plan.reason = (f"{head}; auto: {route.value}{placement} from step {step} "
                        f"(margin {decision['margin']:+.0%}; explain() shows the prediction)")
 
     def _leave_ps(self, var: Variable, route: Route) -> None:
@@ -216,7 +227,7 @@ class AutoStrategy:
             table.attach(None)
         self.frontend.to_replica(var, rows)
         self.frontend.set_optimizer_state(var, state["slots"], state["step"])
-        self.retired.append(table)
+        table.drop()  # its rows and server state now live in the frontend's variable and optimizer
         var.table = None
         plan.route, plan.placement, plan.shards = route, Placement.NONE, 0
         plan.optimizer, plan.optimizer_source, plan.compression = None, "-", "none"
@@ -245,6 +256,26 @@ class AutoStrategy:
         if sharded:
             self.frontend.set_table(var, new)
         new.load_state(state, var.name)
-        self.retired.append(old)
+        old.drop()
         var.table = new
         plan.shards = shards
+
+
+def adopt(sync_set, frontend: AutoFrontend, saved: dict) -> bool:
+    """Collective (every rank passes the same `saved`): the auto variables not yet decided take
+    the decisions of the run a checkpoint came from ({variable name: its plan's `auto` dict})
+    instead of measuring, so the tables are where that run's were when it saved. Between steps,
+    and only when every such variable has a saved decision; True when it applied them."""
+    variables = sorted((var for var in sync_set.route_of if var.plan.auto and var.plan.auto.get("status") != "decided"),
+                       key=lambda v: v.index)
+    decisions = [saved.get(var.name) for var in variables]
+    if not variables or not all(d and d.get("status") == "decided" and d.get("choice") in _ROUTES for d in decisions):
+        return False
+    switch, world = Switch(sync_set, frontend), sync_set.ctx.world_size
+    for var, decision in zip(variables, decisions):
+        shards = min(int(decision.get("shards") or 0), world) or var.plan.shards
+        decision = {**decision, "shards": shards, "why": f"from the checkpoint's plan: {decision.get('why', '')}"}
+        if isinstance(var.access, _Recording):  # this run was measuring: stop
+            var.access = var.access.inner
+        switch.apply(var, decision, int(decision.get("switched_at_step") or 0))
+    return True

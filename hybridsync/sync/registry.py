@@ -70,9 +70,17 @@ class SyncSet:
         """Collective: `sync: auto` variables are measured for `steps` steps, then switched once."""
         from .auto import AutoStrategy
 
-        variables = [var for var in self.route_of if var.plan.auto]
+        variables = [var for var in self.route_of if var.plan.auto and var.plan.auto.get("status") != "decided"]
         if variables and steps > 0:
             self.auto = AutoStrategy(self, sorted(variables, key=lambda v: v.index), frontend, steps, links)
+
+    def adopt_auto(self, frontend, saved: dict) -> None:
+        """Collective: `sync: auto` variables not decided yet take a checkpointed run's decisions
+        instead of measuring (auto.adopt)."""
+        from .auto import adopt
+
+        if adopt(self, frontend, saved):
+            self.auto = None  # measuring, if it had started, is over
 
     def prepare(self) -> None:
         for sync in self.by_route.values():

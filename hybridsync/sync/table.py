@@ -30,6 +30,12 @@ class PSTable:
         self.pulled_rows = 0  # unique rows pulled since the last push (byte accounting)
         self._replica = None  # the array the shard's rows alias (kept alive here)
 
+    def drop(self) -> None:
+        """Collective (every rank at the same point): frees this rank's shard, rows and optimizer
+        state; any later use of the table raises naming it."""
+        self.engine.drop_table(self.handle)
+        self._replica = None
+
     # -- contents -----------------------------------------------------------------------------
     def initialize(self, initializer, seed: int) -> None:
         """Local: fills this rank's shard from ('normal', mean, std) or ('uniform', low, high)

@@ -129,6 +129,12 @@ class _DistributedKerasOptimizer:
         plan_mod.announce(self._hs_plan)
 
     # -- every step --------------------------------------------------------------------------------
+    def _hs_adopt_auto(self, saved: dict) -> None:
+        """Collective (load_checkpoint, after the first step built the plan): `sync: auto`
+        takes the saved run's decisions."""
+        if getattr(self, "_hs_sync", None) is not None:
+            self._hs_sync.adopt_auto(_KerasAuto(self), saved)
+
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)

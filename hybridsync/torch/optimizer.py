@@ -213,6 +213,10 @@ class _DistributedOptimizer:
         self._hs_load_route_state(self._hs_pending_state)
         self._hs_sync.start_auto(TorchAuto(self), self._hs_planner.auto_steps)
 
+    def _hs_adopt_auto(self, saved: dict) -> None:
+        """Collective (load_checkpoint): `sync: auto` takes the saved run's decisions."""
+        self._hs_sync.adopt_auto(TorchAuto(self), saved)
+
     # -- Horovod's optimizer API --------------------------------------------------------------
     @property
     def plan(self):

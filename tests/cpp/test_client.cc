@@ -228,3 +228,21 @@ TEST(load_from_root_consuming_the_values_gives_their_pages_back_as_rows_reach_th
   c->load_from_root(t, kept.data(), 0);
   CHECK((kept == expected));
 }
+
+TEST(a_dropped_table_frees_its_shard_after_its_pending_push_and_refuses_later_use) {
+  auto c = loopback_client();
+  const int keep = c->add_table(spec());
+  const int gone = c->add_table(TableSpec{"gone", 6, 2, 0, PartitionKind::kCyclic, "sgd", {{"lr", 1.0}}});
+  const std::vector<float> init = iota_table();
+  c->load_local(gone, -1, init.data());
+  const int64_t with_both = c->row_store_bytes();
+  const std::vector<int64_t> ids = {2};
+  const std::vector<float> grad = {1, 1};
+  c->push({TableBatch{gone, ids.data(), 1, grad.data()}}, 1.0f);  // pending: applied by the drop
+  c->drop_table(gone);
+  CHECK(c->row_store_bytes() < with_both);
+  CHECK_THROWS(c->pull({TableBatch{gone, ids.data(), 1}}), PSError, "PS table 'gone' was dropped");
+  CHECK_THROWS(c->drop_table(gone), PSError, "was dropped");
+  auto rows = c->pull({TableBatch{keep, ids.data(), 1}});  // the other table is untouched
+  CHECK(rows.size() == 1 && rows[0].rows.size() == 2);
+}

@@ -108,7 +108,11 @@ def rank_auto_parity(backend):
         for placement in ("sharded", "replicated"):
             reference, _ = _train(name, None, None, rank, size)
 
+            measured_on = {}
+
             def check(step, opt):
+                if step == 0:
+                    measured_on.update({var.name: var.table for var in opt._hs_vars if var.table is not None})
                 routes = _routes(opt.plan)
                 if step < AUTO_STEPS - 1:  # measuring, on the parameter server
                     assert routes["hot.weight"][0] == routes["cold.weight"][0] == "ps", (step, routes)
@@ -119,6 +123,11 @@ def rank_auto_parity(backend):
 
             got, opt = _train(name, placement, CONFIG, rank, size, check=check)
             _close(got, reference, f"{name}/{placement} auto")
+            # The tables left behind (hot's, and cold's before re-sharding) gave their memory back.
+            assert set(measured_on) == {"hot.weight", "cold.weight"}, measured_on
+            for var_name, table in measured_on.items():
+                with pytest.raises(Exception, match=f"PS table '{var_name}' was dropped"):
+                    table.layout
             plan = opt.plan
             # Every rank agrees (the decision was rank 0's, broadcast).
             mine = {v.name: (v.route.value, v.placement.value, v.shards, v.auto) for v in plan.variables}
@@ -225,6 +234,60 @@ def rank_explain_prints_the_decision():
     _train("sgd", "sharded", CONFIG, rank, size, steps=AUTO_STEPS + 1)
 
 
+def _steps(model, opt, steps, rank, size):
+    import torch.nn.functional as F
+
+    for step in steps:
+        hot, cold, dense, y = _batch(step, size)
+        part = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        opt.zero_grad()
+        F.mse_loss(model(hot[part], cold[part], dense[part]), y[part]).backward()
+        opt.step()
+
+
+def rank_auto_checkpoint(tmp, phase):
+    """save: train past the switch (hot.weight leaves the PS) and save; load: a new run with the
+    same code and config -- not the saved JSON plan -- loads it: auto takes the saved decisions
+    instead of measuring, and the run continues as the saved one did."""
+    import numpy as np
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    model = _model()
+    opt = hvd.DistributedOptimizer(_optimizer("adagrad", model), model=model, config=CONFIG)
+    state = lambda: {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}  # noqa: E731
+    if phase == "save":
+        _steps(model, opt, range(STEPS), rank, size)
+        assert _routes(opt.plan)["hot.weight"][0] == "allreduce-as-dense", _routes(opt.plan)
+        hybridsync.save_checkpoint(f"{tmp}/ckpt", model, opt)
+        at_save = state()
+        _steps(model, opt, range(STEPS, STEPS + 3), rank, size)
+        final = state()  # collective: the PS tables are gathered
+        if rank == 0:
+            np.savez(f"{tmp}/at-save.npz", **at_save)
+            np.savez(f"{tmp}/final.npz", **final)
+        return
+    hybridsync.load_checkpoint(f"{tmp}/ckpt", model, opt)
+    routes = _routes(opt.plan)
+    assert routes["hot.weight"] == ("allreduce-as-dense", "-", 0), routes
+    assert routes["cold.weight"][:2] == ("ps", "sharded"), routes
+    hot = opt.plan.by_name()["hot.weight"].auto
+    assert hot["status"] == "decided" and hot["why"].startswith("from the checkpoint's plan"), hot
+    want = np.load(f"{tmp}/at-save.npz")
+    for key in want.files:
+        np.testing.assert_allclose(state()[key], want[key], rtol=1e-6, atol=1e-7, err_msg=f"at load: {key}")
+    _steps(model, opt, range(STEPS, STEPS + 3), rank, size)
+    assert _routes(opt.plan) == routes  # nothing measured, nothing switched later
+    if size == 2:  # the same batches as the saved run: the same numbers
+        want = np.load(f"{tmp}/final.npz")
+        for key in want.files:
+            np.testing.assert_allclose(state()[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"continued: {key}")
+    print(f"rank {rank}: auto's decisions adopted from the checkpoint at {size} ranks", flush=True)
+
+
 def _env(links=True):
     tmp = tempfile.mkdtemp(prefix="hybridsync-cache-")
     if links:
@@ -252,6 +315,13 @@ def test_hybridsync_explain_prints_auto_decisions_once_on_rank_0():
     assert out.count(f"sync: auto decided at step {AUTO_STEPS}:") == 1, out
     hot = next(line for line in out.splitlines() if "hot.weight: density" in line and "choice:" in line)
     assert "choice: allreduce-as-dense" in hot and "predicted:" in hot, hot
+
+
+@pytest.mark.parametrize("load_np", [2, 3])
+def test_a_checkpoint_after_auto_switched_loads_without_the_saved_plan(tmp_path, load_np):
+    env = _env()
+    run_ranks(__file__, "rank_auto_checkpoint", 2, str(tmp_path), "save", timeout=240, env=env)
+    run_ranks(__file__, "rank_auto_checkpoint", load_np, str(tmp_path), "load", timeout=240, env=env)
 
 
 def test_auto_with_the_real_link_probe():

@@ -248,6 +248,10 @@ class Client {
   void write_local(int table, int slot, const int64_t* ids, int64_t n, const float* rows);
   // Local. This rank's rows (slot < 0) or a slot, in storage order (shard_rows x dim), to save.
   std::vector<float> local_values(int table, int slot) const;
+  // Collective (no messages: every rank calls it at the same point). Applies the pushes already
+  // started, then frees this rank's shard of `table` (rows and optimizer state); the handle stays
+  // taken and any later use of it throws naming the table.
+  void drop_table(int table);
   // Local. The name errors use for `table` (its path in the model, known after creation).
   void rename_table(int table, const std::string& name);
   // Local. Replaces `table`'s server optimizer (state restarts).
