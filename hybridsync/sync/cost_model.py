@@ -15,11 +15,13 @@ allgather           two variable-size all-gathers of the dense backend (ids, row
                     gathered rows.
 ps, k shards        every rank sends its rows' share for remote shards (a fraction 1 - 1/p of
                     them, whatever k), and the busiest shard serves (p-1)*n/k rows from the
-                    other ranks: the step takes the larger of what a rank sends and receives,
-                    over the p2p bandwidth, plus the round latencies (sharded: a pull and a
-                    push; replicated: a push answered by every changed row), plus the shard
-                    applying the rows. Fewer shards: fewer messages per round, more load on
-                    each; the best k is the one with the smallest time.
+                    other ranks: the step waits for the larger of what a rank sends and
+                    receives in the round it waits for (sharded: the pull; the push travels
+                    behind the next step's compute and counts only where the link is busier
+                    than that; replicated: a push answered by every changed row), over the
+                    p2p bandwidth, plus a round's latency, plus the shard applying the rows.
+                    Fewer shards: fewer messages per round, more load on each; the best k is
+                    the one with the smallest time.
 
 Across hosts (the probe saw more than one), bytes are counted on the busiest host link, which
 the q ranks of a host share: for allgather q*(p-q)*n*(R+I) each way; for the PS the rows of
@@ -120,43 +122,43 @@ def allgather(s: TableStats, links) -> float:
     return latency + wire + apply
 
 
-def _ps_link_s(s: TableStats, links, k: int) -> float:
-    """The busiest host link's time for one step of a table on k shards (shard i on rank i,
-    ranks numbered host by host): each host's ranks pull and push the rows whose shards are on
-    other hosts, and its shards answer the other hosts' ranks."""
-    p, row, n = s.world_size, 4 * s.dim, s.rows_per_rank
-    q = _ranks_per_host(s, links)
-    worst = 0.0
+def _ps_bytes(s: TableStats, links, k: int) -> tuple[float, float]:
+    """(pull, pull + push): the bytes on the busiest link (host link across hosts, else a rank's
+    own) for one step of a table on k shards, shard i on rank i, ranks numbered host by host.
+    Sharded: a pull sends ids and gets rows back; a push sends ids and rows. Replicated: one
+    round, a push answered by every changed row, counted as the pull (it is waited for)."""
+    p, row, n, u = s.world_size, 4 * s.dim, s.rows_per_rank, s.union_rows
+    q = _ranks_per_host(s, links) if links.hosts > 1 else 1  # one host: each rank is its own "link"
+    pull = total = 0.0
     for h in range(-(-p // q)):
         ranks = min(q, p - h * q)
-        held = max(0, min(k - h * q, ranks)) / k  # fraction of the rows this host's shards hold
-        if s.placement == "sharded":  # pull: ids out, rows back; push: ids + rows out
-            out = ranks * n * (1 - held) * (2 * ID_BYTES + row) + (p - ranks) * n * held * row
-            into = ranks * n * (1 - held) * row + (p - ranks) * n * held * (2 * ID_BYTES + row)
-        else:  # push (ids + rows), answered by every changed row to every rank
-            changed = s.union_rows * held
-            out = ranks * n * (1 - held) * (ID_BYTES + row) + (p - ranks) * changed * (ID_BYTES + row)
-            into = (p - ranks) * n * held * (ID_BYTES + row) + ranks * s.union_rows * (1 - held) * (ID_BYTES + row)
-        worst = max(worst, out, into)
-    return worst / links.p2p_bandwidth
+        held = max(0, min(k - h * q, ranks)) / k  # fraction of the rows these ranks' shards hold
+        away, asked = ranks * n * (1 - held), (p - ranks) * n * held  # rows leaving / served here
+        if s.placement == "sharded":
+            pull_out, pull_in = away * ID_BYTES + asked * row, away * row + asked * ID_BYTES
+            push_out, push_in = away * (ID_BYTES + row), asked * (ID_BYTES + row)
+        else:
+            changed = u * held
+            pull_out = away * (ID_BYTES + row) + (p - ranks) * changed * (ID_BYTES + row)
+            pull_in = asked * (ID_BYTES + row) + ranks * u * (1 - held) * (ID_BYTES + row)
+            push_out = push_in = 0.0
+        pull = max(pull, pull_out, pull_in)
+        total = max(total, pull_out + push_out, pull_in + push_in)
+    return pull, total
 
 
 def ps(s: TableStats, links, shards: int) -> float:
+    """Sharded: the pull is waited for in forward; the push is sent at the end of the step and
+    applied by the next operation, so its bytes travel behind the next step's compute and count
+    only where the link is busier than the step computes. Replicated: its one round is waited for."""
     p, k, row, n, u = s.world_size, shards, 4 * s.dim, s.rows_per_rank, s.union_rows
-    remote = 1.0 - 1.0 / p  # a rank's rows on other ranks' shards, whatever k
     served = (p - 1) * n / k  # rows the busiest shard takes from other ranks
     round_latency = 2 * links.p2p_latency_s + 0.5 * (k - 1) * links.p2p_latency_s
-    if s.placement == "sharded":  # pull (ids out, rows back), then push (ids + rows)
-        sent = n * remote * (2 * ID_BYTES + row) + served * row
-        received = n * remote * row + served * (2 * ID_BYTES + row)
-        rounds, local = 2, 0.0
-    else:  # push (ids + rows), answered by every changed row of the shard, to every rank
-        sent = n * remote * (ID_BYTES + row) + (p - 1) * (u / k) * (ID_BYTES + row)
-        received = served * (ID_BYTES + row) + u * remote * (ID_BYTES + row)
-        rounds, local = 1, 2 * u * row / links.memory_bandwidth  # changed rows into the replica
-    wire = _ps_link_s(s, links, k) if links.hosts > 1 else max(sent, received) / links.p2p_bandwidth
+    pull, total = _ps_bytes(s, links, k)
+    wire = max(pull, total - s.compute_s * links.p2p_bandwidth) / links.p2p_bandwidth
+    local = 0.0 if s.placement == "sharded" else 2 * u * row / links.memory_bandwidth  # changed rows into the replica
     server = SERVER_PASSES * (served + n / k) * row / links.memory_bandwidth
-    return rounds * round_latency + wire + (server + local) * _cpu_stretch(s, links)
+    return round_latency + wire + (server + local) * _cpu_stretch(s, links)
 
 
 def decide(s: TableStats, links, current_shards: int) -> Decision:

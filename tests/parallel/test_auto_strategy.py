@@ -452,6 +452,54 @@ def rank_keras_auto_parity():
             assert v.route.value == "ps" and v.auto is None and "only ps" in v.reason, v
 
 
+def rank_keras_auto_checkpoint(tmp, phase):
+    """Keras: saved after auto moved `hot` off the PS; a new run (its plan built by one step of
+    its own, as Keras needs) loads it without the JSON plan: the saved decisions are adopted and
+    the weights and Adagrad accumulators are the saved ones."""
+    import keras
+    import numpy as np
+
+    import hybridsync
+    import hybridsync.tensorflow as hvd
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+
+    def snapshot(model, opt):
+        hot = model.get_layer("hot").embeddings
+        return {**{f"w{i}": w for i, w in enumerate(model.get_weights())},
+                "hot_accumulator": opt._accumulators[opt._get_variable_index(hot)].numpy()}
+
+    if phase == "save":
+        model, opt = _keras_train("adagrad", size, rank, "fit", CONFIG)
+        assert opt.plan.by_name()["hot/embeddings"].route.value == "allreduce-as-dense"
+        hybridsync.save_checkpoint(f"{tmp}/keras", model, opt)
+        if rank == 0:
+            np.savez(f"{tmp}/keras.npz", **snapshot(model, opt))
+        return
+    model = _keras_model()
+    opt = hvd.DistributedOptimizer(_keras_optimizer("adagrad"), config=CONFIG)
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    hot, cold, y = _keras_mine(size, rank)
+    model.fit([hot[:LOCAL_BATCH], cold[:LOCAL_BATCH]], y[:LOCAL_BATCH], batch_size=LOCAL_BATCH, verbose=0)
+    hybridsync.load_checkpoint(f"{tmp}/keras", model, opt)
+    plan = opt.plan.by_name()
+    assert plan["hot/embeddings"].route.value == "allreduce-as-dense", plan["hot/embeddings"]
+    assert plan["cold/embeddings"].route.value == "ps", plan["cold/embeddings"]
+    assert plan["hot/embeddings"].auto["why"].startswith("from the checkpoint's plan"), plan["hot/embeddings"].auto
+    want, got = np.load(f"{tmp}/keras.npz"), snapshot(model, opt)
+    for key in want.files:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    model.fit([hot, cold], y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)  # trains on
+    assert opt.plan.by_name()["hot/embeddings"].route.value == "allreduce-as-dense"
+    print(f"rank {rank}: keras auto decisions adopted from the checkpoint", flush=True)
+
+
+def test_keras_checkpoint_after_auto_switched_loads_without_the_saved_plan(tmp_path):
+    env = _env()
+    run_ranks(__file__, "rank_keras_auto_checkpoint", 2, str(tmp_path), "save", timeout=400, env=env)
+    run_ranks(__file__, "rank_keras_auto_checkpoint", 2, str(tmp_path), "load", timeout=400, env=env)
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_keras_auto_moves_the_dense_table_to_allreduce_and_keeps_parity(np_):
     run_ranks(__file__, "rank_keras_auto_parity", np_, timeout=400, env=_env())

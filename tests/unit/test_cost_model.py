@@ -167,9 +167,19 @@ def test_across_hosts_the_ranks_of_a_host_share_its_link():
     # 2 ranks per host: each host link carries 2 x 2 ranks' rows instead of 1 x 3.
     assert shared == pytest.approx((2 * 2 - 1 * 3) * 1000 * row / NET.p2p_bandwidth)
     # The PS sends only the rows of other hosts' shards: fewer bytes than allgather on the link.
-    assert cost_model._ps_link_s(s, two, 4) < 2 * 2 * 1000 * row / NET.p2p_bandwidth
-    # One shard: the host without it sends all its ranks' rows; two shards split the load.
-    assert cost_model._ps_link_s(s, two, 1) > cost_model._ps_link_s(s, two, 4)
+    pull, total = cost_model._ps_bytes(s, two, 4)
+    assert pull < total < 2 * 2 * 1000 * row
+    # One shard: the host without it sends all its ranks' rows; spread shards split the load.
+    assert cost_model._ps_bytes(s, two, 1)[1] > total
+
+
+def test_the_push_travels_behind_compute_unless_the_link_is_busier():
+    links = _hosts(2, 2)
+    busy = _stats(rows=1_000_000, dim=32, p=4, per_rank=1000, compute_s=0.0)
+    idle = _stats(rows=1_000_000, dim=32, p=4, per_rank=1000, compute_s=1.0)
+    pull, total = cost_model._ps_bytes(busy, links, 4)
+    assert cost_model.ps(busy, links, 4) - cost_model.ps(idle, links, 4) == pytest.approx(
+        (total - pull) / NET.p2p_bandwidth)
 
 
 def test_more_ranks_than_cpus_stretch_the_cpu_terms_only():
