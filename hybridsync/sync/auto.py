@@ -119,6 +119,15 @@ class AutoStrategy:
         self.links = links if links is not None else probe.links()
         if self.variables and not self.links.collective_s:
             self.links.collective_s = collective_s(sync_set.ctx.backend)
+        # The shards' work per row, from the engine's trace (unless the links fix it, or the
+        # timeline already drains that trace).
+        self.server = [0, 0]  # ns, rows
+        self._tracing = None
+        if self.variables and not self.links.server_row_s and timeline.get() is None:
+            from .. import ps
+
+            self._tracing = ps.engine()
+            self._tracing.set_tracing(True)
         self.step = 0
         self.ids = {var: [] for var in self.variables}
         self.compute_s: list = []
@@ -139,6 +148,10 @@ class AutoStrategy:
             self.ids[var].append(rec.ids if rec.ids is not None else np.zeros(0, np.int64))
             rec.ids = None
         self.step += 1
+        if self._tracing is not None:
+            for name, start, end, rows in self._tracing.take_trace():
+                self.server[0] += end - start
+                self.server[1] += rows
         if self.step < self.steps:
             self._sync_end = time.perf_counter()
             return False
@@ -150,8 +163,15 @@ class AutoStrategy:
     def _switch(self) -> None:
         backend = self.sync_set.ctx.backend
         compute = float(np.median(self.compute_s)) if self.compute_s else 0.0
-        mine = {"ids": [self.ids[var] for var in self.variables], "compute_s": compute}
+        if self._tracing is not None:
+            self._tracing.set_tracing(False)
+        mine = {"ids": [self.ids[var] for var in self.variables], "compute_s": compute, "server": self.server}
         everyone = backend.allgather_object(mine, name="hybridsync.auto.stats")
+        ns, rows = (sum(stats["server"][i] for stats in everyone) for i in (0, 1))
+        if rows and not self.links.server_row_s:
+            self.links.server_row_s = ns * 1e-9 / rows
+            for var in self.variables:
+                var.plan.auto["links"]["server_row_s"] = self.links.server_row_s
         decisions = None
         if backend.rank == 0:
             decisions = [self._decide(i, var, everyone) for i, var in enumerate(self.variables)]
@@ -177,12 +197,11 @@ class AutoStrategy:
         steps = len(per_rank[0])
         union = [len(np.unique(np.concatenate([stats["ids"][i][s] for stats in everyone]))) for s in range(steps)]
         compute = max(stats["compute_s"] for stats in everyone)
-        dense_allreduce = any(route[0] is Route.ALLREDUCE for route in self.sync_set.by_route)
         stats = cost_model.TableStats(
             name=var.name, num_rows=int(var.plan.shape[0]), dim=var.dim, world_size=self.sync_set.ctx.world_size,
             placement=var.plan.placement.value, rows_per_rank=float(np.mean(per_rank)),
             union_rows=float(np.mean(union)), compute_s=compute, steps=steps,
-            candidates=self.frontend.candidates(var), dense_allreduce=dense_allreduce)
+            candidates=self.frontend.candidates(var))
         decision = cost_model.decide(stats, self.links, var.plan.shards)
         measured = {"steps": steps, "rows_per_rank": round(stats.rows_per_rank, 3),
                     "union_rows": round(stats.union_rows, 3), "density": round(stats.density, 6),

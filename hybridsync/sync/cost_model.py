@@ -6,20 +6,22 @@ communication: unit-tested on its own (tests/unit/test_cost_model.py).
 Per step, with p ranks, N rows of R = 4*dim bytes, I = 8 id bytes, n rows touched per rank
 (unique) and u rows touched by any rank:
 
-allreduce-as-dense  all-reduce of N*R bytes (its latency is free when the step all-reduces
-                    dense variables anyway: the table joins their fused buffers), plus the
-                    local dense update: about DENSE_PASSES passes over N*R bytes of memory.
+allreduce-as-dense  all-reduce of N*R bytes with a collective's latency of its own (an
+                    embedding's gradient is final last in backward, after the dense layers'
+                    all-reduce started), plus the local dense update: about DENSE_PASSES
+                    passes over N*R bytes of memory.
 allgather           two variable-size all-gathers of the dense backend (ids, rows: the cost of
                     one small collective each, measured at start; 4 MPI latencies if not),
                     (p-1)*n*(R+I) bytes received per rank, and every rank applying the p*n
-                    gathered rows.
+                    gathered rows (ALLGATHER_FRAMEWORK_S plus passes over their bytes).
 ps, k shards        every rank sends its rows' share for remote shards (a fraction 1 - 1/p of
                     them, whatever k), and the busiest shard serves (p-1)*n/k rows from the
                     other ranks: the step waits for the larger of what a rank sends and
-                    receives in the round it waits for (sharded: the pull; the push travels
-                    behind the next step's compute and counts only where the link is busier
-                    than that; replicated: a push answered by every changed row), over the
-                    p2p bandwidth, plus a round's latency, plus the shard applying the rows.
+                    receives (sharded: a pull and a push, which the next step's pull follows
+                    at once; replicated: a push answered by every changed row), over the p2p
+                    bandwidth, plus the rounds' latencies, plus the busiest shard's rows times
+                    its work per row (measured from the engine's own trace while measuring;
+                    else SERVER_PASSES passes over the row's bytes).
                     Fewer shards: fewer messages per round, more load on each; the best k is
                     the one with the smallest time.
 
@@ -41,6 +43,12 @@ ID_BYTES = 8
 DENSE_PASSES = 6.0  # densify, read the gradient, read/write optimizer state and parameter
 SPARSE_PASSES = 8.0  # sort/coalesce the rows, then the same per row
 SERVER_PASSES = 6.0  # sum the ranks' rows, read/write the slots and the row
+# The framework's own work per all-gathered variable and step, beyond moving bytes: building a
+# sparse gradient from the gathered ids and rows and running the optimizer's sparse update (a
+# dozen framework ops). Calibrated on this project's DLRM benchmark (2 ranks, one host): allgather
+# cost 0.17-0.22 ms more than the PS per table and step, of which the rest of the model explains
+# ~0.06 ms.
+ALLGATHER_FRAMEWORK_S = 150e-6
 SWITCH_THRESHOLD = 0.10
 PS, ALLGATHER, DENSE = "ps", "allgather", "allreduce-as-dense"
 
@@ -59,7 +67,6 @@ class TableStats:
     compute_s: float = 0.0  # forward + backward (time outside the exchange), per step
     steps: int = 0
     candidates: tuple = (PS, ALLGATHER, DENSE)  # routes that apply the same update as the PS
-    dense_allreduce: bool = True  # the step all-reduces dense variables anyway
 
     @property
     def density(self) -> float:
@@ -103,7 +110,10 @@ def _cpu_stretch(s: TableStats, links) -> float:
 
 def allreduce_as_dense(s: TableStats, links) -> float:
     table = s.num_rows * 4 * s.dim
-    latency = 0.0 if s.dense_allreduce else links.allreduce_latency_s
+    # An embedding's gradient is final last in backward, after the dense layers' all-reduce has
+    # started: it pays a collective of its own (the backend's, measured at start, if known).
+    collective = getattr(links, "collective_s", 0.0)
+    latency = collective if collective > 0 else links.allreduce_latency_s
     update = DENSE_PASSES * table / links.memory_bandwidth * _cpu_stretch(s, links)
     return latency + table / links.allreduce_bandwidth + update
 
@@ -118,7 +128,7 @@ def allgather(s: TableStats, links) -> float:
     # Ids, then rows, each gathered by one collective of the dense backend (counts, then data).
     collective = getattr(links, "collective_s", 0.0)
     latency = 2 * collective if collective > 0 else 4 * links.allreduce_latency_s
-    apply = SPARSE_PASSES * p * n * row / links.memory_bandwidth * _cpu_stretch(s, links)
+    apply = (ALLGATHER_FRAMEWORK_S + SPARSE_PASSES * p * n * row / links.memory_bandwidth) * _cpu_stretch(s, links)
     return latency + wire + apply
 
 
@@ -148,17 +158,19 @@ def _ps_bytes(s: TableStats, links, k: int) -> tuple[float, float]:
 
 
 def ps(s: TableStats, links, shards: int) -> float:
-    """Sharded: the pull is waited for in forward; the push is sent at the end of the step and
-    applied by the next operation, so its bytes travel behind the next step's compute and count
-    only where the link is busier than the step computes. Replicated: its one round is waited for."""
     p, k, row, n, u = s.world_size, shards, 4 * s.dim, s.rows_per_rank, s.union_rows
     served = (p - 1) * n / k  # rows the busiest shard takes from other ranks
     round_latency = 2 * links.p2p_latency_s + 0.5 * (k - 1) * links.p2p_latency_s
-    pull, total = _ps_bytes(s, links, k)
-    wire = max(pull, total - s.compute_s * links.p2p_bandwidth) / links.p2p_bandwidth
+    # Both rounds count: a sharded push leaves at the end of the step and the next step's pull
+    # (lookups open the forward) comes right behind it on the same links.
+    rounds = 2 if s.placement == "sharded" else 1
+    wire = _ps_bytes(s, links, k)[1] / links.p2p_bandwidth
     local = 0.0 if s.placement == "sharded" else 2 * u * row / links.memory_bandwidth  # changed rows into the replica
-    server = SERVER_PASSES * (served + n / k) * row / links.memory_bandwidth
-    return round_latency + wire + (server + local) * _cpu_stretch(s, links)
+    # The busiest shard's rows: served to pulls and applied from pushes (sharded: both).
+    rows, stretch = (served + n / k) * rounds, _cpu_stretch(s, links)
+    measured = getattr(links, "server_row_s", 0.0)  # wall time on this job's CPUs: stretched already
+    server = rows * measured if measured else rows * SERVER_PASSES * row / links.memory_bandwidth * stretch
+    return rounds * round_latency + wire + server + local * stretch
 
 
 def decide(s: TableStats, links, current_shards: int) -> Decision:
