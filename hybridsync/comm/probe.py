@@ -49,7 +49,6 @@ class Links:
     ranks_per_host: int = 1  # most ranks on one host (they share its link)
     cpus_per_host: int = 0  # fewest CPUs a host's ranks may run on (0: unknown)
     collective_s: float = 0.0  # one small collective of the dense backend (0: not measured)
-    server_row_s: float = 0.0  # a PS shard's work per row served or applied (0: not measured)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

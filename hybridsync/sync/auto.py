@@ -119,15 +119,6 @@ class AutoStrategy:
         self.links = links if links is not None else probe.links()
         if self.variables and not self.links.collective_s:
             self.links.collective_s = collective_s(sync_set.ctx.backend)
-        # The shards' work per row, from the engine's trace (unless the links fix it, or the
-        # timeline already drains that trace).
-        self.server = [0, 0]  # ns, rows
-        self._tracing = None
-        if self.variables and not self.links.server_row_s and timeline.get() is None:
-            from .. import ps
-
-            self._tracing = ps.engine()
-            self._tracing.set_tracing(True)
         self.step = 0
         self.ids = {var: [] for var in self.variables}
         self.compute_s: list = []
@@ -148,10 +139,6 @@ class AutoStrategy:
             self.ids[var].append(rec.ids if rec.ids is not None else np.zeros(0, np.int64))
             rec.ids = None
         self.step += 1
-        if self._tracing is not None:
-            for name, start, end, rows in self._tracing.take_trace():
-                self.server[0] += end - start
-                self.server[1] += rows
         if self.step < self.steps:
             self._sync_end = time.perf_counter()
             return False
@@ -163,15 +150,8 @@ class AutoStrategy:
     def _switch(self) -> None:
         backend = self.sync_set.ctx.backend
         compute = float(np.median(self.compute_s)) if self.compute_s else 0.0
-        if self._tracing is not None:
-            self._tracing.set_tracing(False)
-        mine = {"ids": [self.ids[var] for var in self.variables], "compute_s": compute, "server": self.server}
+        mine = {"ids": [self.ids[var] for var in self.variables], "compute_s": compute}
         everyone = backend.allgather_object(mine, name="hybridsync.auto.stats")
-        ns, rows = (sum(stats["server"][i] for stats in everyone) for i in (0, 1))
-        if rows and not self.links.server_row_s:
-            self.links.server_row_s = ns * 1e-9 / rows
-            for var in self.variables:
-                var.plan.auto["links"]["server_row_s"] = self.links.server_row_s
         decisions = None
         if backend.rank == 0:
             decisions = [self._decide(i, var, everyone) for i, var in enumerate(self.variables)]

@@ -19,9 +19,7 @@ ps, k shards        every rank sends its rows' share for remote shards (a fracti
                     other ranks: the step waits for the larger of what a rank sends and
                     receives (sharded: a pull and a push, which the next step's pull follows
                     at once; replicated: a push answered by every changed row), over the p2p
-                    bandwidth, plus the rounds' latencies, plus the busiest shard's rows times
-                    its work per row (measured from the engine's own trace while measuring;
-                    else SERVER_PASSES passes over the row's bytes).
+                    bandwidth, plus the rounds' latencies, plus the shard applying the rows.
                     Fewer shards: fewer messages per round, more load on each; the best k is
                     the one with the smallest time.
 
@@ -166,11 +164,8 @@ def ps(s: TableStats, links, shards: int) -> float:
     rounds = 2 if s.placement == "sharded" else 1
     wire = _ps_bytes(s, links, k)[1] / links.p2p_bandwidth
     local = 0.0 if s.placement == "sharded" else 2 * u * row / links.memory_bandwidth  # changed rows into the replica
-    # The busiest shard's rows: served to pulls and applied from pushes (sharded: both).
-    rows, stretch = (served + n / k) * rounds, _cpu_stretch(s, links)
-    measured = getattr(links, "server_row_s", 0.0)  # wall time on this job's CPUs: stretched already
-    server = rows * measured if measured else rows * SERVER_PASSES * row / links.memory_bandwidth * stretch
-    return rounds * round_latency + wire + server + local * stretch
+    server = SERVER_PASSES * (served + n / k) * row / links.memory_bandwidth
+    return rounds * round_latency + wire + (server + local) * _cpu_stretch(s, links)
 
 
 def decide(s: TableStats, links, current_shards: int) -> Decision:

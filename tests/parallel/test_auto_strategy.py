@@ -17,9 +17,9 @@ from tests.parallel.harness import rank_main, run_ranks
 
 LOCAL_BATCH, AUTO_STEPS, STEPS = 5, 4, 9
 DENSE_ROWS, SPARSE_ROWS, DIM = 40, 4000, 4
-LINKS = {"p2p_latency_s": 10e-6, "p2p_bandwidth": 1.25e9, "allreduce_latency_s": 40e-6,
+LINKS = {"p2p_latency_s": 20e-6, "p2p_bandwidth": 1.25e9, "allreduce_latency_s": 40e-6,
          "allreduce_bandwidth": 0.6e9, "memory_bandwidth": 5e9, "ranks": 0, "hosts": 1, "source": "test",
-         "format": 2, "collective_s": 10e-6, "server_row_s": 0.1e-6}
+         "format": 2, "collective_s": 20e-6}
 CONFIG = {"auto_steps": AUTO_STEPS}
 
 
@@ -172,7 +172,6 @@ def rank_real_probe():
     # Facts of this start, not of the host set: every rank here is on one host.
     assert links["ranks_per_host"] == size and links["cpus_per_host"] == len(os.sched_getaffinity(0)) >= 1, links
     assert links["collective_s"] > 0, links
-    assert 0 < links["server_row_s"] < 1e-3, links  # from the engine's trace while measuring
     files = os.listdir(os.environ["HYBRIDSYNC_CACHE_DIR"])
     assert len(files) == 1 and files[0].startswith("links-"), files
     # A second optimizer reads the cache instead of probing again.
