@@ -8,7 +8,9 @@ workload as benchmarks/bench.py (DLRM, 8 x 250k x 32 tables, batch 512 per rank,
     python benchmarks/network.py --quick         # one repeat, fewer steps
 
 Each round also runs every system on 1 rank with no network (the compute benchmarks/model.py is
-calibrated with). Per configuration, medians over interleaved rounds: samples/s; bytes on the wire per rank per
+calibrated with), and two independent 1-rank trainings at once on one core, as a host of the
+2 x 2 runs has it: what that host's compute costs with no synchronisation at all, the bound
+every 2 x 2 system here works under. Per configuration, medians over interleaved rounds: samples/s; bytes on the wire per rank per
 step (the host link's counters over the timed steps, shared out to the host's ranks); where a
 step's time goes (forward / backward / optimizer step, timed on every rank). Writes
 benchmarks/results/network.{json,md,png} and updates README's network section. Needs root.
@@ -18,19 +20,48 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench import RESULTS, ROOT, median, run  # noqa: E402
+from benchmarks.bench import RESULTS, ROOT, free_port, median, run  # noqa: E402
 from launch.cluster import Cluster  # noqa: E402
 
 SYSTEMS = ["hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "horovod-allgather-yield",
            "horovod-sparse-as-dense"]
 BASELINE, TUNED = "horovod-allgather", "horovod-allgather-yield"
 RATES = ["unlimited", "10gbit", "1gbit"]
+FLOOR_SYSTEM = "hybridsync-sharded"  # its 1-rank run: the workload's compute, whole tables local
+FLOOR = "2 independent 1-rank runs on 1 core"
+
+
+def shared_core_floor(jobs: int, steps: int, warmup: int, timeout: float = 900) -> dict:
+    """`jobs` independent 1-rank trainings started together on CPU 0 (no MPI job between them,
+    so no synchronisation): their median ms/step is the compute of a host whose `jobs` ranks
+    share one core, cache and memory bandwidth included."""
+    cmd = lambda: ["taskset", "-c", "0", sys.executable, str(ROOT / "benchmarks" / "run_one.py"), "--system",
+                   FLOOR_SYSTEM, "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port())]
+    procs = [subprocess.Popen(cmd(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             for _ in range(jobs)]
+    results = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return {"system": FLOOR, "error": f"timed out after {timeout} s"}
+        found = re.search(r"BENCH-RESULT (\{.*\})", out)
+        if proc.returncode != 0 or not found:
+            return {"system": FLOOR, "error": out[-2000:]}
+        results.append(json.loads(found.group(1)))
+    ms = median([r["ms_per_step"] for r in results])
+    return {"system": FLOOR, "ranks": jobs, "ms_per_step": ms, "samples_per_s": results[0]["batch"] * jobs * 1e3 / ms,
+            "phases_ms": {p: median([r["phases_ms"][p] for r in results]) for p in ("forward", "backward", "step")},
+            "loss": median([r["loss"] for r in results])}
 
 
 def plan(args):
@@ -41,6 +72,8 @@ def plan(args):
         for system in systems:  # one rank alone, no network: the compute the model is fitted with
             if system != "horovod-sparse-as-dense":
                 runs.append(("local", 0, system, args.steps, args.warmup))
+        if 2 in args.per_host:
+            runs.append(("local", 2, FLOOR, args.steps, args.warmup))
         for rate in args.rates:
             for per_host in args.per_host:
                 for system in systems:
@@ -58,7 +91,8 @@ def summarise(raw):
     summary = []
     for (rate, per_host, system), rs in groups.items():
         summary.append({
-            "rate": rate, "hosts": 2 if per_host else 1, "per_host": per_host, "ranks": max(1, 2 * per_host),
+            "rate": rate, "hosts": 2 if per_host and system != FLOOR else 1, "per_host": per_host,
+            "ranks": per_host if system == FLOOR else max(1, 2 * per_host),
             "system": system,
             "repeats": len(rs),
             "samples_per_s": median([r["samples_per_s"] for r in rs]),
@@ -97,7 +131,8 @@ def markdown(summary, meta) -> str:
     ]
     for s in summary:
         ph = s["phases_ms"]
-        where = f"2x{s['per_host']}" if s["per_host"] else "1 (no network)"
+        where = ("2 on 1 core (no network)" if s["system"] == FLOOR else
+                 f"2x{s['per_host']}" if s["per_host"] else "1 (no network)")
         lines.append(
             f"| {s['rate']} | {where} | {s['system']} | {fmt(s['samples_per_s'], ',.0f')} | "
             f"{fmt(s['ms_per_step'], '.1f')} | {fmt(s['vs_horovod'], '.2f')}x | {fmt(s['vs_horovod_tuned'], '.2f')}x | "
@@ -117,6 +152,14 @@ def targets(summary):
     if s and s["vs_own_unlimited"]:
         out.append(("... and >= 0.9x hybridsync's own unthrottled speed", s["vs_own_unlimited"] >= 0.9,
                     f"{s['vs_own_unlimited']:.2f}x"))
+    floor, tuned = by.get(("local", 2, FLOOR)), by.get(("1gbit", 2, TUNED))
+    unlimited = by.get(("unlimited", 2, "hybridsync-sharded"))
+    if floor and tuned and unlimited:
+        out.append(("bound on this machine, where a host's 2 ranks share one core: 3x Horovod at its best at "
+                    "1 Gbit is a step of", None,
+                    f"{tuned['ms_per_step'] / 3:.1f} ms; 2 independent 1-rank trainings on one core, with no "
+                    f"synchronisation at all, take {floor['ms_per_step']:.1f} ms, and hybridsync 2 x 2 with the "
+                    f"links unlimited {unlimited['ms_per_step']:.1f} ms"))
     return out
 
 
@@ -126,7 +169,7 @@ def plot(summary, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = [s for s in summary if s["per_host"]]
+    summary = [s for s in summary if s["per_host"] and s["rate"] != "local"]
     per_hosts = sorted({s["per_host"] for s in summary})
     fig, axes = plt.subplots(1, len(per_hosts), figsize=(6 * len(per_hosts), 4.5), squeeze=False)
     rates = [r for r in RATES if any(s["rate"] == r for s in summary)]
@@ -182,7 +225,9 @@ def main():
                 for host in cluster.names:
                     cluster.set_rate(host, None if rate == "unlimited" else rate)
                 current = rate
-            if rate == "local":
+            if system == FLOOR:
+                result = shared_core_floor(per_host, steps, warmup)
+            elif rate == "local":
                 result = run(system, 1, steps, warmup)
             else:
                 result = run(system, 2 * per_host, steps, warmup, cluster=cluster, per_host=per_host)
@@ -196,7 +241,8 @@ def main():
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(),
             "repeats": args.repeats, "steps": args.steps, "dense_steps": args.dense_steps}
     checks = targets(summary)
-    target_lines = "\n".join(f"- {'met' if ok else 'MISSED'}: {n} ({d})" for n, ok, d in checks)
+    target_lines = "\n".join(f"- {'info' if ok is None else 'met' if ok else 'MISSED'}: {n} ({d})"
+                             for n, ok, d in checks)
     failed = [f"{r['system']} 2x{r['per_host']} {r['rate']}" for r in raw if "error" in r]
     table = markdown(summary, meta) + ("\n\nFailed runs: " + ", ".join(failed) if failed else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
