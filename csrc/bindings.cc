@@ -10,85 +10,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bindings_arrays.h"
+#include "hybridsync/liveness.h"
 #include "hybridsync/ps.h"
-#include "ps/dedup.h"
-#include "ps/trace.h"
-#include "transport/heartbeat.h"
-#include "transport/transport.h"
 
 namespace py = pybind11;
 using namespace hybridsync;
 
 namespace {
-
-using IdArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-using RowArray = py::array_t<float, py::array::c_style>;
-
-// Moves a vector into a NumPy array without copying; the array owns it.
-template <class T>
-py::array_t<T> to_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
-  auto* owned = new std::vector<T>(std::move(v));
-  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
-  return py::array_t<T>(shape, owned->data(), free_when_done);
-}
-
-std::string shape_text(const py::array& a) {
-  std::string s = "(";
-  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + (a.ndim() == 1 ? ",)" : ")");
-}
-
-// Ids as a flat int64 array; an empty error string means it is usable. `shape`: the ids' own.
-IdArray ids_of(const py::object& obj, const std::string& table, std::string* error,
-               std::vector<py::ssize_t>* shape = nullptr) {
-  py::array a = py::array::ensure(obj);
-  if (!a) {
-    *error = "table '" + table + "': ids must be an array of integers";
-    return IdArray();
-  }
-  const char kind = a.dtype().kind();
-  if (kind != 'i' && kind != 'u') {
-    *error = "table '" + table + "': ids must be integers, got dtype " + std::string(py::str(a.dtype()));
-    return IdArray();
-  }
-  if (shape) shape->assign(a.shape(), a.shape() + a.ndim());
-  if (a.ndim() == 1) return IdArray::ensure(a);  // no Python-level reshape: this runs per table per step
-  return IdArray::ensure(a.attr("reshape")(-1));
-}
-
-// Gradient rows: float32, shape (n, dim).
-RowArray grads_of(const py::object& obj, const std::string& table, int64_t n, int64_t dim,
-                  std::string* error, const char* what = "gradients") {
-  py::array a = py::array::ensure(obj);
-  if (!a || a.dtype().kind() != 'f' || a.itemsize() != 4) {
-    *error = "table '" + table + "': " + what + " must be float32, got " +
-             (a ? "dtype " + std::string(py::str(a.dtype())) : std::string("a non-array"));
-    return RowArray();
-  }
-  if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != dim) {
-    *error = "table '" + table + "': " + what + " shape " + shape_text(a) + " does not match (" +
-             std::to_string(n) + ", " + std::to_string(dim) + ") for " + std::to_string(n) +
-             " ids of a table with dim " + std::to_string(dim);
-    return RowArray();
-  }
-  return RowArray::ensure(a);
-}
-
-// Full-table float32 buffer (num_rows, dim) the engine writes into in place.
-float* table_buffer(const py::object& obj, const TableSpec& spec, bool writable, std::string* error) {
-  py::array a = py::array::ensure(obj);
-  const bool ok = a && a.dtype().kind() == 'f' && a.itemsize() == 4 && a.ndim() == 2 &&
-                  a.shape(0) == spec.num_rows && a.shape(1) == spec.dim &&
-                  (a.flags() & py::array::c_style) && (!writable || a.writeable());
-  if (!ok) {
-    *error = "table '" + spec.name + "': expected a " + (writable ? "writable " : "") +
-             "C-contiguous float32 array of shape (" + std::to_string(spec.num_rows) + ", " +
-             std::to_string(spec.dim) + "), got " +
-             (a ? std::string(py::str(a.dtype())) + " " + shape_text(a) : std::string("a non-array"));
-    return nullptr;
-  }
-  return static_cast<float*>(a.mutable_data());
-}
 
 PartitionKind partition_kind(const std::string& name) {
   if (name == "cyclic") return PartitionKind::kCyclic;
@@ -106,10 +35,10 @@ auto nogil(F&& body) -> decltype(body()) {
 // The Python object around a Client.
 class PyEngine {
  public:
-  PyEngine(py::object comm, const WaitPolicy& policy) {
+  PyEngine(py::object comm, const WaitPolicy& policy, int64_t max_message_bytes) {
     MPI_Comm* c = PyMPIComm_Get(comm.ptr());
     if (!c) throw py::error_already_set();
-    client_ = std::make_unique<Client>(make_transport("mpi", TransportConfig{c, policy}));
+    client_ = make_client("mpi", c, policy, max_message_bytes);
   }
 
   // Collective. A bad partition name becomes the operation's error, so every rank raises.
@@ -179,7 +108,8 @@ class PyEngine {
     return py::make_tuple(result[0], result[2]);
   }
 
-  // Returns, with return_updates, one (ids, rows) pair per table: every row any shard changed.
+  // Collective. Returns, with return_updates, one (ids, rows) pair per table: every row any
+  // shard changed.
   py::object push(const std::vector<int>& tables, const py::list& ids, const py::list& grads, float scale,
                   bool return_updates, const py::object& lrs) {
     std::string error;
@@ -225,10 +155,6 @@ class PyEngine {
     return out;
   }
 
-  void flush() {
-    nogil([&] { client_->flush(); });
-  }
-
   // Collective. Only the root reads `values`; a bad array there becomes the operation's error,
   // so every rank raises instead of the shards waiting for rows until the timeout.
   // consume: the root gives `values` up (its memory is returned as the rows reach the shards).
@@ -258,15 +184,47 @@ class PyEngine {
     nogil([&] { client_->attach_replica(table, data); });
   }
 
-  // Rows (slot < 0) or optimizer slot values of the ids this rank holds (checkpoint restores).
+  // Local: rows (slot < 0) or optimizer slot values of the ids this rank holds.
   void write_local(int table, const py::object& ids_obj, const py::object& rows_obj, int slot) {
+    auto [ids, rows] = ids_and_rows(table, ids_obj, rows_obj);
+    nogil([&] { client_->write_local(table, slot, ids.data(), ids.size(), rows.data()); });
+  }
+
+  // One-sided: rows (slot < 0) or optimizer slot values of any ids, on whichever shards hold them.
+  void write_rows(int table, const py::object& ids_obj, const py::object& rows_obj, int slot) {
+    auto [ids, rows] = ids_and_rows(table, ids_obj, rows_obj);
+    nogil([&] { client_->write_rows(table, slot, ids.data(), ids.size(), rows.data()); });
+  }
+
+  // One-sided: the whole table (num_rows, dim) written to its shards in chunks.
+  void write_table(int table, const py::object& values, int slot) {
+    std::string error;
+    const float* data = table_buffer(values, spec(table), false, &error);
+    if (!error.empty()) throw PSError(error);
+    nogil([&] { client_->write_table(table, slot, data); });
+  }
+
+  // One-sided: rows (slot < 0) or slot values of `ids`, shaped ids.shape + (dim,).
+  py::array_t<float> read_rows(int table, const py::object& ids_obj, int slot) {
     std::string error;
     const TableSpec spec = this->spec(table);
-    IdArray ids = ids_of(ids_obj, spec.name, &error);
-    RowArray rows;
-    if (error.empty()) rows = grads_of(rows_obj, spec.name, ids.size(), spec.dim, &error, "rows");
+    std::vector<py::ssize_t> shape;
+    IdArray ids = ids_of(ids_obj, spec.name, &error, &shape);
     if (!error.empty()) throw PSError(error);
-    nogil([&] { client_->write_local(table, slot, ids.data(), ids.size(), rows.data()); });
+    shape.push_back(static_cast<py::ssize_t>(spec.dim));
+    py::array_t<float> out(shape);
+    float* dst = out.mutable_data();
+    nogil([&] { client_->read_rows(table, slot, ids.data(), ids.size(), dst); });
+    return out;
+  }
+
+  // One-sided: the whole table (slot < 0) or optimizer slot, streamed from the shards.
+  py::array_t<float> read_table(int table, int slot) {
+    const TableSpec spec = this->spec(table);
+    py::array_t<float> out({static_cast<py::ssize_t>(spec.num_rows), static_cast<py::ssize_t>(spec.dim)});
+    float* dst = out.mutable_data();
+    nogil([&] { client_->read_table(table, slot, dst); });
+    return out;
   }
 
   // This rank's rows (slot < 0) or optimizer slot, (shard_rows, dim) in storage order.
@@ -275,12 +233,6 @@ class PyEngine {
     std::vector<float> values = nogil([&] { return client_->local_values(table, slot); });
     const auto rows = static_cast<py::ssize_t>(values.size() / static_cast<size_t>(spec.dim));
     return to_numpy(std::move(values), {rows, static_cast<py::ssize_t>(spec.dim)});
-  }
-
-  py::array_t<float> gather(int table, int slot) {
-    const TableSpec spec = this->spec(table);
-    std::vector<float> full = nogil([&] { return client_->gather(table, slot); });
-    return to_numpy(std::move(full), {static_cast<py::ssize_t>(spec.num_rows), static_cast<py::ssize_t>(spec.dim)});
   }
 
   TableSpec spec(int table) {
@@ -300,75 +252,24 @@ class PyEngine {
     }
   }
 
+  // Ids and their rows (n, dim) checked for a write; bad ones raise here (no collective runs).
+  std::pair<IdArray, RowArray> ids_and_rows(int table, const py::object& ids_obj, const py::object& rows_obj) {
+    std::string error;
+    const TableSpec spec = this->spec(table);
+    IdArray ids = ids_of(ids_obj, spec.name, &error);
+    RowArray rows;
+    if (error.empty()) rows = grads_of(rows_obj, spec.name, ids.size(), spec.dim, &error, "rows");
+    if (!error.empty()) throw PSError(error);
+    return {std::move(ids), std::move(rows)};
+  }
+
   std::unique_ptr<Client> client_;
 };
 
-// A single shard on its own, for tests and single-process use: ids are its local rows.
-class PyShard {
- public:
-  PyShard(const std::string& name, int64_t rows, int64_t dim, const std::string& optimizer,
-          const std::map<std::string, double>& hparams)
-      : shard_(name, rows, dim, make_update_rule(optimizer, hparams)) {}
-
-  RowArray pull(const py::object& ids_obj) {
-    std::string error;
-    IdArray ids = ids_of(ids_obj, shard_.table(), &error);
-    if (!error.empty()) throw PSError(error);
-    Dedup dd = deduplicate(shard_.table(), ids.data(), ids.size(), shard_.rows());
-    RowArray out({static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(shard_.dim())});
-    std::vector<float> rows(dd.unique.size() * shard_.dim());
-    shard_.gather(dd.unique.data(), static_cast<int64_t>(dd.unique.size()), rows.data());
-    float* dst = out.mutable_data();
-    for (py::ssize_t i = 0; i < ids.size(); ++i) {
-      std::memcpy(dst + i * shard_.dim(), rows.data() + dd.inverse[i] * shard_.dim(), sizeof(float) * shard_.dim());
-    }
-    return out;
-  }
-
-  void push(const py::object& ids_obj, const py::object& grads_obj) {
-    std::string error;
-    IdArray ids = ids_of(ids_obj, shard_.table(), &error);
-    RowArray grads;
-    if (error.empty()) grads = grads_of(grads_obj, shard_.table(), ids.size(), shard_.dim(), &error);
-    if (!error.empty()) throw PSError(error);
-    // The servers' own step: duplicate rows added up, one optimizer step over the sums.
-    check_ids(shard_.table(), ids.data(), ids.size(), shard_.rows());
-    sums_.step(shard_, {GradientRows{ids.data(), ids.size(), grads.data()}}, 1.0f);
-  }
-
-  py::array_t<float> values(int slot) const {
-    if (slot >= shard_.num_slots()) throw PSError("no optimizer state slot " + std::to_string(slot));
-    std::vector<float> copy(static_cast<size_t>(shard_.rows() * shard_.dim()));
-    for (int64_t l = 0; l < shard_.rows(); ++l) {
-      const float* src = slot < 0 ? shard_.row(l) : shard_.slot(slot) + l * shard_.dim();
-      std::memcpy(copy.data() + l * shard_.dim(), src, sizeof(float) * shard_.dim());
-    }
-    return to_numpy(std::move(copy), {static_cast<py::ssize_t>(shard_.rows()), static_cast<py::ssize_t>(shard_.dim())});
-  }
-
-  void set_values(int slot, const py::object& values) {
-    std::string error;
-    TableSpec spec;
-    spec.name = shard_.table();
-    spec.num_rows = shard_.rows();
-    spec.dim = shard_.dim();
-    const float* data = table_buffer(values, spec, false, &error);
-    if (!error.empty()) throw PSError(error);
-    if (slot >= shard_.num_slots()) throw PSError("no optimizer state slot " + std::to_string(slot));
-    for (int64_t l = 0; l < shard_.rows(); ++l) {
-      float* dst = slot < 0 ? shard_.row(l) : shard_.slot(slot) + l * shard_.dim();
-      std::memcpy(dst, data + l * shard_.dim(), sizeof(float) * shard_.dim());
-    }
-  }
-
-  Shard& shard() { return shard_; }
-
- private:
-  Shard shard_;
-  RowAggregator sums_;
-};
-
 }  // namespace
+
+// Shard and Partitioner on their own, for the unit tests (csrc/testing_bindings.cc).
+void add_testing_bindings(py::module_& m);
 
 PYBIND11_MODULE(_ps, m) {
   m.doc() = "hybridsync parameter server core (C++)";
@@ -390,33 +291,10 @@ PYBIND11_MODULE(_ps, m) {
     }
   });
 
-  py::class_<Partitioner>(m, "Partitioner")
-      .def(py::init([](int64_t rows, int shards, const std::string& kind) {
-             return Partitioner(rows, shards, partition_kind(kind));
-           }),
-           py::arg("num_rows"), py::arg("num_shards"), py::arg("kind") = "cyclic")
-      .def("shard_of", &Partitioner::shard_of)
-      .def("local_index", &Partitioner::local_index)
-      .def("global_id", &Partitioner::global_id)
-      .def("shard_rows", &Partitioner::shard_rows);
-
   m.def("optimizer_hyperparameters", [](const std::string& name, const std::map<std::string, double>& hparams) {
-    return std::map<std::string, double>(make_update_rule(name, hparams)->hyperparameters());
+    return resolve_rule(name, hparams);
   });
-
-  py::class_<PyShard>(m, "Shard")
-      .def(py::init<const std::string&, int64_t, int64_t, const std::string&, const std::map<std::string, double>&>(),
-           py::arg("name"), py::arg("rows"), py::arg("dim"), py::arg("optimizer") = "sgd",
-           py::arg("hparams") = std::map<std::string, double>{})
-      .def("pull", &PyShard::pull, py::arg("ids"), "Rows of `ids` (duplicates allowed), shape (len(ids), dim).")
-      .def("push", &PyShard::push, py::arg("ids"), py::arg("grads"),
-           "Sums the gradients of duplicate ids, then applies the optimizer once per row.")
-      .def("values", &PyShard::values, py::arg("slot") = -1)
-      .def("set_values", &PyShard::set_values, py::arg("slot"), py::arg("values"))
-      .def_property_readonly("step", [](PyShard& s) { return s.shard().rule().step(); })
-      .def_property_readonly("rows", [](PyShard& s) { return s.shard().rows(); })
-      .def_property_readonly("dim", [](PyShard& s) { return s.shard().dim(); })
-      .def_property_readonly("slot_names", [](PyShard& s) { return s.shard().rule().slot_names(); });
+  add_testing_bindings(m);
 
   m.def("start_heartbeat", [](py::object comm, double interval_s, double abort_after_s) {
         MPI_Comm* c = PyMPIComm_Get(comm.ptr());
@@ -431,17 +309,27 @@ PYBIND11_MODULE(_ps, m) {
         for (const SilentPeer& p : silent_peers(timeout_s)) out.append(py::make_tuple(p.rank, p.host, p.seconds));
         return out;
       }, py::arg("timeout_s"), "(rank, host, seconds) of peers not heard from for longer than timeout_s.");
+  m.def("departed_peers", [](double grace_s) {
+        py::list out;
+        for (int p = 0; p < heartbeat_size(); ++p) {
+          const double s = departed_for(p);
+          if (s > grace_s) out.append(py::make_tuple(p, host_of(p), s));
+        }
+        return out;
+      }, py::arg("grace_s"), "(rank, host, seconds) of peers that said goodbye (ended normally) over grace_s ago.");
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init([](py::object comm, double spin_us, double max_sleep_us, double stall_warning_s, double timeout_s,
-                       double peer_timeout_s) {
+                       double peer_timeout_s, int64_t max_message_bytes) {
              return std::make_unique<PyEngine>(
-                 comm, WaitPolicy{spin_us, max_sleep_us, stall_warning_s, timeout_s, peer_timeout_s});
+                 comm, WaitPolicy{spin_us, max_sleep_us, stall_warning_s, timeout_s, peer_timeout_s}, max_message_bytes);
            }),
            py::arg("comm"), py::arg("spin_us") = 50.0, py::arg("max_sleep_us") = 200.0,
-           py::arg("stall_warning_s") = 60.0, py::arg("timeout_s") = 600.0, py::arg("peer_timeout_s") = 60.0)
+           py::arg("stall_warning_s") = 60.0, py::arg("timeout_s") = 600.0, py::arg("peer_timeout_s") = 60.0,
+           py::arg("max_message_bytes") = 0)
       .def_property_readonly("rank", [](PyEngine& e) { return e.client().rank(); })
       .def_property_readonly("size", [](PyEngine& e) { return e.client().size(); })
+      .def_property_readonly("usable", [](PyEngine& e) { return nogil([&] { return e.client().usable(); }); })
       .def("add_table", &PyEngine::add_table, py::arg("name"), py::arg("num_rows"), py::arg("dim"),
            py::arg("num_shards") = 0, py::arg("partition") = "cyclic", py::arg("optimizer") = "sgd",
            py::arg("hparams") = std::map<std::string, double>{})
@@ -452,7 +340,11 @@ PYBIND11_MODULE(_ps, m) {
       .def("set_rule", [](PyEngine& e, int t, const std::string& rule, const std::map<std::string, double>& hparams) {
              nogil([&] { e.client().set_rule(t, rule, hparams); });
            }, py::arg("table"), py::arg("optimizer"), py::arg("hparams") = std::map<std::string, double>{})
-      .def("flush", &PyEngine::flush)
+      .def("barrier", [](PyEngine& e, const std::string& what) { nogil([&] { e.client().barrier(what); }); },
+           py::arg("what") = "flush", "Collective: returns once every operation started anywhere is applied.")
+      .def("flush", [](PyEngine& e) { nogil([&] { e.client().barrier("flush"); }); })
+      .def("close", [](PyEngine& e) { nogil([&] { e.client().close(); }); },
+           "Stops serving the peers (after a last barrier); later calls raise.")
       .def("attach_replica", &PyEngine::attach_replica, py::arg("table"), py::arg("replica"))
       .def("write_local", &PyEngine::write_local, py::arg("table"), py::arg("ids"), py::arg("rows"),
            py::arg("slot") = -1)
@@ -468,7 +360,29 @@ PYBIND11_MODULE(_ps, m) {
       .def("init_uniform", [](PyEngine& e, int t, uint64_t seed, float low, float high) {
              nogil([&] { e.client().init_uniform(t, seed, low, high); });
            }, py::arg("table"), py::arg("seed"), py::arg("low"), py::arg("high"))
-      .def("gather", &PyEngine::gather, py::arg("table"), py::arg("slot") = -1)
+      .def("read_table", &PyEngine::read_table, py::arg("table"), py::arg("slot") = -1,
+           "One-sided: the whole table (or a slot) from its shards, on this rank only.")
+      .def("read_rows", &PyEngine::read_rows, py::arg("table"), py::arg("ids"), py::arg("slot") = -1,
+           "One-sided: rows (or slot values) of ids from whichever shards hold them.")
+      .def("write_table", &PyEngine::write_table, py::arg("table"), py::arg("values"), py::arg("slot") = -1,
+           "One-sided: the whole table (or a slot) written to its shards.")
+      .def("write_rows", &PyEngine::write_rows, py::arg("table"), py::arg("ids"), py::arg("rows"),
+           py::arg("slot") = -1, "One-sided: rows (or slot values) of ids written to whichever shards hold them.")
+      .def("join_begin", [](PyEngine& e) { nogil([&] { e.client().join_begin(); }); })
+      .def("join_finish", [](PyEngine& e) { nogil([&] { e.client().join_finish(); }); })
+      .def("table_step", [](PyEngine& e, int t) { return nogil([&] { return e.client().table_step(t); }); },
+           py::arg("table"), "One-sided: the table's server-optimizer step (from a shard's owner).")
+      .def("set_table_step", [](PyEngine& e, int t, int64_t step) { nogil([&] { e.client().set_table_step(t, step); }); },
+           py::arg("table"), py::arg("step"), "One-sided: sets the server-optimizer step on every shard of the table.")
+      .def("round_stats", [](PyEngine& e, int t) {
+        const RoundStats s = nogil([&] { return e.client().round_stats(t); });
+        py::dict d;
+        d["round"] = s.round;
+        d["local_sq"] = s.local_sq;
+        d["combined_sq"] = s.combined_sq;
+        d["ranks"] = s.ranks;
+        return d;
+      }, py::arg("table"), "The newest complete push round's gradient statistics of the table (round -1: none).")
       .def("set_step", [](PyEngine& e, int t, int64_t step) { nogil([&] { e.client().set_step(t, step); }); })
       .def("step", [](PyEngine& e, int t) { return nogil([&] { return e.client().step(t); }); })
       .def("spec", [](PyEngine& e, int t) {
@@ -494,6 +408,7 @@ PYBIND11_MODULE(_ps, m) {
         d["bytes_sent"] = t.bytes_sent;
         d["bytes_received"] = t.bytes_received;
         d["messages_sent"] = t.messages_sent;
+        d["largest_message"] = t.largest_message;
         return d;
       })
       .def("reset_traffic", [](PyEngine& e) { nogil([&] { e.client().reset_traffic(); }); })

@@ -125,6 +125,10 @@ def save_checkpoint(path, model, optimizer, extra=None) -> Path:
     _agree(error, "mkdir")
     try:
         tables = _tables(optimizer)
+        if tables:
+            from . import ps
+
+            ps.engine().barrier("checkpoint")  # every push started anywhere is in the shards
         for i, (var, table) in enumerate(tables):
             if world.rank < table.layout[0]:
                 arrays = table.local_state()

@@ -88,12 +88,29 @@ def init(comm=None) -> World:
                 os.environ.setdefault(f"OMPI_MCA_{param}", str(_TCP_EAGER_BYTES))
             from mpi4py import MPI
 
+            _check_thread_level(MPI)
             _world = World(comm if comm is not None else MPI.COMM_WORLD)
             if _world.size > 1:
                 _abort_job_on_uncaught_exception(_world.comm)
                 _start_heartbeat(_world.comm)
         atexit.register(shutdown)
         return _world
+
+
+def _check_thread_level(MPI) -> None:
+    """The PS serves its shards from a thread of its own and the heartbeat runs in another, while
+    Horovod's background thread and the caller use MPI too: MPI must allow every thread to call
+    it. mpi4py asks for that by default; a library (or setting) that initialised MPI first with
+    less must be told not to."""
+    level = MPI.Query_thread()
+    if level != MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+                 MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+        raise LaunchError(
+            f"MPI was initialised with {names.get(level, level)}, but hybridsync needs MPI_THREAD_MULTIPLE (its "
+            "parameter server and heartbeat call MPI from threads of their own). Initialise MPI with it: leave "
+            "mpi4py.rc.thread_level at its default 'multiple' (or set it to 'multiple' before importing mpi4py.MPI), "
+            "unset HOROVOD_MPI_THREADS_DISABLE, and call hybridsync.init() before any other library initialises MPI")
 
 
 def world() -> World:

@@ -18,6 +18,9 @@ HYBRIDSYNC_AUTO          off: sparse variables default to the parameter server a
 HYBRIDSYNC_AUTO_STEPS    steps `sync: auto` measures before it picks a route (default 20; a config's
                          `auto_steps` wins)
 HYBRIDSYNC_CACHE_DIR     where link probes are cached (default ~/.cache/hybridsync)
+HYBRIDSYNC_MAX_MESSAGE_BYTES the largest single PS network message; longer ones travel in fragments
+                         and whole-table reads and writes go in chunks below it (default: 1 GiB;
+                         the smallest value of any rank is used)
 
 Launch facts read from the launcher's variables (not set by users) are parsed here too:
 launched_by_mpi(), launched_by_gloo() and gloo_world().
@@ -47,6 +50,7 @@ class Settings:
     auto: bool = True
     auto_steps: int = 20
     cache_dir: str = ""
+    max_message_bytes: int = 1 << 30
 
 
 BACKENDS = ("horovod", "mpi")
@@ -85,6 +89,7 @@ def settings() -> Settings:
         auto=_switch("HYBRIDSYNC_AUTO", True),
         auto_steps=_positive_int("HYBRIDSYNC_AUTO_STEPS", 20),
         cache_dir=os.environ.get("HYBRIDSYNC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hybridsync"),
+        max_message_bytes=_positive_int("HYBRIDSYNC_MAX_MESSAGE_BYTES", 1 << 30),
     )
 
 

@@ -1,16 +1,19 @@
-// The Client: table registration and the operations on whole tables (initialisation, loading,
-// gathering, replicas, local state). The per-step pull and push live in exchange.cc.
+// The Client: construction and the serving thread, table registration, whole-table
+// collectives (load_from_root, drop_table, barrier) and the local operations on this rank's
+// shards. The per-step pull and push are in exchange.cc, one-sided reads and writes in access.cc,
+// the server side in server.cc.
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <sstream>
 #include <utility>
 
+#include "../transport/wait.h"
 #include "client_impl.h"
-#include "wire.h"
 
 namespace hybridsync {
 
@@ -19,8 +22,7 @@ namespace {
 std::string describe(const TableSpec& s) {
   std::ostringstream out;
   out << "'" << s.name << "' rows=" << s.num_rows << " dim=" << s.dim << " shards=" << s.num_shards
-      << " partition=" << (s.partition == PartitionKind::kCyclic ? "cyclic" : "block")
-      << " optimizer=" << s.rule;
+      << " partition=" << (s.partition == PartitionKind::kCyclic ? "cyclic" : "block") << " optimizer=" << s.rule;
   for (const auto& [k, v] : s.hparams) out << " " << k << "=" << v;
   return out.str();
 }
@@ -34,31 +36,6 @@ uint64_t mix64(uint64_t x) {
 }
 
 double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) / 9007199254740992.0; }
-
-// Local row l of the rows (slot < 0) or of optimizer slot `slot`.
-float* row_of(Shard& shard, int slot, int64_t l) {
-  return slot < 0 ? shard.row(l) : shard.slot(slot) + l * shard.dim();
-}
-
-// Gives the pages wholly inside the first `bytes` of a buffer back to the system, a growing
-// prefix at a time (MADV_DONTNEED: they read as zeros, or as their file, if touched again).
-class PageReleaser {
- public:
-  PageReleaser(const void* base, int64_t size) : base_(reinterpret_cast<uintptr_t>(base)), size_(size) {
-    page_ = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-    done_ = (base_ + page_ - 1) & ~(page_ - 1);
-  }
-  void release_to(int64_t bytes) {
-    const uintptr_t end = (base_ + static_cast<uintptr_t>(std::min(bytes, size_))) & ~(page_ - 1);
-    if (base_ == 0 || end <= done_) return;
-    madvise(reinterpret_cast<void*>(done_), end - done_, MADV_DONTNEED);  // advisory: a failure only costs memory
-    done_ = end;
-  }
-
- private:
-  uintptr_t base_, page_, done_;
-  int64_t size_;
-};
 
 void check_slot(const Table& t, int slot) {
   if (t.shard && slot >= t.shard->num_slots()) {
@@ -80,29 +57,13 @@ void init_rows(Table& t, int rank, uint64_t seed, Value value) {
   }
 }
 
+// How long the serving thread sleeps when nothing came: short right after work (the next
+// request of a burst is near), growing to a cap, so an idle rank costs about a thousand cheap
+// polls a second and no core.
+constexpr double kServeMinSleepUs = 20.0;
+constexpr double kServeMaxSleepUs = 1000.0;
+
 }  // namespace
-
-std::vector<char> error_request(const std::string& message) {
-  Writer w;
-  w.i64(static_cast<int64_t>(RequestKind::kError));
-  w.text(message);
-  return w.take();
-}
-
-void throw_remote(const std::vector<std::string>& errors, int self, const char* op) {
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (static_cast<int>(r) == self || errors[r].empty()) continue;
-    throw PSRemoteError("hybridsync " + std::string(op) + " failed on rank " + std::to_string(r) + ": " + errors[r]);
-  }
-}
-
-void check_rows(const Shard* shard, const std::string& table, const int64_t* local, int64_t n, const char* op) {
-  if (n == 0) return;
-  if (!shard) throw PSTransportError(std::string(op) + " for table '" + table + "' reached a rank without its shard");
-  for (int64_t i = 0; i < n; ++i) {
-    if (local[i] < 0 || local[i] >= shard->rows()) throw PSTransportError(std::string(op) + " for table '" + table + "': bad row index");
-  }
-}
 
 Table& Client::Impl::table_at(int table) const {
   if (table < 0 || table >= static_cast<int>(tables.size())) {
@@ -114,14 +75,93 @@ Table& Client::Impl::table_at(int table) const {
 }
 
 void Client::Impl::check_usable() const {
-  if (broken) throw PSRemoteError("hybridsync PS is unusable after an earlier failure: " + broken_reason);
+  if (broken) throw PSTransportError("hybridsync PS is unusable after an earlier failure: " + broken_reason);
 }
 
-Client::Client(std::unique_ptr<Transport> transport) : impl_(std::make_unique<Impl>()) {
-  impl_->transport = std::move(transport);
+void Client::Impl::throw_errors(const std::vector<ErrorNote>& errors, int self, const char* op) {
+  for (const ErrorNote& e : errors) {
+    if (e.rank != self) continue;
+    if (e.index_error) throw PSIndexError(e.message);
+    throw PSError(e.message);
+  }
+  for (const ErrorNote& e : errors) {
+    throw PSRemoteError("hybridsync " + (e.op.empty() ? std::string(op) : e.op) + " failed on rank " +
+                        std::to_string(e.rank) + ": " + e.message);
+  }
 }
 
-Client::~Client() = default;
+void Client::Impl::send_request(int dest, std::vector<char> payload) {
+  transport->send(dest, kTagRequest, std::move(payload));
+}
+
+int Client::Impl::late_rank() const {
+  bool waiting = false;
+  for (const auto& queue : queues) waiting = waiting || !queue.empty();
+  if (!waiting) return -1;
+  for (int src = 0; src < size(); ++src) {
+    if (queues[src].empty()) return src;
+  }
+  return -1;
+}
+
+void Client::Impl::settle() {
+  drive_until([&] { return queues[rank()].empty(); }, "this rank's earlier PS calls to be applied");
+}
+
+void Client::Impl::serve_in_background() {
+  double sleep_us = kServeMinSleepUs;
+  while (!stopping.load()) {
+    bool worked = false;
+    {
+      std::unique_lock<std::mutex> lock(mu, std::try_to_lock);
+      if (lock.owns_lock() && !broken) {
+        try {
+          worked = progress();
+        } catch (const std::exception&) {
+          // fail() marked the engine broken and told the peers; the caller's next call throws.
+        }
+      }
+    }
+    if (worked) {
+      sleep_us = kServeMinSleepUs;
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(sleep_us));
+    sleep_us = std::min(sleep_us * 2.0, kServeMaxSleepUs);
+  }
+}
+
+Client::Client(std::unique_ptr<Transport> transport, bool serve_in_background) : impl_(std::make_unique<Impl>()) {
+  Impl& c = *impl_;
+  c.transport = std::move(transport);
+  c.policy = c.transport->wait_policy();
+  c.queues.resize(static_cast<size_t>(c.size()));
+  c.deferred.resize(static_cast<size_t>(c.size()));
+  if (serve_in_background && c.size() > 1) c.serving = std::thread([&c] { c.serve_in_background(); });
+}
+
+Client::~Client() { close(); }
+
+void Client::close() {
+  impl_->stopping = true;
+  if (impl_->serving.joinable()) impl_->serving.join();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->broken) {
+    impl_->broken = true;
+    impl_->broken_reason = "the engine was closed (hybridsync.shutdown())";
+  }
+}
+
+std::unique_ptr<Client> make_client(const std::string& transport, void* native, const WaitPolicy& wait,
+                                    int64_t max_message_bytes, bool serve_in_background) {
+  return std::make_unique<Client>(make_transport(transport, TransportConfig{native, wait, max_message_bytes}),
+                                  serve_in_background);
+}
+
+bool Client::usable() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return !impl_->broken;
+}
 
 int Client::rank() const { return impl_->rank(); }
 int Client::size() const { return impl_->size(); }
@@ -134,203 +174,109 @@ TableSpec Client::spec(int table) const {
 int Client::add_table(const TableSpec& given, const std::string& given_error) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& c = *impl_;
-  return c.guarded([&] {
-    c.begin_collective();
-    TableSpec spec = given;
-    if (spec.num_shards == 0) spec.num_shards = c.size();
-    std::string error = given_error;
-    if (!error.empty()) {
-      error = "table '" + spec.name + "': " + error;
-    } else if (spec.num_shards < 1 || spec.num_shards > c.size()) {
-      error = "table '" + spec.name + "': partitions must be in [1, " + std::to_string(c.size()) +
-              "] (the world size), got " + std::to_string(spec.num_shards);
-    } else if (spec.num_rows < 0 || spec.dim < 1) {
-      error = "table '" + spec.name + "': shape (" + std::to_string(spec.num_rows) + ", " + std::to_string(spec.dim) +
-              ") is not a valid (rows, dim)";
-    }
-    std::unique_ptr<UpdateRule> rule;
-    if (error.empty()) {
-      try {
-        rule = make_update_rule(spec.rule, spec.hparams);
-      } catch (const PSError& e) {
-        error = "table '" + spec.name + "': " + e.what();
-      }
-    }
-    // Every rank tells every rank what it registers; all compare, so all agree on the verdict.
-    const std::string mine = error.empty() ? describe(spec) : "ERROR " + error;
-    for (int r = 0; r < c.size(); ++r) {
-      Writer w;
-      w.text(mine);
-      c.transport->send(r, kTagControl, w.take());
-    }
-    std::vector<std::string> theirs(c.size());
-    for (int r = 0; r < c.size(); ++r) {
-      auto msg = c.transport->recv(r, kTagControl);
-      theirs[r] = Reader(msg).text();
-    }
-    if (!error.empty()) throw PSError(error);
-    for (int r = 0; r < c.size(); ++r) {
-      if (theirs[r].rfind("ERROR ", 0) == 0) {
-        throw PSRemoteError("hybridsync table registration failed on rank " + std::to_string(r) + ": " +
-                            theirs[r].substr(6));
-      }
-      if (theirs[r] != mine) {
-        throw PSError("PS table #" + std::to_string(c.tables.size()) + " differs between ranks: rank " +
-                      std::to_string(c.rank()) + " has " + mine + ", rank " + std::to_string(r) + " has " + theirs[r] +
-                      " (every rank must build the same model)");
-      }
-    }
-    auto table = std::make_unique<Table>(Table{spec, Partitioner(spec.num_rows, spec.num_shards, spec.partition),
-                                               nullptr, RowAggregator()});
-    if (c.rank() < spec.num_shards) {
-      table->shard = std::make_unique<Shard>(spec.name, table->part.shard_rows(c.rank()), spec.dim, std::move(rule));
-    }
-    c.tables.push_back(std::move(table));
-    return static_cast<int>(c.tables.size()) - 1;
-  });
-}
-
-void Client::load_from_root(int table, const float* values, int root, const std::string& error, bool consume) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
-  c.guarded([&] {
-    c.begin_collective();
-    Table& t = c.table_at(table);
-    if (root < 0 || root >= c.size()) {  // every rank sees the same root: all throw, none waits
-      throw PSError("table '" + t.spec.name + "': load_from_root needs a root rank in [0, " + std::to_string(c.size()) +
-                    "), got " + std::to_string(root));
-    }
-    const int64_t dim = t.spec.dim;
-    // The root tells every rank (shard or not) its verdict first, so a bad array on the root
-    // makes every rank throw instead of leaving the shards waiting for rows.
-    if (c.rank() == root) {
-      for (int r = 0; r < c.size(); ++r) {
-        Writer w;
-        w.text(error);
-        c.transport->send(r, kTagControl, w.take());
-      }
-    }
-    auto msg = c.transport->recv(root, kTagControl);
-    const std::string verdict = Reader(msg).text();
-    if (!verdict.empty()) {
-      c.transport->wait_sends();
-      if (c.rank() == root) throw PSError(verdict);
-      throw PSRemoteError("hybridsync load_from_root failed on rank " + std::to_string(root) + ": " + verdict);
-    }
-    // Rows travel in chunks of about kChunkBytes, at most one chunk in flight: the root never
-    // holds a second copy of the table. Each shard's k-th chunk goes out in round k, so the rows
-    // handed over form a growing prefix of the table (ids are increasing in each shard's local
-    // order); with `consume`, that prefix's pages go back to the system after every round and
-    // the root's own shard (whose pages become resident only as they are written) grows as the
-    // table shrinks.
-    constexpr int64_t kChunkBytes = 256 << 10;
-    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / static_cast<int64_t>(dim * sizeof(float)));
-    if (c.rank() == root) {
-      const int shards = t.spec.num_shards;
-      std::vector<int64_t> next(static_cast<size_t>(shards), 0);  // each shard's first row not handed over
-      PageReleaser released(values, t.spec.num_rows * dim * static_cast<int64_t>(sizeof(float)));
-      for (bool more = true; more;) {
-        more = false;
-        for (int s = 0; s < shards; ++s) {
-          const int64_t n = t.part.shard_rows(s), start = next[static_cast<size_t>(s)];
-          if (start >= n) continue;
-          const int64_t count = std::min(chunk, n - start);
-          if (s == root) {  // our own shard: straight from the caller's array
-            for (int64_t l = start; l < start + count; ++l) {
-              std::memcpy(t.shard->row(l), values + t.part.global_id(s, l) * dim, dim * sizeof(float));
-            }
-          } else {
-            Writer w;
-            float* rows = w.f32_slot(count * dim);
-            for (int64_t l = 0; l < count; ++l) {
-              std::memcpy(rows + l * dim, values + t.part.global_id(s, start + l) * dim, dim * sizeof(float));
-            }
-            c.transport->send(s, kTagControl, w.take());
-            c.transport->wait_sends();
-          }
-          next[static_cast<size_t>(s)] = start + count;
-          more = more || start + count < n;
-        }
-        if (consume) {
-          int64_t prefix = t.spec.num_rows;  // every row below it has been handed over
-          for (int s = 0; s < shards; ++s) {
-            if (next[static_cast<size_t>(s)] < t.part.shard_rows(s)) {
-              prefix = std::min(prefix, t.part.global_id(s, next[static_cast<size_t>(s)]));
-            }
-          }
-          released.release_to(prefix * dim * static_cast<int64_t>(sizeof(float)));
-        }
-      }
-    } else if (t.shard) {
-      for (int64_t start = 0; start < t.shard->rows(); start += chunk) {
-        const int64_t count = std::min(chunk, t.shard->rows() - start);
-        auto rows_msg = c.transport->recv(root, kTagControl);
-        Reader r(rows_msg);
-        const float* rows = r.f32s(static_cast<size_t>(count * dim));
-        for (int64_t l = 0; l < count; ++l) std::memcpy(t.shard->row(start + l), rows + l * dim, dim * sizeof(float));
-      }
-    }
-    c.transport->wait_sends();
-  });
-}
-
-std::vector<float> Client::gather(int table, int slot) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
-  return c.guarded([&] {
-    c.begin_collective();
-    Table& t = c.table_at(table);
-    const int64_t dim = t.spec.dim;
-    std::string error;
+  c.check_usable();
+  TableSpec spec = given;
+  if (spec.num_shards == 0) spec.num_shards = c.size();
+  std::string error = given_error;
+  if (!error.empty()) {
+    error = "table '" + spec.name + "': " + error;
+  } else if (spec.num_shards < 1 || spec.num_shards > c.size()) {
+    error = "table '" + spec.name + "': partitions must be in [1, " + std::to_string(c.size()) +
+            "] (the world size), got " + std::to_string(spec.num_shards);
+  } else if (spec.num_rows < 0 || spec.dim < 1) {
+    error = "table '" + spec.name + "': shape (" + std::to_string(spec.num_rows) + ", " + std::to_string(spec.dim) +
+            ") is not a valid (rows, dim)";
+  }
+  std::unique_ptr<UpdateRule> rule;
+  if (error.empty()) {
     try {
-      check_slot(t, slot);
+      rule = make_update_rule(spec.rule, spec.hparams);
     } catch (const PSError& e) {
-      error = e.what();
+      error = "table '" + spec.name + "': " + e.what();
     }
-    if (t.shard) {
-      Writer w;
-      w.text(error);
-      if (error.empty()) {
-        float* out = w.f32_slot(t.shard->rows() * dim);
-        for (int64_t l = 0; l < t.shard->rows(); ++l) std::memcpy(out + l * dim, row_of(*t.shard, slot, l), dim * sizeof(float));
-      }
-      std::vector<char> payload = w.take();
-      for (int d = 0; d < c.size(); ++d) c.transport->send(d, kTagControl, payload);
+  }
+  const int64_t seq = c.next_seq();
+  if (error.empty()) {
+    Partitioner part(spec.num_rows, spec.num_shards, spec.partition);
+    std::unique_ptr<Shard> shard;
+    if (c.rank() < spec.num_shards) {
+      shard = std::make_unique<Shard>(spec.name, part.shard_rows(c.rank()), spec.dim, std::move(rule));
     }
-    std::vector<float> full(static_cast<size_t>(t.spec.num_rows * dim));
-    std::string remote;
-    for (int s = 0; s < t.spec.num_shards; ++s) {
-      auto msg = c.transport->recv(s, kTagControl);
-      Reader r(msg);
-      const std::string e = r.text();
-      if (!e.empty()) {
-        remote = e;
-        continue;
-      }
-      const int64_t n = t.part.shard_rows(s);
-      const float* rows = r.f32s(n * dim);
-      for (int64_t l = 0; l < n; ++l) std::memcpy(full.data() + t.part.global_id(s, l) * dim, rows + l * dim, dim * sizeof(float));
+    c.adding = std::make_unique<Table>(Table{spec, part, std::move(shard), RowAggregator(), false, RoundStats{}});
+  }
+  for (int d = 0; d < c.size(); ++d) {
+    if (!error.empty()) {
+      c.send_request(d, error_request(RequestKind::kAddTable, seq, error, false));
+      continue;
     }
-    c.transport->wait_sends();
-    if (!remote.empty()) throw PSError(remote);
-    return full;
-  });
+    Writer w = request_writer(RequestKind::kAddTable, seq);
+    w.text(describe(spec));
+    c.send_request(d, w.take());
+  }
+  c.collect_replies(RequestKind::kAddTable, seq, "add_table", [](int, Reader&) {});
+  return static_cast<int>(c.tables.size()) - 1;
+}
+
+void Client::barrier(const std::string& what) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  c.check_usable();
+  const int64_t seq = c.next_seq();
+  for (int d = 0; d < c.size(); ++d) {
+    Writer w = request_writer(RequestKind::kBarrier, seq);
+    w.text(what);
+    c.send_request(d, w.take());
+  }
+  c.collect_replies(RequestKind::kBarrier, seq, what.c_str(), [](int, Reader&) {});
+}
+
+void Client::drop_table(int table) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  c.check_usable();
+  c.table_at(table);  // an unknown or already dropped handle throws on every rank, before anything moves
+  const int64_t seq = c.next_seq();
+  for (int d = 0; d < c.size(); ++d) {
+    Writer w = request_writer(RequestKind::kDropTable, seq);
+    w.i64(table);
+    c.send_request(d, w.take());
+  }
+  c.collect_replies(RequestKind::kDropTable, seq, "drop_table", [](int, Reader&) {});
+}
+
+void Client::join_begin() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  c.check_usable();
+  c.join_seq = c.next_seq();
+  for (int d = 0; d < c.size(); ++d) c.send_request(d, request_writer(RequestKind::kJoin, c.join_seq).take());
+}
+
+void Client::join_finish() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& c = *impl_;
+  c.check_usable();
+  int64_t newest = c.join_seq;
+  c.collect_replies(RequestKind::kJoin, c.join_seq, "join", [&](int, Reader& r) { newest = std::max(newest, r.i64()); });
+  c.last_seq = newest;  // the ranks that joined later made more calls: every rank counts on from the same number
 }
 
 void Client::load_local(int table, int slot, const float* values) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
   impl_->settle();
   Table& t = impl_->table_at(table);
   if (!t.shard) return;
   check_slot(t, slot);
   const int64_t dim = t.spec.dim;
   for (int64_t l = 0; l < t.shard->rows(); ++l) {
-    std::memcpy(row_of(*t.shard, slot, l), values + t.part.global_id(impl_->rank(), l) * dim, dim * sizeof(float));
+    std::memcpy(t.shard->row_of(slot, l), values + t.part.global_id(impl_->rank(), l) * dim, dim * sizeof(float));
   }
 }
 
 void Client::attach_replica(int table, float* full_table) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
   impl_->settle();
   Table& t = impl_->table_at(table);
   if (!t.shard) return;
@@ -348,6 +294,7 @@ void Client::attach_replica(int table, float* full_table) {
 
 void Client::write_local(int table, int slot, const int64_t* ids, int64_t n, const float* rows) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
   impl_->settle();
   Table& t = impl_->table_at(table);
   check_ids(t.spec.name, ids, n, t.spec.num_rows);
@@ -355,31 +302,23 @@ void Client::write_local(int table, int slot, const int64_t* ids, int64_t n, con
   if (!t.shard) return;
   for (int64_t i = 0; i < n; ++i) {
     if (t.part.shard_of(ids[i]) != impl_->rank()) continue;
-    std::memcpy(row_of(*t.shard, slot, t.part.local_index(ids[i])), rows + i * t.spec.dim, t.spec.dim * sizeof(float));
+    std::memcpy(t.shard->row_of(slot, t.part.local_index(ids[i])), rows + i * t.spec.dim, t.spec.dim * sizeof(float));
   }
 }
 
 std::vector<float> Client::local_values(int table, int slot) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
   impl_->settle();
   Table& t = impl_->table_at(table);
   check_slot(t, slot);
   if (!t.shard) return {};
   const int64_t dim = t.spec.dim;
   std::vector<float> out(static_cast<size_t>(t.shard->rows() * dim));
-  for (int64_t l = 0; l < t.shard->rows(); ++l) std::memcpy(out.data() + l * dim, row_of(*t.shard, slot, l), dim * sizeof(float));
+  for (int64_t l = 0; l < t.shard->rows(); ++l) {
+    std::memcpy(out.data() + l * dim, t.shard->row_of(slot, l), dim * sizeof(float));
+  }
   return out;
-}
-
-void Client::drop_table(int table) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
-  c.table_at(table);  // an unknown or already dropped handle throws before anything moves
-  c.settle();          // pushes already started may still name the table
-  Table& t = *c.tables[table];
-  t.shard.reset();
-  t.sums = RowAggregator{};
-  t.dropped = true;
 }
 
 void Client::rename_table(int table, const std::string& name) {
@@ -391,6 +330,7 @@ void Client::rename_table(int table, const std::string& name) {
 
 void Client::set_rule(int table, const std::string& rule, const std::map<std::string, double>& hparams) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
   impl_->settle();
   Table& t = impl_->table_at(table);
   auto made = make_update_rule(rule, hparams);  // validates on every rank, shard or not
@@ -401,6 +341,7 @@ void Client::set_rule(int table, const std::string& rule, const std::map<std::st
 
 void Client::init_normal(int table, uint64_t seed, float mean, float stddev) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
   impl_->settle();
   const double two_pi = 6.283185307179586;
   init_rows(impl_->table_at(table), impl_->rank(), seed, [&](uint64_t key) {
@@ -411,6 +352,7 @@ void Client::init_normal(int table, uint64_t seed, float mean, float stddev) {
 
 void Client::init_uniform(int table, uint64_t seed, float low, float high) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
   impl_->settle();
   init_rows(impl_->table_at(table), impl_->rank(), seed,
             [&](uint64_t key) { return low + (high - low) * static_cast<float>(uniform01(key)); });
@@ -418,6 +360,7 @@ void Client::init_uniform(int table, uint64_t seed, float low, float high) {
 
 void Client::set_step(int table, int64_t step) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
   impl_->settle();
   Table& t = impl_->table_at(table);
   if (t.shard) t.shard->rule().set_step(step);
@@ -425,6 +368,7 @@ void Client::set_step(int table, int64_t step) {
 
 int64_t Client::step(int table) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
   impl_->settle();
   const Table& t = impl_->table_at(table);
   return t.shard ? t.shard->rule().step() : -1;
@@ -462,10 +406,17 @@ int64_t Client::state_bytes() const {
   return total;
 }
 
+RoundStats Client::round_stats(int table) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->table_at(table);
+  auto it = impl_->stats.done.find(table);
+  return it == impl_->stats.done.end() ? RoundStats{} : it->second;
+}
+
 TrafficStats Client::traffic() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   const Transport& tr = *impl_->transport;
-  return TrafficStats{tr.bytes_sent(), tr.bytes_received(), tr.messages_sent()};
+  return TrafficStats{tr.bytes_sent(), tr.bytes_received(), tr.messages_sent(), tr.largest_message_sent()};
 }
 
 void Client::reset_traffic() {

@@ -1,19 +1,28 @@
-// What the Client's source files share and no one else needs: its tables, the push rounds
-// waiting to be applied, the operation in flight, and the lock that serialises callers.
+// What the Client's source files share and no one else needs. A rank is both a worker (its
+// caller's operations: client.cc, exchange.cc, access.cc) and a server (its shards: server.cc).
+// The server keeps one queue of requests per source rank and works through them in order:
+// one-sided requests as soon as they reach the front, a collective operation once every rank's
+// request for it is at the front of its queue. Whoever holds the lock drives it: the caller
+// while it waits for replies, the serving thread while no caller is inside.
 #pragma once
 
+#include <atomic>
 #include <deque>
-#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../transport/transport.h"
+#include "../transport/wait.h"
 #include "dedup.h"
 #include "hybridsync/ps.h"
+#include "partitioner.h"
+#include "protocol.h"
 #include "routing.h"
+#include "shard.h"
 #include "trace.h"
 
 namespace hybridsync {
@@ -25,13 +34,14 @@ struct Table {
   std::unique_ptr<Shard> shard;  // null when this rank holds no shard of the table
   RowAggregator sums;            // server side: a round's gradients summed over workers
   bool dropped = false;          // drop_table(): the handle stays taken, its use throws
+  RoundStats last_round;         // server side: this shard's part of the newest round's statistics
 };
 
-// A push whose requests were sent but not yet received and applied by this rank's shards.
-struct Round {
-  float scale = 1.0f;
-  std::map<int, double> lr;          // table -> learning rate for this round
-  bool self_error_reported = false;  // this rank already threw for its own bad input
+// A request waiting in a server's queue: its head, parsed; the body is read when it is served.
+struct Request {
+  RequestKind kind = RequestKind::kError;
+  int64_t seq = -1;
+  std::vector<char> msg;
 };
 
 // One batch of a worker's operation, routed; for a push, `rows` are its unique ids' gradients.
@@ -44,86 +54,143 @@ struct Routed {
   float* out = nullptr;       // a pull's rows in input order (TableBatch::out)
 };
 
-// An operation between its start (requests sent) and its completion (replies collected).
-struct InFlight {
-  Client::Handle handle = -1;
-  bool is_push = false;
-  bool return_updates = false;
-  std::vector<Routed> routed;
-  std::vector<int> tables;  // push: the batches' tables, in order
-  std::string local_error;
-  bool index_error = false;
-  bool applied = false;  // a push a world of one applied at once: nothing sent, nothing to queue
-  Round round;
-};
-
-// An operation completed before its owner's Wait() (another caller needed the wire): what
-// Wait() hands over, rows or the exception.
-struct Finished {
-  Completion done;
-  std::exception_ptr error;
+// A worker's view of the statistics replies carry: partial sums per (table, round) until every
+// shard of the table has reported.
+struct StatsCollector {
+  struct Partial {
+    RoundStats sum;
+    int shards = 0;
+  };
+  std::map<int, std::map<int64_t, Partial>> partial;  // table -> round -> sums so far
+  std::map<int, RoundStats> done;                     // table -> newest complete round
+  void add(int table, int shards, const RoundStats& part);
 };
 
 struct Client::Impl {
   std::unique_ptr<Transport> transport;
+  WaitPolicy policy;
   std::vector<std::unique_ptr<Table>> tables;
-  std::deque<Round> pending;            // pushes applied at the start of the next operation
-  std::unique_ptr<InFlight> in_flight;  // at most one operation between start and Wait
-  std::map<Handle, Finished> finished;  // completed early, not yet waited for
-  Handle next_handle = 0;
   bool broken = false;
   std::string broken_reason;
   Tracer tracer;
-  // Serialises every method; taken once per call, never inside a loop.
+  StatsCollector stats;
+  // Serialises every method and the serving thread; taken once per call, never inside a loop.
   mutable std::mutex mu;
+
+  // -- worker -------------------------------------------------------------------------------
+  int64_t last_seq = 0;  // collective calls so far: the number of the newest one
+  int64_t one_sided_ids = 0;  // numbers this rank's one-sided requests, to match their replies
+  int64_t join_seq = -1;      // the number of this rank's join, between join_begin and join_finish
+  // add_table's table while the collective runs (the local server creates it from this).
+  std::unique_ptr<Table> adding;
+  std::string adding_description;
+
+  // -- server -------------------------------------------------------------------------------
+  std::vector<std::deque<Request>> queues;         // per source, in arrival order
+  std::vector<std::vector<ErrorNote>> deferred;     // per destination: failed pushes to report next
+  std::thread serving;
+  std::atomic<bool> stopping{false};
 
   int rank() const { return transport->rank(); }
   int size() const { return transport->size(); }
   Table& table_at(int table) const;
   void check_usable() const;
-  // What every collective does first: completes the operation in flight (keeping its outcome
-  // for its Wait) and applies the pending pushes, so the wire carries one operation at a time.
-  void begin_collective();
-  // Before a local read or write of shard state: applies the pushes (and completes the
-  // operation) already started, so a local write is never overwritten by an older push and a
-  // read sees every step. Needs only what the peers sent when they started those operations.
-  void settle() { guarded([&] { begin_collective(); }); }
-  // Step 1 of a pull or push: routes the batches and sends every rank its request.
-  std::unique_ptr<InFlight> start_pull(const std::vector<TableBatch>& batches, const std::string& error);
-  std::unique_ptr<InFlight> start_push(const std::vector<TableBatch>& batches, float scale, bool return_updates,
-                                       const std::string& error);
-  // Serves the peers and collects the replies (steps 2 and 3); throws what the operation met.
-  Completion finish(InFlight& op);
-  Completion finish_pull(InFlight& op);
-  Completion finish_push(InFlight& op);
-  // Receives and applies one push round; with `updates`, also exchanges the changed rows.
-  void apply_round(const Round& round, std::map<int, RowUpdates>* updates);
-  // A world of one's push, applied from the caller's rows at once (throws on bad input, then
-  // having changed no row).
-  void apply_local(const std::vector<TableBatch>& batches, const Round& round);
 
-  // Runs one collective step; a transport or protocol failure leaves the Client unusable,
-  // because peers may be stuck half-way through the operation.
-  template <class F>
-  auto guarded(F&& body) -> decltype(body()) {
-    check_usable();
-    try {
-      return body();
-    } catch (const PSTransportError& e) {
-      broken = true;
-      broken_reason = e.what();
-      throw;
-    }
-  }
+  // Serves whatever can be served now; true if it did anything. Throws PSTransportError (after
+  // telling every peer) when the protocol broke.
+  bool progress();
+  bool serve_ready();
+  // Waits until `ready()`, driving the server meanwhile; `peer` as in wait_until.
+  template <class Ready>
+  void drive_until(Ready ready, const std::string& what, int peer = -1);
+  // Waits until this rank's own requests were all served (its collective calls applied here).
+  void settle();
+  // A rank whose request this rank's server still lacks for the oldest collective it holds
+  // (-1: none), for stall warnings.
+  int late_rank() const;
+  // The serving thread's loop.
+  void serve_in_background();
+  // Marks the engine unusable and tells every peer why (they fail too, instead of waiting).
+  [[noreturn]] void fail(const std::string& reason);
+
+  // Server: one-sided requests and whole collective operations.
+  void serve_one_sided(int source, const Request& request);
+  void run_collective(std::vector<Request>& requests);
+  void serve_pulls(std::vector<Request>& requests, const std::vector<ErrorNote>& errors);
+  void apply_push_round(std::vector<Request>& requests, const std::vector<ErrorNote>& errors, bool with_updates);
+  void finish_add_table(std::vector<Request>& requests, std::vector<ErrorNote> errors);
+  void finish_join();
+  void serve_step(int source, const Request& request, Reader& r);
+  void reply(int dest, Writer& w);
+  void reply_head(Writer& w, int dest, RequestKind kind, int64_t seq, std::vector<ErrorNote> errors);
+
+  // Worker: sends one request per rank and collects one reply from each (handle(source, reader)
+  // reads each reply's body); throws the errors the replies name.
+  int64_t next_seq() { return ++last_seq; }
+  void send_request(int dest, std::vector<char> payload);
+  template <class Handle>
+  void collect_replies(RequestKind kind, int64_t seq, const char* op, Handle handle);
+  // The errors of an operation as an exception: this rank's own input first, then a peer's.
+  static void throw_errors(const std::vector<ErrorNote>& errors, int self, const char* op);
+
+  // World of one: a push applied from the caller's rows at once, no message at all.
+  void apply_local(const std::vector<TableBatch>& batches, float scale);
+  // Applies gradient rows from several sources to a table as one round (server and world of one).
+  void apply_to_table(Table& t, const std::vector<GradientRows>& sources, float scale, double lr, int64_t round,
+                      int ranks);
 };
 
-// A request announcing that the sender's input was bad (so no rank waits for its data).
-std::vector<char> error_request(const std::string& message);
+// Starts a request's body: its kind and number.
+inline Writer request_writer(RequestKind kind, int64_t seq) {
+  Writer w;
+  w.i64(static_cast<int64_t>(kind));
+  w.i64(seq);
+  return w;
+}
 
-// Throws the first error a peer announced (this rank's own is thrown by the caller).
-void throw_remote(const std::vector<std::string>& errors, int self, const char* op);
+// A request announcing that the sender's input to collective `kind` was bad.
+std::vector<char> error_request(RequestKind kind, int64_t seq, const std::string& message, bool index_error);
 
 // A server's sanity check of row positions a worker sent (they come from our partitioner).
 void check_rows(const Shard* shard, const std::string& table, const int64_t* local, int64_t n, const char* op);
+
+template <class Ready>
+void Client::Impl::drive_until(Ready ready, const std::string& what, int peer) {
+  wait_until(
+      [&] {
+        check_usable();
+        progress();
+        return ready();
+      },
+      policy, what, peer, [&] { return late_rank(); });
+}
+
+template <class Handle>
+void Client::Impl::collect_replies(RequestKind kind, int64_t seq, const char* op, Handle handle) {
+  const int P = size();
+  std::vector<bool> got(P, false);
+  int remaining = P;
+  std::vector<ErrorNote> errors;
+  drive_until(
+      [&] {
+        Message m;
+        while (remaining > 0 && transport->try_recv(kAnySource, kTagReply, &m)) {
+          Reader r(m.data);
+          ReplyHead head = read_reply_head(r);
+          if (head.kind != kind || head.seq != seq || got[m.source]) {
+            fail(std::string("hybridsync: rank ") + std::to_string(m.source) + " answered " +
+                 operation_name(head.kind) + " #" + std::to_string(head.seq) + " while this rank waited for " + op +
+                 " #" + std::to_string(seq) + " (a protocol error)");
+          }
+          got[m.source] = true;
+          --remaining;
+          for (ErrorNote& e : head.errors) errors.push_back(std::move(e));
+          if (errors.empty()) handle(m.source, r);
+        }
+        return remaining == 0;
+      },
+      std::string(op) + " #" + std::to_string(seq) + " (every rank takes part)");
+  throw_errors(errors, rank(), op);
+}
 
 }  // namespace hybridsync

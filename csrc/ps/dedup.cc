@@ -46,8 +46,11 @@ void RowAggregator::step(Shard& shard, const std::vector<GradientRows>& sources,
   rows_.clear();
   sums_.resize(expected * static_cast<size_t>(dim_));
   index_.reset(expected);
+  local_sq_ = 0.0;
   for (const GradientRows& s : sources) add(s);
   const int64_t n = size();
+  combined_sq_ = 0.0;
+  for (int64_t i = 0; i < n * dim_; ++i) combined_sq_ += static_cast<double>(sums_[i]) * sums_[i];
   if (scale != 1.0f) {
     for (int64_t i = 0; i < n * dim_; ++i) sums_[i] *= scale;
   }
@@ -60,6 +63,9 @@ void RowAggregator::add(const GradientRows& source) {
     auto [slot, fresh] = index_.insert(source.rows[k]);
     float* dst = sums_.data() + slot * dim_;
     const float* g = source.grads + k * dim_;
+    double sq = 0.0;
+    for (int64_t j = 0; j < dim_; ++j) sq += static_cast<double>(g[j]) * g[j];
+    local_sq_ += sq;
     if (fresh) {
       rows_.push_back(source.rows[k]);
       std::memcpy(dst, g, dim_ * sizeof(float));

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "hybridsync/ps.h"
+#include "shard.h"
 #include "id_index.h"
 
 namespace hybridsync {
@@ -45,6 +45,10 @@ class RowAggregator {
   // The distinct rows of the last step (first-seen order), e.g. to send replicas.
   int64_t size() const { return static_cast<int64_t>(rows_.size()); }
   const int64_t* rows() const { return rows_.data(); }
+  // Gradient statistics of the last step, before `scale`: the sum over sources of each
+  // source's squared norm, and the squared norm of their sum (what the noise scale needs).
+  double local_sq() const { return local_sq_; }
+  double combined_sq() const { return combined_sq_; }
 
  private:
   // Adds one source's rows into the sums.
@@ -53,6 +57,7 @@ class RowAggregator {
   std::vector<int64_t> rows_;
   std::vector<float> sums_;
   int64_t dim_ = 1;
+  double local_sq_ = 0.0, combined_sq_ = 0.0;
 };
 
 }  // namespace hybridsync

@@ -1,6 +1,8 @@
 #include <string>
 
-#include "hybridsync/ps.h"
+#include "partitioner.h"
+
+#include <algorithm>
 
 namespace hybridsync {
 

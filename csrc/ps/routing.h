@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "dedup.h"
-#include "hybridsync/ps.h"
+#include "partitioner.h"
 
 namespace hybridsync {
 

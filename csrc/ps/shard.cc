@@ -5,7 +5,7 @@
 #include <cstring>
 #include <new>
 
-#include "hybridsync/ps.h"
+#include "shard.h"
 
 namespace hybridsync {
 
@@ -95,15 +95,15 @@ inline void prefetch(const float* p, int64_t floats, int write) {
 
 }  // namespace
 
-void Shard::gather(const int64_t* local, int64_t n, float* out) const {
+void Shard::gather(const int64_t* local, int64_t n, float* out, int slot) const {
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kPrefetchAhead < n) prefetch(row(local[i + kPrefetchAhead]), dim_, 0);
-    std::memcpy(out + i * dim_, row(local[i]), sizeof(float) * dim_);
+    if (i + kPrefetchAhead < n) prefetch(row_of(slot, local[i + kPrefetchAhead]), dim_, 0);
+    std::memcpy(out + i * dim_, row_of(slot, local[i]), sizeof(float) * dim_);
   }
 }
 
-void Shard::scatter(const int64_t* local, int64_t n, const float* values) {
-  for (int64_t i = 0; i < n; ++i) std::memcpy(row(local[i]), values + i * dim_, sizeof(float) * dim_);
+void Shard::scatter(const int64_t* local, int64_t n, const float* values, int slot) {
+  for (int64_t i = 0; i < n; ++i) std::memcpy(row_of(slot, local[i]), values + i * dim_, sizeof(float) * dim_);
 }
 
 void Shard::apply(const int64_t* local, int64_t n, const float* grads) {

@@ -17,13 +17,6 @@ inline int64_t now_ns() {
       .count();
 }
 
-// One timed piece of server-side work (steady_clock nanoseconds).
-struct TraceEvent {
-  std::string name;
-  int64_t start_ns = 0, end_ns = 0;
-  int64_t rows = 0;
-};
-
 class Tracer {
  public:
   void set_on(bool on) { on_ = on; }

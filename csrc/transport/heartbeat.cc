@@ -36,10 +36,10 @@ class Heartbeat {
     for (int r = 0; r < size_; ++r) hosts_.emplace_back(all.data() + static_cast<size_t>(r) * MPI_MAX_PROCESSOR_NAME);
     last_seen_ = std::make_unique<std::atomic<int64_t>[]>(static_cast<size_t>(size_));
     const int64_t start = now_us();
-    departed_ = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(size_));
+    departed_ = std::make_unique<std::atomic<int64_t>[]>(static_cast<size_t>(size_));
     for (int r = 0; r < size_; ++r) {
       last_seen_[r] = start;
-      departed_[r] = false;
+      departed_[r] = 0;
     }
     sends_.assign(static_cast<size_t>(size_), MPI_REQUEST_NULL);
     thread_ = std::thread([this] { run(); });
@@ -63,6 +63,12 @@ class Heartbeat {
   double silent_for(int peer) const {
     if (peer < 0 || peer >= size_ || peer == rank_ || departed_[peer].load()) return 0.0;
     return static_cast<double>(now_us() - last_seen_[peer].load()) / 1e6;
+  }
+
+  double departed_for(int peer) const {
+    if (peer < 0 || peer >= size_ || peer == rank_) return -1.0;
+    const int64_t when = departed_[peer].load();
+    return when ? static_cast<double>(now_us() - when) / 1e6 : -1.0;
   }
 
   std::string host_of(int peer) const { return peer >= 0 && peer < size_ ? hosts_[peer] : "?"; }
@@ -101,7 +107,7 @@ class Heartbeat {
         MPI_Status status;
         if (MPI_Iprobe(MPI_ANY_SOURCE, kTagGoodbye, comm_, &flag, &status) != MPI_SUCCESS || !flag) break;
         MPI_Recv(&sink, 1, MPI_CHAR, status.MPI_SOURCE, kTagGoodbye, comm_, MPI_STATUS_IGNORE);
-        departed_[status.MPI_SOURCE] = true;
+        departed_[status.MPI_SOURCE] = now_us();
       }
       if (abort_after_us_ > 0) watchdog();
       lock.lock();
@@ -139,7 +145,7 @@ class Heartbeat {
   int64_t abort_after_us_;
   std::vector<std::string> hosts_;
   std::unique_ptr<std::atomic<int64_t>[]> last_seen_;
-  std::unique_ptr<std::atomic<bool>[]> departed_;
+  std::unique_ptr<std::atomic<int64_t>[]> departed_;  // when the goodbye came (0: still here)
   std::vector<MPI_Request> sends_;
   std::mutex mu_;
   std::condition_variable wake_;
@@ -181,6 +187,16 @@ double silent_for(int peer) {
 std::string host_of(int peer) {
   std::lock_guard<std::mutex> lock(g_lock);
   return g_heartbeat ? g_heartbeat->host_of(peer) : "?";
+}
+
+double departed_for(int peer) {
+  std::lock_guard<std::mutex> lock(g_lock);
+  return g_heartbeat ? g_heartbeat->departed_for(peer) : -1.0;
+}
+
+int heartbeat_size() {
+  std::lock_guard<std::mutex> lock(g_lock);
+  return g_heartbeat ? g_heartbeat->size() : 0;
 }
 
 }  // namespace hybridsync

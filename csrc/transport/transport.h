@@ -1,6 +1,8 @@
 // Point-to-point messaging for the Client. A transport delivers messages between ranks in
-// order per (source, tag). Transports are made by name: adding one (e.g. TCP) is one .cc file
-// implementing Transport plus one static TransportRegistrar line in it.
+// order per (source, tag), of any size: a message longer than the transport's limit travels as
+// fragments of the limit's size, so no single message of the underlying network ever exceeds
+// it. Transports are made by name: adding one (e.g. TCP) is one .cc file implementing
+// Transport plus one static TransportRegistrar line in it.
 #pragma once
 
 #include <cstdint>
@@ -9,21 +11,20 @@
 #include <string>
 #include <vector>
 
+#include "hybridsync/ps.h"
+
 namespace hybridsync {
 
-// Message channels: requests (pulls, pushes) flow worker -> server in operation order,
-// replies server -> worker, updates server -> replicas, control for table setup and state.
-enum Tag : int { kTagRequest = 101, kTagReply = 102, kTagUpdates = 103, kTagControl = 104 };
+// Message channels: requests flow worker -> server, replies server -> worker, control between
+// workers (table setup).
+enum Tag : int { kTagRequest = 101, kTagReply = 102, kTagControl = 104 };
+// try_recv from whichever rank has a message.
+constexpr int kAnySource = -1;
 
-// How waiting behaves: poll (yielding the core) for a while, then sleep with back-off, so an
-// idle or waiting rank does not burn a core another rank needs. Spinning pays off when every
-// rank has a core of its own; oversubscribed ranks should sleep at once (see hybridsync/ps.py).
-struct WaitPolicy {
-  double spin_us = 50.0;          // poll this long first
-  double max_sleep_us = 200.0;    // back-off cap between polls
-  double stall_warning_s = 60.0;  // print a warning naming the peer after this long
-  double timeout_s = 600.0;       // give up (throw) after this long; <= 0 waits forever
-  double peer_timeout_s = 60.0;   // a peer the heartbeat has not heard from this long fails the wait
+// A received message and who sent it.
+struct Message {
+  int source = -1;
+  std::vector<char> data;
 };
 
 // The Client's only view of the network, so the PS core does not depend on MPI.
@@ -35,22 +36,28 @@ class Transport {
   virtual int size() const = 0;
   // Starts sending `payload` to `dest`; the transport keeps the buffer until it is delivered.
   virtual void send(int dest, int tag, std::vector<char> payload) = 0;
-  // Waits for the next message from `source` on `tag`, whatever its size.
-  virtual std::vector<char> recv(int source, int tag) = 0;
-  // Waits until every send started so far has completed.
-  virtual void wait_sends() = 0;
-  // Traffic counters (messages a rank sends itself may be left out), for benchmarks.
+  // The next whole message from `source` (or kAnySource) on `tag`, if one has arrived.
+  virtual bool try_recv(int source, int tag, Message* out) = 0;
+  // Lets sends started so far make progress; true when all have completed.
+  virtual bool sends_done() = 0;
+  // The largest message the network carries whole (longer ones are fragmented).
+  virtual int64_t max_message_bytes() const = 0;
+  // How waits on this transport behave.
+  virtual WaitPolicy wait_policy() const = 0;
+  // Traffic counters (messages a rank sends itself may be left out), for benchmarks and tests.
   virtual int64_t bytes_sent() const = 0;
   virtual int64_t bytes_received() const = 0;
   virtual int64_t messages_sent() const = 0;
+  virtual int64_t largest_message_sent() const = 0;  // one network message (a fragment)
   virtual void reset_counters() = 0;
 };
 
-// What a transport is made from: the caller's native endpoint (an MPI_Comm* for "mpi") and
-// how its waits behave.
+// What a transport is made from: the caller's native endpoint (an MPI_Comm* for "mpi"), how
+// its waits behave and its message size limit (<= 0: the network's own).
 struct TransportConfig {
   void* native = nullptr;
   WaitPolicy wait;
+  int64_t max_message_bytes = 0;
 };
 
 // Makes one transport from its config (registered under a name).

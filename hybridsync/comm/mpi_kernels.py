@@ -109,6 +109,13 @@ def _raise_if_a_peer_is_silent() -> None:
         raise PeerLostError(f"hybridsync: rank {rank} on host {host} has not been heard from for {seconds:.0f} s "
                             f"(frozen, dead or unreachable; HYBRIDSYNC_PEER_TIMEOUT_S={timeout:g}) while waiting "
                             "for a dense collective")
+    # A peer's goodbye travels apart from what it sent before: give that a moment to arrive.
+    departed = _ps.departed_peers(2.0)
+    if departed:
+        rank, host, seconds = departed[0]
+        raise PeerLostError(f"hybridsync: rank {rank} on host {host} has left the job (its program ended "
+                            f"{seconds:.0f} s ago) while this rank waits for a dense collective: the ranks ran "
+                            "different numbers of steps (uneven data? call hvd.join() when a rank runs out)")
 
 
 def wait_all(requests) -> None:

@@ -218,14 +218,14 @@ class Switch:
 
     def _leave_ps(self, var: Variable, route: Route) -> None:
         """Collective: var's rows and server state go to the frontend's own variable and optimizer."""
-        backend = self.sync_set.ctx.backend
         table, plan = var.table, var.plan
-        state = table.state(backend.broadcast_object)
-        rows = table.gather() if plan.placement is Placement.SHARDED else None
+        state = table.state()
+        slots = {name: view.read() for name, view in state["slots"].items()}
+        rows = table.read() if plan.placement is Placement.SHARDED else None
         if table.attached is not None:  # the shard aliased the replica: it keeps a copy of its own
             table.attach(None)
         self.frontend.to_replica(var, rows)
-        self.frontend.set_optimizer_state(var, state["slots"], state["step"])
+        self.frontend.set_optimizer_state(var, slots, state["step"])
         table.drop()  # its rows and server state now live in the frontend's variable and optimizer
         var.table = None
         plan.route, plan.placement, plan.shards = route, Placement.NONE, 0
@@ -237,12 +237,12 @@ class Switch:
         """Collective: a new table on `shards` shards takes var's rows and server state."""
         from .table import PSTable
 
-        backend = self.sync_set.ctx.backend
         old, plan = var.table, var.plan
-        state = old.state(backend.broadcast_object)
+        state = old.state()
+        state["slots"] = {name: view.read() for name, view in state["slots"].items()}  # before the old one goes
         sharded = plan.placement is Placement.SHARDED
         view = None if sharded else var.access.replica()  # replicated: the shard may alias the replica
-        rows = old.gather() if view is None else None  # identical to a replica, where there is one
+        rows = old.read() if view is None else None  # identical to a replica, where there is one
         new = PSTable(var.name, plan.shape[0], var.dim, shards, plan.partition, plan.optimizer)
         if old.attached is not None:
             old.attach(None)
@@ -254,7 +254,7 @@ class Switch:
             new.scatter(rows)
         if sharded:
             self.frontend.set_table(var, new)
-        new.load_state(state, var.name)
+        new.load_state(state, var.name, everywhere=True)
         old.drop()
         var.table = new
         plan.shards = shards

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import timeline
+from .. import ps, timeline
 from ..types import Placement, Route
 from . import accounting
 from .base import Synchronizer, Variable
@@ -37,9 +37,9 @@ class _PSRoute(Synchronizer):
         return float(var.access.lr())
 
     def state_dict(self) -> dict:
-        """Collective: the server optimizer state of every table, gathered whole."""
-        return {var.name: var.table.state(self.ctx.backend.broadcast_object)
-                for var in self.variables if var.table is not None}
+        """The server optimizer state of every table, as views that read their rows from the
+        shards only when asked (no collective: any rank may call it alone)."""
+        return {var.name: var.table.state() for var in self.variables if var.table is not None}
 
     def load_state_dict(self, state: dict) -> None:
         for var in self.variables:
@@ -82,6 +82,10 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
 
 @register(Route.PS, Placement.REPLICATED)
 class ReplicatedPS(_PSRoute):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._joins = ps.joins()  # joins seen: after one, every replica is refreshed from the shards
+
     def prepare(self) -> None:
         self._register()
 
@@ -121,6 +125,10 @@ class ReplicatedPS(_PSRoute):
 
     def synchronize(self) -> None:
         self._register()
+        if self._joins != ps.joins():  # a rank that joined missed the others' rows meanwhile
+            self._joins = ps.joins()
+            for var in self.variables:
+                var.access.set_replica(var.table.read())
         self._follow_replicas()
         ids, grads, lrs = [], [], []
         for var in self.variables:

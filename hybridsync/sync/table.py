@@ -60,9 +60,18 @@ class PSTable:
         table that every rank holds."""
         self.engine.load_local(self.handle, slot, np.ascontiguousarray(values, dtype=np.float32))
 
-    def gather(self, slot: int = -1) -> np.ndarray:
-        """Collective: the whole table (slot < 0) or optimizer slot, on every rank."""
-        return self.engine.gather(self.handle, slot)
+    def read(self, slot: int = -1) -> np.ndarray:
+        """One-sided: the whole table (slot < 0) or optimizer slot, streamed from the shards in
+        chunks to this rank alone (the shards' owners answer while they compute)."""
+        return self.engine.read_table(self.handle, slot)
+
+    def read_rows(self, ids, slot: int = -1) -> np.ndarray:
+        """One-sided: rows (slot < 0) or slot values of `ids`, shaped ids.shape + (dim,)."""
+        return self.engine.read_rows(self.handle, np.asarray(ids, dtype=np.int64), slot)
+
+    def write(self, values, slot: int = -1) -> None:
+        """One-sided: the whole table (slot < 0) or slot, from this rank to every shard, in chunks."""
+        self.engine.write_table(self.handle, np.ascontiguousarray(values, dtype=np.float32), slot)
 
     def write_rows(self, ids, rows, slot: int = -1) -> None:
         """Local: writes the rows (slot < 0) or optimizer slot values among `ids` that this
@@ -118,27 +127,41 @@ class PSTable:
 
     @property
     def step(self) -> int:
-        """The server optimizer's step on this rank's shard (-1 without one)."""
-        return int(self.engine.step(self.handle))
+        """The server optimizer's step (every shard takes each round; one-sided where this rank
+        holds no shard)."""
+        return int(self.engine.table_step(self.handle))
 
     def set_step(self, step: int) -> None:
+        """Local: this rank's shard's step (checkpoint restores, where every rank loads its own)."""
         self.engine.set_step(self.handle, int(step))
 
-    def state(self, broadcast_object) -> dict:
-        """Collective: the server optimizer's state, gathered whole: {"optimizer", "step",
-        "slots": {slot name: num_rows x dim array}}. Rank 0 holds shard 0, so its step counts."""
-        slots = {name: self.gather(k) for k, name in enumerate(self.engine.slot_names(self.handle))}
-        step = broadcast_object(self.engine.step(self.handle), 0, name=f"hybridsync.step.{self.name}")
-        return {"optimizer": self.optimizer, "step": int(step), "slots": slots}
+    def state(self) -> dict:
+        """The server optimizer's state, with no collective and no copy: {"optimizer", "step",
+        "slots": {slot name: TableView}}; the views read their rows on first use."""
+        slots = {name: TableView(self, k) for k, name in enumerate(self.slot_names)}
+        return {"optimizer": self.optimizer, "step": self.step, "slots": slots}
 
-    def load_state(self, state: dict, variable: str) -> None:
-        """Local: restores what state() returned (every rank holds all of it)."""
+    def load_state(self, state: dict, variable: str, everywhere: bool = False) -> None:
+        """Restores what state() returned (slots as arrays or views). One-sided: this rank writes
+        every shard; everywhere=True: every rank calls it with the same values at the same point,
+        so each writes only its own shard."""
         if state["optimizer"] != self.optimizer:
             raise ValueError(f"variable '{variable}': checkpoint has server optimizer '{state['optimizer']}', "
                              f"this run uses '{self.optimizer}'")
-        for k, name in enumerate(self.engine.slot_names(self.handle)):
-            self.scatter(state["slots"][name], k)
-        self.engine.set_step(self.handle, int(state["step"]))
+        for k, name in enumerate(self.slot_names):
+            value = state["slots"][name]
+            if isinstance(value, TableView) and value.is_view_of(self, k):
+                continue  # its own rows: nothing to write
+            if isinstance(value, TableView):
+                value = value.read()
+            if everywhere:
+                self.scatter(value, k)
+            else:
+                self.write(value, k)
+        if everywhere:
+            self.set_step(int(state["step"]))
+        else:
+            self.engine.set_table_step(self.handle, int(state["step"]))
 
     # -- lookups ----------------------------------------------------------------------------------
     def lookup(self, ids):
@@ -147,6 +170,29 @@ class PSTable:
         unique, rows = self.engine.lookup(self.handle, ids)
         self.pulled_rows += len(unique)
         return unique, rows
+
+
+class TableView:
+    """A PS table (slot < 0) or one of its server-optimizer slots, as a value in a state dict:
+    its shape, and its rows read from the shards -- by this rank alone, in chunks -- only when
+    read() is called. Frameworks wrap it (hybridsync.torch.table_tensor)."""
+
+    def __init__(self, table: PSTable, slot: int = -1):
+        self.table, self.slot = table, int(slot)
+
+    @property
+    def shape(self) -> tuple:
+        return (self.table.num_rows, self.table.dim)
+
+    def read(self) -> np.ndarray:
+        return self.table.read(self.slot)
+
+    def is_view_of(self, table: PSTable, slot: int = -1) -> bool:
+        return self.table is table and self.slot == slot
+
+    def __repr__(self):
+        what = "rows" if self.slot < 0 else f"slot {self.table.slot_names[self.slot]!r}"
+        return f"table '{self.table.name}' {what}"
 
 
 def pull(tables: list, ids: list, in_order=()) -> list:

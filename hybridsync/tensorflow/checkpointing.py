@@ -37,4 +37,4 @@ def refresh_replica(var, table) -> None:
     """Collective for replicated tables: the variable and the shard's copy take the loaded rows."""
     if var.plan.placement is not Placement.REPLICATED:
         return
-    var.access.set_replica(table.gather())
+    var.access.set_replica(table.read())

@@ -57,14 +57,15 @@ class Embedding(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return tuple(input_shape) + (self.output_dim,)
 
-    # -- the whole table, gathered from the shards (collective: call on every rank) -------------
+    # -- the whole table, streamed from / to the shards by this rank alone (no collective) --------
     def get_table(self) -> np.ndarray:
-        return self.table.gather()
+        return self.table.read()
 
     def set_table(self, values) -> None:
-        self.table.scatter(values)
+        self.table.write(values)
 
-    # Weight files (model.save_weights / load_weights) hold the whole table, gathered on save.
+    # Weight files (model.save_weights / load_weights) hold the whole table: read on save by the
+    # rank that saves (rank 0 alone may), written to every shard on load by each rank that loads.
     def save_own_variables(self, store):
         store["0"] = self.ps_anchor.numpy()
         store["table"] = self.get_table()

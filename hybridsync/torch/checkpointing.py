@@ -70,6 +70,6 @@ def refresh_replica(var, table) -> None:
     """Collective for replicated tables: every replica takes the loaded rows whole."""
     if var.plan.placement is not Placement.REPLICATED:
         return
-    var.access.set_replica(table.gather())
+    var.access.set_replica(table.read())
     if table.attached is None:  # the shard keeps a copy of its own: refresh it too
         table.scatter(var.access.replica_copy())

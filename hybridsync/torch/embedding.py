@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import runtime, timeline
-from ..sync.table import PSTable, pull, shared_seed
+from ..sync.table import PSTable, TableView, pull, shared_seed
+from .table_tensor import ShardedTableTensor
 
 _unnamed = itertools.count()
 
@@ -213,11 +214,9 @@ class _PSTableModule(torch.nn.Module):
             warnings.warn(f"PS embedding '{self.table_name}' received gradients, but no DistributedOptimizer "
                           "owns it (pass model=... to hybridsync.DistributedOptimizer): they are dropped")
 
-    # -- state: the whole table under '<prefix>weight', gathered from the shards on demand ------
+    # -- state: the table under '<prefix>weight', as a tensor that reads its rows when used -------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        full = torch.from_numpy(self.table.gather())
-        full._hybridsync_ps_table = True  # broadcast_parameters skips it: shards are the truth
-        destination[prefix + "weight"] = full
+        destination[prefix + "weight"] = ShardedTableTensor(TableView(self.table))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -231,11 +230,15 @@ class _PSTableModule(torch.nn.Module):
             error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
                               f"the PS table has shape {self.shape}")
             return
-        self.table.scatter(value.detach().to("cpu", torch.float32).contiguous().numpy())
+        if isinstance(value, ShardedTableTensor) and value.view.is_view_of(self.table):
+            return  # this table's own rows
+        # One-sided: this rank writes every shard, in chunks, so a state only rank 0 holds loads
+        # without any other rank holding the table.
+        self.table.write(value.detach().to("cpu", torch.float32).contiguous().numpy())
 
     def weight_numpy(self) -> np.ndarray:
-        """The whole table (collective: every rank must call it)."""
-        return self.table.gather()
+        """The whole table, read from the shards by this rank alone."""
+        return self.table.read()
 
     def extra_repr(self):
         s = f"{self.num_embeddings}, {self.embedding_dim}, table='{self.table_name}'"

@@ -239,27 +239,12 @@ def synchronize(handle):
 
 def join(device=-1) -> int:
     """Blocks until every rank has called join(); meanwhile this rank takes part in the others'
-    all-reduces with zeros (so ranks with fewer batches can stop early). Returns the rank that
-    joined last. (`device` is accepted for Horovod's signature; zeros are made on the CPU.)
+    all-reduces with zeros, and in their parameter-server steps with nothing (its shards keep
+    serving them), so ranks with fewer batches can stop early. Returns the rank that joined
+    last. (`device` is accepted for Horovod's signature; zeros are made on the CPU.)"""
+    from .. import ps
 
-    Not with parameter-server tables: their pulls and pushes need every rank, so a rank that
-    joined would leave the others waiting; it raises instead (and the job ends)."""
-    _refuse_join_with_ps_tables()
-    return ops.route(None).join()
-
-
-def _refuse_join_with_ps_tables() -> None:
-    from .. import runtime
-    from ..plan import current_plans
-    from ..types import Route
-
-    if runtime.world().size == 1:  # no peer to leave waiting
-        return
-    on_ps = [v.name for plan in current_plans() for v in plan.variables if v.route is Route.PS]
-    if on_ps:
-        raise RuntimeError(f"join(): '{on_ps[0]}' is on the parameter server, whose pulls and pushes need every "
-                           "rank at every step, so ranks cannot drop out early; give every rank the same number "
-                           "of steps (or keep that table off the PS: sync: allgather / allreduce in the config)")
+    return ps.join(ops.route(None).join)
 
 
 def barrier(process_set=global_process_set):

@@ -32,6 +32,8 @@ from .embedding import Embedding, EmbeddingBag
 from .optimizer_args import check_groups, check_op, check_process_set, sparse_as_dense_config
 from .planner import plan_for, ps_modules, route_for_observed
 from .server_optimizer import describe, group_of
+from .table_tensor import ShardedTableTensor
+from ..sync.table import TableView
 
 
 def _compression_name(compression) -> str:
@@ -280,10 +282,11 @@ class _DistributedOptimizer:
         return super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        """The wrapped optimizer's state, plus (key 'hybridsync') the server-side state of
-        PS tables, gathered whole from the shards (collective: call it on every rank)."""
+        """The wrapped optimizer's state, plus (key 'hybridsync') the server-side state of PS
+        tables as ShardedTableTensors: no collective and no copy -- rank 0 alone may save it, and
+        only a rank that reads a slot (torch.save does) holds it."""
         state = super().state_dict()
-        extra = _map_arrays(self._hs_sync.state_dict(), torch.from_numpy)
+        extra = _map_arrays(self._hs_sync.state_dict(), ShardedTableTensor, TableView)
         if extra or self._hs_pending_state:
             state["hybridsync"] = {**self._hs_pending_state, **extra}
         return state
@@ -299,8 +302,10 @@ class _DistributedOptimizer:
             self._hs_pending_state = dict(extra)
 
     def _hs_load_route_state(self, extra: dict) -> None:
-        self._hs_sync.load_state_dict(_map_arrays(extra, lambda t: t.detach().to("cpu", torch.float32).numpy(),
-                                                  torch.Tensor))
+        def plain(t):  # a table's own view is recognised (nothing to write); other tensors are rows
+            return t.view if isinstance(t, ShardedTableTensor) else t.detach().to("cpu", torch.float32).numpy()
+
+        self._hs_sync.load_state_dict(_map_arrays(extra, plain, torch.Tensor))
         self._hs_pending_state = {}
 
 

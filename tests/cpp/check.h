@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <functional>
+#include <atomic>
 #include <iostream>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -20,8 +22,8 @@ inline std::vector<Case>& cases() {
   return all;
 }
 
-inline int& failures() {
-  static int n = 0;
+inline std::atomic<int>& failures() {  // checks may run on several threads (in-process ranks)
+  static std::atomic<int> n{0};
   return n;
 }
 
@@ -30,6 +32,8 @@ struct Register {
 };
 
 inline void fail(const char* file, int line, const std::string& what) {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   ++failures();
   std::cerr << file << ":" << line << ": " << what << "\n";
 }

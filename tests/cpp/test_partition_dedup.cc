@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "check.h"
-#include "hybridsync/ps.h"
+#include "ps/partitioner.h"
 #include "ps/dedup.h"
 #include "ps/routing.h"
 

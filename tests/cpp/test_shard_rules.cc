@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "check.h"
-#include "hybridsync/ps.h"
+#include "ps/shard.h"
 #include "ps/rules/registry.h"
 
 using namespace hybridsync;

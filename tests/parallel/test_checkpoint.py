@@ -237,7 +237,7 @@ def _keras_model():
 def _keras_snapshot(model):
     out = {f"w{i}": w for i, w in enumerate(model.get_weights())}
     out["table"] = model.get_layer("table").get_table()
-    out["slots"] = model.optimizer._hs_vars[0].table.gather(0)
+    out["slots"] = model.optimizer._hs_vars[0].table.read(0)
     return out
 
 

@@ -61,9 +61,9 @@ def rank_fuzz(seed):
         all_gb = np.concatenate([x[3] for x in batches]) / size
         np.add.at(ref_b, all_b, -0.5 * all_gb)
         if step % 10 == 9:
-            np.testing.assert_allclose(engine.gather(a, -1), ref_a, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(engine.gather(a, 0), acc_a, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(engine.gather(b, -1), ref_b, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(engine.read_table(a, -1), ref_a, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(engine.read_table(a, 0), acc_a, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(engine.read_table(b, -1), ref_b, rtol=1e-5, atol=1e-6)
     assert engine.step(a) == steps_a
     assert engine.step(b) == (steps_a if rank < min(2, size) else -1)  # ranks without a shard have no step
     print(f"rank {rank}: 40 fuzzed steps match NumPy", flush=True)
@@ -78,7 +78,7 @@ def rank_errors():
     engine = ps.engine()
     rank, size = engine.rank, engine.size
     t = engine.add_table("clicks", 10, 2, 0, "cyclic", "sgd", {"lr": 1.0})
-    before = engine.gather(t, -1)
+    before = engine.read_table(t, -1)
 
     def expect(call, local_type, local_msg, bad_rank=1):
         if rank == bad_rank:
@@ -105,7 +105,7 @@ def rank_errors():
         engine.push([t], [np.array([3])], [np.ones((1, 2), np.float32)], 1.0)
         with pytest.raises(RuntimeError, match="push failed on rank 0: table 'clicks': id 10"):
             engine.flush()
-    np.testing.assert_array_equal(engine.gather(t, -1), before)  # all-or-nothing rounds
+    np.testing.assert_array_equal(engine.read_table(t, -1), before)  # all-or-nothing rounds
     # The engine is still usable, and a rank that registers a different table is named.
     (_, _, rows), = engine.pull([t], [np.array([4])])
     np.testing.assert_array_equal(rows, before[[4]])
@@ -141,7 +141,7 @@ def rank_collective_setup_errors():
     assert time.monotonic() - start < 10, "a rank waited for a peer that had rejected its input"
     good = np.arange(21, dtype=np.float32).reshape(7, 3)
     engine.load_from_root(t, good if rank == root else None, root)  # still usable
-    np.testing.assert_array_equal(engine.gather(t, -1), good)
+    np.testing.assert_array_equal(engine.read_table(t, -1), good)
     print(f"rank {rank}: setup errors raised on every rank", flush=True)
 
 
@@ -158,7 +158,7 @@ def rank_collective_argument_errors():
     engine = ps.engine()
     rank, size = engine.rank, engine.size
     t = engine.add_table("lrs", 8, 2, 0, "cyclic", "sgd", {"lr": 1.0})
-    before = engine.gather(t, -1)
+    before = engine.read_table(t, -1)
     start = time.monotonic()
     ids, grads = np.array([rank]), np.ones((1, 2), np.float32)
     if rank == 0:
@@ -170,13 +170,13 @@ def rank_collective_argument_errors():
     with pytest.raises(ValueError, match=rf"table 'lrs': load_from_root needs a root rank in \[0, {size}\), got {size}"):
         engine.load_from_root(t, before, size)
     with pytest.raises(ValueError, match="has no state slot 2"):
-        engine.gather(t, 2)
+        engine.read_table(t, 2)
     assert time.monotonic() - start < 10, "a rank waited for a peer that had rejected its input"
-    np.testing.assert_array_equal(engine.gather(t, -1), before)  # nothing applied
+    np.testing.assert_array_equal(engine.read_table(t, -1), before)  # nothing applied
     engine.push([t], [ids], [grads], 1.0, False, [0.5])
     expected = before.copy()
     expected[:size] -= 0.5
-    np.testing.assert_array_equal(engine.gather(t, -1), expected)
+    np.testing.assert_array_equal(engine.read_table(t, -1), expected)
     print(f"rank {rank}: argument errors raised on every rank", flush=True)
 
 
@@ -194,13 +194,14 @@ def rank_local_state():
     engine.push([t], [np.arange(11)], [np.ones((11, 2), np.float32)], 1.0, True)
     own = np.arange(rank, 11, size)  # cyclic: local row l is global row l * size + rank
     rows, acc = engine.local_values(t, -1), engine.local_values(t, 0)
-    np.testing.assert_array_equal(rows, engine.gather(t, -1)[own])
-    np.testing.assert_array_equal(acc, engine.gather(t, 0)[own])
+    np.testing.assert_array_equal(rows, engine.read_table(t, -1)[own])
+    np.testing.assert_array_equal(acc, engine.read_table(t, 0)[own])
     assert rows.shape == (len(own), 2) and engine.local_values(t).shape == rows.shape
     engine.write_local(t, np.arange(11), np.full((11, 2), 7.0, np.float32), 0)
     engine.write_local(t, np.arange(11), np.full((11, 2), 3.0, np.float32))
-    np.testing.assert_array_equal(engine.gather(t, 0), np.full((11, 2), 7.0, np.float32))
-    np.testing.assert_array_equal(engine.gather(t, -1), np.full((11, 2), 3.0, np.float32))
+    engine.barrier()  # local writes are local: the others' are read once they are done
+    np.testing.assert_array_equal(engine.read_table(t, 0), np.full((11, 2), 7.0, np.float32))
+    np.testing.assert_array_equal(engine.read_table(t, -1), np.full((11, 2), 3.0, np.float32))
     print(f"rank {rank}: local state read and written", flush=True)
 
 
@@ -216,10 +217,12 @@ def rank_local_writes_after_a_deferred_push():
     engine.push([t], [np.arange(6)], [np.ones((6, 2), np.float32)], 1.0, False)
     assert engine.step(t) in (1, -1), engine.step(t)  # -1: this rank holds no shard
     engine.load_local(t, -1, np.zeros((6, 2), np.float32))
-    np.testing.assert_array_equal(engine.gather(t, -1), np.zeros((6, 2), np.float32))
+    engine.barrier()
+    np.testing.assert_array_equal(engine.read_table(t, -1), np.zeros((6, 2), np.float32))
     engine.push([t], [np.arange(6)], [np.ones((6, 2), np.float32)], 1.0, False)
     engine.write_local(t, np.arange(6), np.full((6, 2), 5.0, np.float32))
-    np.testing.assert_array_equal(engine.gather(t, -1), np.full((6, 2), 5.0, np.float32))
+    engine.barrier()
+    np.testing.assert_array_equal(engine.read_table(t, -1), np.full((6, 2), 5.0, np.float32))
 
 
 def rank_module_errors():

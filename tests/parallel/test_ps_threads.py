@@ -52,7 +52,7 @@ def rank_threads_one_rank():
     for calls in work:
         for ids, grads in calls:
             np.add.at(expected, ids, -0.1 * grads)
-    np.testing.assert_allclose(engine.gather(table, -1), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(engine.read_table(table, -1), expected, rtol=1e-5, atol=1e-5)
     assert engine.step(table) == THREADS * CALLS
     print("threads: results equal the serial run", flush=True)
 
@@ -100,7 +100,7 @@ def rank_threads_with_collectives():
         th.join(timeout=60)
         assert not th.is_alive(), "a local PS call deadlocked"
     assert not errors, errors
-    np.testing.assert_allclose(engine.gather(table, -1), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(engine.read_table(table, -1), expected, rtol=1e-5, atol=1e-5)
     print(f"rank {rank}: collectives and local calls from several threads agree", flush=True)
 
 
@@ -207,10 +207,10 @@ def rank_threads_mixed_tables():
             summed = np.zeros((ROWS, DIM), np.float32)
             np.add.at(summed, ids, grads)  # a push's duplicate ids are summed before the rule
             want_sum += np.where(np.isin(np.arange(ROWS), ids)[:, None], summed * summed, 0)
-    np.testing.assert_allclose(engine.gather(sgd, -1), want_rows, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(engine.gather(ada, 0), want_sum, rtol=1e-5, atol=1e-5)
-    assert np.isfinite(engine.gather(ada, -1)).all()
-    np.testing.assert_array_equal(engine.gather(static, -1), fixed)
+    np.testing.assert_allclose(engine.read_table(sgd, -1), want_rows, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(engine.read_table(ada, 0), want_sum, rtol=1e-5, atol=1e-5)
+    assert np.isfinite(engine.read_table(ada, -1)).all()
+    np.testing.assert_array_equal(engine.read_table(static, -1), fixed)
     assert engine.step(sgd) == engine.step(ada) == THREADS * CALLS and engine.step(static) == 0
     print("threads: two tables per push, exact pulls of a fixed table, serial sums", flush=True)
 
@@ -280,10 +280,10 @@ def rank_collectives_hop_threads():
     stop.set()
     _join(helpers, "a local PS call", timeout=60)
     assert not errors, "\n".join(errors)
-    np.testing.assert_allclose(engine.gather(sgd, -1), want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(engine.gather(ada, 0), want_sum, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(engine.read_table(sgd, -1), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(engine.read_table(ada, 0), want_sum, rtol=1e-5, atol=1e-6)
     # Every rank wrote whole rows of its own value into the rows its shard holds.
-    written = engine.gather(side, -1)
+    written = engine.read_table(side, -1)
     for row in written:
         assert (row == row[0]).all() and row[0] in [0.0] + list(range(1, size + 1)), row
     print(f"rank {rank}: collectives hopping threads beside local calls equal the serial run", flush=True)

@@ -4,7 +4,7 @@
 #include <map>
 #include <string>
 
-#include "hybridsync/ps.h"
+#include "../update_rule.h"
 
 namespace hybridsync {
 

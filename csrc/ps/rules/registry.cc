@@ -22,4 +22,8 @@ std::unique_ptr<UpdateRule> make_update_rule(const std::string& name, const std:
   return rules().find(name, "server optimizer")(hparams);
 }
 
+std::map<std::string, double> resolve_rule(const std::string& rule, const std::map<std::string, double>& given) {
+  return make_update_rule(rule, given)->hyperparameters();
+}
+
 }  // namespace hybridsync

@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "hybridsync/ps.h"
+#include "../update_rule.h"
 
 namespace hybridsync {
 

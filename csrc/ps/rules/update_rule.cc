@@ -1,5 +1,5 @@
 // What every update rule shares: changing a hyper-parameter without leaving a bad value behind.
-#include "hybridsync/ps.h"
+#include "../update_rule.h"
 
 namespace hybridsync {
 

@@ -1,0 +1,89 @@
+// One table's rows held by this rank, with their optimizer state.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "update_rule.h"
+
+namespace hybridsync {
+
+// Memory that reads as zeros and costs nothing until written: blocks of 1 MiB and more come
+// straight from mmap (untouched pages, huge ones where granted), smaller ones from calloc. Default construction writes
+// nothing, so a fresh vector<T, ZeroPages<T>>(n) holds n zeros and no resident memory yet: a
+// shard's rows become resident as they are written (a table being loaded from a whole copy
+// does not hold the shard and the copy at once). Only fresh allocations are zero: grow such a
+// vector with resize() only from empty.
+template <class T>
+struct ZeroPages {
+  using value_type = T;
+  static constexpr size_t kMmapBytes = size_t{1} << 20;
+  ZeroPages() = default;
+  template <class U>
+  ZeroPages(const ZeroPages<U>&) noexcept {}
+  T* allocate(size_t n);
+  void deallocate(T* p, size_t n) noexcept;
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+  template <class U>
+  void construct(U*) noexcept {}  // the zeros are already there
+  template <class U>
+  bool operator==(const ZeroPages<U>&) const noexcept { return true; }
+  template <class U>
+  bool operator!=(const ZeroPages<U>&) const noexcept { return false; }
+};
+
+// Rows are owned, or alias a caller's full-table buffer (row l at base + (l*stride + offset)*dim).
+// The Client serialises access.
+class Shard {
+ public:
+  Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<UpdateRule> rule);
+  // The table's name, for errors (known only after the model is built).
+  const std::string& table() const { return table_; }
+  void rename(std::string table) { table_ = std::move(table); }
+  int64_t rows() const { return rows_; }
+  int64_t dim() const { return dim_; }
+  UpdateRule& rule() { return *rule_; }
+  const UpdateRule& rule() const { return *rule_; }
+  // Local row l; inline because the hot loops call it per row.
+  float* row(int64_t l) { return base_ + (l * stride_ + offset_) * dim_; }
+  const float* row(int64_t l) const { return base_ + (l * stride_ + offset_) * dim_; }
+  // Local row l of the rows (slot < 0) or of optimizer slot `slot`.
+  float* row_of(int slot, int64_t l) { return slot < 0 ? row(l) : slot_row(slot, l); }
+  const float* row_of(int slot, int64_t l) const { return slot < 0 ? row(l) : slots_[slot].data() + l * dim_; }
+  // Copies rows local[i] (slot < 0) or slot values to out[i*dim...], or overwrites them from values[i*dim...].
+  void gather(const int64_t* local, int64_t n, float* out, int slot = -1) const;
+  void scatter(const int64_t* local, int64_t n, const float* values, int slot = -1);
+  // Runs the rule on unique rows local[i] with gradients grads[i*dim...] (no begin_step()).
+  void apply(const int64_t* local, int64_t n, const float* grads);
+  // Replaces the optimizer; its state slots start fresh.
+  void set_rule(std::unique_ptr<UpdateRule> rule);
+  // Rows live in the caller's memory until detach() copies them back into owned memory.
+  void attach(float* base, int64_t stride, int64_t offset);
+  void detach();
+  bool attached() const { return owned_.empty() && rows_ > 0; }
+  // Optimizer state slot k (rows x dim, row-major), for checkpoints.
+  float* slot(int k) { return slots_[k].data(); }
+  const float* slot(int k) const { return slots_[k].data(); }
+  int num_slots() const { return static_cast<int>(slots_.size()); }
+  // Bytes held by owned rows (0 when attached), and by the optimizer state.
+  int64_t row_bytes() const;
+  int64_t state_bytes() const;
+
+ private:
+  float* slot_row(int slot, int64_t l) { return slots_[slot].data() + l * dim_; }
+  std::string table_;
+  int64_t rows_, dim_;
+  std::unique_ptr<UpdateRule> rule_;
+  std::vector<float, ZeroPages<float>> owned_;
+  float* base_ = nullptr;
+  int64_t stride_ = 1, offset_ = 0;
+  std::vector<std::vector<float>> slots_;
+};
+
+}  // namespace hybridsync
