@@ -431,6 +431,11 @@ PYBIND11_MODULE(_ps, m) {
         for (const SilentPeer& p : silent_peers(timeout_s)) out.append(py::make_tuple(p.rank, p.host, p.seconds));
         return out;
       }, py::arg("timeout_s"), "(rank, host, seconds) of peers not heard from for longer than timeout_s.");
+  m.def("departed_peers", [](double min_s) {
+        py::list out;
+        for (const SilentPeer& p : departed_peers(min_s)) out.append(py::make_tuple(p.rank, p.host, p.seconds));
+        return out;
+      }, py::arg("min_s"), "(rank, host, seconds) of peers that shut down more than min_s seconds ago.");
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init([](py::object comm, double spin_us, double max_sleep_us, double stall_warning_s, double timeout_s,

@@ -36,10 +36,10 @@ class Heartbeat {
     for (int r = 0; r < size_; ++r) hosts_.emplace_back(all.data() + static_cast<size_t>(r) * MPI_MAX_PROCESSOR_NAME);
     last_seen_ = std::make_unique<std::atomic<int64_t>[]>(static_cast<size_t>(size_));
     const int64_t start = now_us();
-    departed_ = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(size_));
+    departed_ = std::make_unique<std::atomic<int64_t>[]>(static_cast<size_t>(size_));
     for (int r = 0; r < size_; ++r) {
       last_seen_[r] = start;
-      departed_[r] = false;
+      departed_[r] = 0;
     }
     sends_.assign(static_cast<size_t>(size_), MPI_REQUEST_NULL);
     thread_ = std::thread([this] { run(); });
@@ -63,6 +63,13 @@ class Heartbeat {
   double silent_for(int peer) const {
     if (peer < 0 || peer >= size_ || peer == rank_ || departed_[peer].load()) return 0.0;
     return static_cast<double>(now_us() - last_seen_[peer].load()) / 1e6;
+  }
+
+  // Seconds since `peer` said goodbye (shut down), or 0 while it has not.
+  double gone_for(int peer) const {
+    if (peer < 0 || peer >= size_ || peer == rank_) return 0.0;
+    const int64_t at = departed_[peer].load();
+    return at == 0 ? 0.0 : static_cast<double>(now_us() - at) / 1e6;
   }
 
   std::string host_of(int peer) const { return peer >= 0 && peer < size_ ? hosts_[peer] : "?"; }
@@ -101,7 +108,7 @@ class Heartbeat {
         MPI_Status status;
         if (MPI_Iprobe(MPI_ANY_SOURCE, kTagGoodbye, comm_, &flag, &status) != MPI_SUCCESS || !flag) break;
         MPI_Recv(&sink, 1, MPI_CHAR, status.MPI_SOURCE, kTagGoodbye, comm_, MPI_STATUS_IGNORE);
-        departed_[status.MPI_SOURCE] = true;
+        departed_[status.MPI_SOURCE] = now_us();
       }
       if (abort_after_us_ > 0) watchdog();
       lock.lock();
@@ -139,7 +146,7 @@ class Heartbeat {
   int64_t abort_after_us_;
   std::vector<std::string> hosts_;
   std::unique_ptr<std::atomic<int64_t>[]> last_seen_;
-  std::unique_ptr<std::atomic<bool>[]> departed_;
+  std::unique_ptr<std::atomic<int64_t>[]> departed_;  // when each peer said goodbye (0: not yet)
   std::vector<MPI_Request> sends_;
   std::mutex mu_;
   std::condition_variable wake_;
@@ -169,6 +176,17 @@ std::vector<SilentPeer> silent_peers(double timeout_s) {
   for (int p = 0; p < g_heartbeat->size(); ++p) {
     const double s = g_heartbeat->silent_for(p);
     if (s > timeout_s) out.push_back({p, g_heartbeat->host_of(p), s});
+  }
+  return out;
+}
+
+std::vector<SilentPeer> departed_peers(double min_s) {
+  std::lock_guard<std::mutex> lock(g_lock);
+  std::vector<SilentPeer> out;
+  if (!g_heartbeat) return out;
+  for (int p = 0; p < g_heartbeat->size(); ++p) {
+    const double s = g_heartbeat->gone_for(p);
+    if (s > min_s) out.push_back({p, g_heartbeat->host_of(p), s});
   }
   return out;
 }

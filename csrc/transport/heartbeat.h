@@ -29,6 +29,9 @@ void start_heartbeat(MPI_Comm comm, double interval_s, double abort_after_s = 0.
 void stop_heartbeat();
 // Peers not heard from for longer than timeout_s (none when no heartbeat runs).
 std::vector<SilentPeer> silent_peers(double timeout_s);
+// Peers that shut down (said goodbye) more than min_s ago; `seconds` is how long ago. A rank
+// waiting for a collective one of them belongs to can stop waiting: it will never come.
+std::vector<SilentPeer> departed_peers(double min_s);
 // Seconds since `peer` was last heard from (0 when no heartbeat runs).
 double silent_for(int peer);
 // The host `peer` runs on ("?" when unknown).

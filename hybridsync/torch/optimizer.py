@@ -29,7 +29,7 @@ from .adasum_optimizer import adasum_optimizer
 from .batching import BatchedLookups
 from .compression import Compression, NoneCompressor
 from .embedding import Embedding, EmbeddingBag
-from .optimizer_args import check_groups, check_op, check_process_set, sparse_as_dense_config
+from .optimizer_args import check_groups, check_op, check_process_set, parameter_names, sparse_as_dense_config
 from .planner import plan_for, ps_modules, route_for_observed
 from .server_optimizer import describe, group_of
 
@@ -79,6 +79,7 @@ class _DistributedOptimizer:
     def _hs_setup(self, named, model, config, compression, backward_passes_per_step, op,
                   gradient_predivide_factor, backend):
         world = runtime.init()
+        self._parameter_names = parameter_names(named)
         # Config and plan first: they need no communication, so a bad config raises the same
         # ConfigError on every rank before any collective could leave one waiting.
         cfg = config_mod.load(config if config is not None else runtime.default_config())

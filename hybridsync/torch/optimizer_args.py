@@ -12,6 +12,12 @@ from .. import runtime
 from . import process_sets
 
 
+def parameter_names(named) -> dict:
+    """Horovod's `optimizer._parameter_names`: parameter -> name (scripts and tools read it);
+    names are 'allreduce.noname.<group>.<index>' when no named_parameters were given."""
+    return {p: name for name, p in sorted(named, key=lambda pair: pair[0])}
+
+
 def check_process_set(process_set) -> None:
     """Only the global set: the optimizer's exchanges (dense buckets, PS shards) span every rank."""
     if not process_sets.is_global(process_set):
