@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     parser.add_argument("--horovod", action="store_true", help="run against real Horovod (no import switch)")
     parser.add_argument("--np", type=int, default=2, help="ranks per test (default 2)")
     parser.add_argument("--timeout", type=float, default=120, help="seconds per test before it counts as hung")
-    parser.add_argument("-k", "--select", help="only tests whose name contains this substring")
+    parser.add_argument("-k", "--select", help="only tests whose name contains one of these comma-separated substrings")
     parser.add_argument("--json", help="where to write per-test outcomes (default: horovod_suite.<label>.json)")
     parser.add_argument("--logs", help="folder for each non-passing test's output")
     args = parser.parse_args(argv)
@@ -154,7 +154,8 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     source = load_source(args)
-    tests = [t for t in list_tests(source) if not args.select or args.select in t]
+    wanted = [w for w in (args.select or "").split(",") if w]
+    tests = [t for t in list_tests(source) if not wanted or any(w in t for w in wanted)]
     label = "horovod" if args.horovod else f"hybridsync-{args.backend}"
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
