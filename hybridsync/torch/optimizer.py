@@ -92,8 +92,9 @@ class _DistributedOptimizer:
             backend_name, size, reason = "mpi", scope.size, scope.reason()
         plan, self._hs_planner = plan_for(self, named, model, cfg, _compression_name(compression),
                                           backend_name, size, reason)
+        self._hs_scope = scope
         if scope is not None:
-            check_routes(plan, scope)
+            check_routes(plan.variables, scope)
         dense_backend = comm.backend(backend_name) if scope is None else scope.engine
         self._hs_plan = agree(plan, dense_backend)
         self._hs_bpps = backward_passes_per_step
@@ -209,6 +210,8 @@ class _DistributedOptimizer:
         p = self._hs_param_of[var]
         kind = GradKind.SPARSE if p.grad is not None and p.grad.is_sparse else GradKind.DENSE
         route_for_observed(var.plan, kind, self._hs_planner, p)
+        if self._hs_scope is not None:
+            check_routes([var.plan], self._hs_scope)
         self._hs_sync.assign(var)
 
     def _hs_confirm_plan(self):

@@ -50,10 +50,10 @@ def set_config(config, sparse_as_dense: bool):
     return sparse_default_config(config, "allgather", "DistributedOptimizer(process_set=...): Horovod's allgather")
 
 
-def check_routes(plan, scope: SetScope) -> None:
-    """No variable of a process-set optimizer may be on the parameter server (the plan is the
-    same on every member, so every member raises)."""
-    for v in plan.variables:
+def check_routes(variables, scope: SetScope) -> None:
+    """No variable (VariablePlan) of a process-set optimizer may be on the parameter server (the
+    plan is the same on every member, so every member raises)."""
+    for v in variables:
         if v.route is Route.PS:
             raise ValueError(f"variable '{v.name}' is on the parameter server ({v.reason}), whose shards span every "
                              f"rank of the job, but the optimizer reduces over process set {scope.process_set.ranks}; "
