@@ -131,6 +131,9 @@ def run_one(copy: Path, test: str, args, env: dict) -> tuple[str, float, str]:
         os.killpg(proc.pid, signal.SIGKILL)  # mpirun and every rank it started
         out, _ = proc.communicate()
         outcome = "hung"
+    except BaseException:  # Ctrl-C: leave no ranks behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return outcome, time.monotonic() - start, out
 
 
