@@ -73,7 +73,7 @@ class _FastPath:
         started = self.start(arrays, keys)
         if started is None:
             return False
-        k.wait(started[1], while_waiting=while_waiting)
+        k.wait(started[1], while_waiting=while_waiting, comm=self.parent)
         k.finish_buckets(self.size, started[0])
         return True
 
@@ -115,7 +115,7 @@ class _FastPath:
                 raise RuntimeError("join: another rank ran a fused all-reduce this rank never saw")
             while self.rounds[digest_] < target:
                 self._post(digest_)
-        k.wait(self.requests())
+        k.wait(self.requests(), comm=self.parent)
         self.posted.clear()
 
     def free(self) -> None:
@@ -227,7 +227,7 @@ class MPICollectives:
         if self._round is None:
             self._round = self._post_round()
         if block:
-            k.wait([self._round.request])
+            k.wait([self._round.request], comm=self.comm)
         elif not self._round.request.Test():
             return None
         rnd, self._round = self._round, None
@@ -307,7 +307,7 @@ class MPICollectives:
         return k.reducescatter(self.comm, self.size, self.rank, array, d.op, d.scales)
 
     def _run_barrier(self, d, payload):
-        k.wait([self.comm.Ibarrier()])
+        k.wait([self.comm.Ibarrier()], comm=self.comm)
 
     def _run_broadcast_object(self, d, obj):
         return self.comm.bcast(obj, root=self.ranks.index(d.root))
@@ -375,7 +375,7 @@ class MPICollectives:
             if self._round is None:
                 self._round = self._post_round()
             side_work = self._finish_round_if_done
-        k.wait(requests, while_waiting=side_work)
+        k.wait(requests, while_waiting=side_work, comm=self.comm)
         k.finish_buckets(self.size, buckets)
 
     # -- join -----------------------------------------------------------------------------------
@@ -394,7 +394,8 @@ class MPICollectives:
                     self._fast.stand_ready()
                 if self._round is None:
                     self._round = self._post_round()
-                k.wait([self._round.request] + (self._fast.requests() if self._fast else []), any_done=True)
+                k.wait([self._round.request] + (self._fast.requests() if self._fast else []), any_done=True,
+                       comm=self.comm)
                 if self._round.request.Test():
                     rnd, self._round = self._round, None
                     payloads = self._finish_round(rnd, "join")

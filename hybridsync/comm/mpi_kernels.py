@@ -58,20 +58,27 @@ def np_dtype(label: str):
 
 
 def scale(array, factor: float) -> None:
-    """In place; integers truncate toward zero, as Horovod's scaling does."""
+    """In place, with Horovod's arithmetic on the CPU: integers are scaled in float64 and truncate
+    toward zero, float16 in float32 (the factor is not rounded to half first), other floats in
+    their own type."""
     if factor == 1.0:
         return
     if np.issubdtype(array.dtype, np.integer):
         np.multiply(array, factor, out=array, casting="unsafe")
+    elif array.dtype == np.float16:
+        np.multiply(array, np.float32(factor), out=array, dtype=np.float32, casting="unsafe")
     else:
         array *= array.dtype.type(factor)
 
 
-def wait(requests, any_done=False, while_waiting=None) -> None:
+def wait(requests, any_done=False, while_waiting=None, comm=None) -> None:
     """Waits without sitting in a blocking MPI call: OpenMPI's blocking waits spin, stealing the
     core a peer needs to catch up (measured: 4-5 ms of CPU per step on the ranks that arrive
     first, at 4 ranks on 2 cores). Polls, yielding the core, for HYBRIDSYNC_SPIN_US, then sleeps
-    with back-off. while_waiting: called at every poll (other work this rank's peers may need)."""
+    with back-off. while_waiting: called at every poll (other work this rank's peers may need).
+    comm: the communicator the requests belong to; a member of it that has shut down (its
+    script ended, or failed on that rank alone) ends the wait with PeerLostError, as a peer's
+    hvd.shutdown() ends Horovod's, instead of leaving this rank waiting forever."""
     from ..ps import wait_spin_us
 
     def done():
@@ -88,15 +95,17 @@ def wait(requests, any_done=False, while_waiting=None) -> None:
         if now < spin_until:
             os.sched_yield()
             continue
-        if now > next_check:  # a peer frozen or cut off would leave this wait hanging forever
+        if now > next_check:  # a peer frozen, cut off or gone would leave this wait hanging forever
             _raise_if_a_peer_is_silent()
+            _raise_if_a_peer_has_left(comm)
             next_check = now + 0.5
         time.sleep(sleep_s)
         sleep_s = min(sleep_s * 2, max_sleep_s)
 
 
 class PeerLostError(RuntimeError):
-    """A peer has not been heard from (heartbeat) for HYBRIDSYNC_PEER_TIMEOUT_S."""
+    """A peer has not been heard from (heartbeat) for HYBRIDSYNC_PEER_TIMEOUT_S, or has shut
+    down while this rank waits for a collective it belongs to."""
 
 
 def _raise_if_a_peer_is_silent() -> None:
@@ -109,13 +118,35 @@ def _raise_if_a_peer_is_silent() -> None:
         raise PeerLostError(f"hybridsync: rank {rank} on host {host} has not been heard from for {seconds:.0f} s "
                             f"(frozen, dead or unreachable; HYBRIDSYNC_PEER_TIMEOUT_S={timeout:g}) while waiting "
                             "for a dense collective")
-    # A peer's goodbye travels apart from what it sent before: give that a moment to arrive.
-    departed = _ps.departed_peers(2.0)
-    if departed:
-        rank, host, seconds = departed[0]
-        raise PeerLostError(f"hybridsync: rank {rank} on host {host} has left the job (its program ended "
-                            f"{seconds:.0f} s ago) while this rank waits for a dense collective: the ranks ran "
-                            "different numbers of steps (uneven data? call hvd.join() when a rank runs out)")
+
+
+# A peer's goodbye can overtake the last bytes of a collective it finished: it must have been
+# gone this long before a wait that still has not completed gives up on it.
+_GONE_GRACE_S = 2.0
+
+
+def _raise_if_a_peer_has_left(comm) -> None:
+    from .. import _ps
+
+    gone = _ps.departed_peers(_GONE_GRACE_S)
+    if not gone:
+        return
+    members = set(_world_ranks(comm if comm is not None else MPI.COMM_WORLD))
+    for rank, host, _ in gone:
+        if rank in members:
+            raise PeerLostError(f"hybridsync: rank {rank} (host {host}) has shut down (its script ended or failed "
+                                "there) while this rank waits for a collective it takes part in; every rank must "
+                                "run the same collectives (uneven data? call hvd.join() when a rank runs out)")
+
+
+def _world_ranks(comm) -> list:
+    """The MPI_COMM_WORLD ranks of comm's members (the heartbeat names peers by them)."""
+    group, world_group = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world_group)]
+    finally:
+        group.Free()
+        world_group.Free()
 
 
 def wait_all(requests) -> None:
@@ -131,7 +162,7 @@ def _rows(array) -> int:
 def reduce_buckets(comm, size: int, arrays, keys, while_waiting=None) -> None:
     """All-reduces arrays in place, fused into buckets per (key, dtype); key = (op, (pre, post))."""
     buckets, requests = start_buckets(comm, size, arrays, keys)
-    wait(requests, while_waiting=while_waiting)
+    wait(requests, while_waiting=while_waiting, comm=comm)
     finish_buckets(size, buckets)
 
 
@@ -188,7 +219,7 @@ def adasum(comm, size: int, rank: int, arrays, scales, while_waiting=None) -> No
         for mine, theirs in zip(arrays, received):
             requests.append(comm.Irecv(buf(theirs), source=peer, tag=distance))
             requests.append(comm.Isend(buf(mine), dest=peer, tag=distance))
-        wait(requests, while_waiting=while_waiting)
+        wait(requests, while_waiting=while_waiting, comm=comm)
         for mine, theirs in zip(arrays, received):
             left, right = (mine, theirs) if rank & distance == 0 else (theirs, mine)
             _combine(left, right, out=mine)
@@ -217,27 +248,27 @@ def allgather_many(comm, size: int, arrays) -> list:
     """Each array concatenated over ranks along dim 0 (one exchange of every dim 0 first)."""
     counts = np.array([a.shape[0] for a in arrays], dtype=np.int64)
     everyone = np.empty((size, len(arrays)), dtype=np.int64)
-    wait([comm.Iallgather(counts, everyone)])
+    wait([comm.Iallgather(counts, everyone)], comm=comm)
     outs, requests = [], []
     for i, a in enumerate(arrays):
         out = np.empty((int(everyone[:, i].sum()), *a.shape[1:]), dtype=a.dtype)
         requests.append(comm.Iallgatherv(buf(a), buf(out, everyone[:, i] * _rows(a))))
         outs.append(out)
-    wait(requests)
+    wait(requests, comm=comm)
     return outs
 
 
 def broadcast(comm, array, root: int):
-    wait([comm.Ibcast(buf(array), root=root)])
+    wait([comm.Ibcast(buf(array), root=root)], comm=comm)
     return array
 
 
 def alltoall(comm, size: int, array, splits):
     """splits[r] rows to rank r; returns (rows received, counts received)."""
     received = np.empty(size, dtype=np.int64)
-    wait([comm.Ialltoall(splits, received)])
+    wait([comm.Ialltoall(splits, received)], comm=comm)
     out = np.empty((int(received.sum()), *array.shape[1:]), dtype=array.dtype)
-    wait([comm.Ialltoallv(buf(array, splits * _rows(array)), buf(out, received * _rows(array)))])
+    wait([comm.Ialltoallv(buf(array, splits * _rows(array)), buf(out, received * _rows(array)))], comm=comm)
     return out, received
 
 
@@ -247,6 +278,7 @@ def reducescatter(comm, size: int, rank: int, array, op: str, scales):
     counts = np.array([rows // size + (r < rows % size) for r in range(size)], dtype=np.int64)
     out = np.empty((int(counts[rank]), *array.shape[1:]), dtype=array.dtype)
     scale(array, scales[0])
-    wait([comm.Ireduce_scatter(buf(array), buf(out), counts * _rows(array), op=mpi_op(op, array.dtype))])
+    wait([comm.Ireduce_scatter(buf(array), buf(out), counts * _rows(array), op=mpi_op(op, array.dtype))],
+         comm=comm)
     scale(out, scales[1] / size if op == "average" else scales[1])
     return out

@@ -32,7 +32,9 @@ def agree(plan: Plan, objects) -> Plan:
     if objects.size == 1:
         return plan
     # Named: Horovod names an unnamed object by its type, which differs between root and the rest.
-    reference = objects.broadcast_object(plan.to_json() if objects.rank == 0 else None, 0, name="hybridsync.plan")
+    # Roots are global ranks: a process set's first member is its local rank 0.
+    root = getattr(objects, "ranks", [0])[0]
+    reference = objects.broadcast_object(plan.to_json() if objects.rank == 0 else None, root, name="hybridsync.plan")
     problem = _difference(_signature(Plan.from_json(reference)), _signature(plan), objects.rank)
     problems = objects.allgather_object(problem, name="hybridsync.plan_check")
     first = next((p for p in problems if p), "")

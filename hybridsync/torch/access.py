@@ -28,6 +28,13 @@ def as_tensor(buffer) -> torch.Tensor:
     return torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else buffer
 
 
+def _takes_only_sparse(optimizer) -> bool:
+    """Whether the wrapped optimizer rejects dense gradients (torch.optim.SparseAdam): a sparse
+    gradient densified for the all-reduce must go back to it sparse. Every other torch optimizer
+    takes the dense average (and Adam, say, would refuse a sparse one)."""
+    return isinstance(optimizer, torch.optim.SparseAdam)
+
+
 class ParamAccess:
     """A parameter the wrapped optimizer updates; its gradient is p.grad.
 
@@ -35,11 +42,12 @@ class ParamAccess:
     hands out the gradient tensor itself; otherwise a NumPy view (CPU) or a staged copy.
     compressor: a user's Horovod-style compressor (compress/decompress on tensors), if any."""
 
-    __slots__ = ("param", "optimizer", "tensor_buffers", "compressor", "_decode", "_in_place")
+    __slots__ = ("param", "optimizer", "tensor_buffers", "compressor", "_decode", "_in_place", "_resparsify")
 
     def __init__(self, param, optimizer, tensor_buffers: bool, compressor=None):
         self.param, self.optimizer = param, optimizer
         self.tensor_buffers, self.compressor, self._decode, self._in_place = tensor_buffers, compressor, None, False
+        self._resparsify = None  # sparse_dim of a sparse gradient densified for the all-reduce
 
     def kind(self):
         g = self.param.grad
@@ -52,9 +60,12 @@ class ParamAccess:
     # -- dense ------------------------------------------------------------------------------
     def dense(self, codec):
         p = self.param
+        self._resparsify = None
         if p.grad is None:  # another rank may have a gradient (data-dependent graphs)
             p.grad = torch.zeros_like(p)
         elif p.grad.is_sparse:
+            if _takes_only_sparse(self.optimizer):
+                self._resparsify = p.grad.sparse_dim()
             p.grad = p.grad.to_dense()
         t, self._decode = p.grad, None
         if codec.custom:  # the user's own compressor, on tensors
@@ -69,12 +80,13 @@ class ParamAccess:
         return t if self.tensor_buffers else host_array(t)
 
     def set_dense(self, buffer) -> None:
-        if self._in_place:
-            return
-        t = as_tensor(buffer)
-        if self._decode is not None:
-            t = self._decode(t)
-        self.param.grad.copy_(t.view_as(self.param.grad))  # casts back from the wire dtype
+        if not self._in_place:
+            t = as_tensor(buffer)
+            if self._decode is not None:
+                t = self._decode(t)
+            self.param.grad.copy_(t.view_as(self.param.grad))  # casts back from the wire dtype
+        if self._resparsify is not None:  # back in the layout the optimizer takes, as Horovod does
+            self.param.grad = self.param.grad.to_sparse(sparse_dim=self._resparsify)
 
     # -- rows -------------------------------------------------------------------------------
     def rows(self):

@@ -18,6 +18,7 @@ import torch
 
 from .. import comm, runtime
 from . import mpi_ops
+from .optimizer_args import parameter_names
 
 
 class _AdasumOptimizer:
@@ -25,6 +26,7 @@ class _AdasumOptimizer:
 
     def _hs_setup(self, named, compression, backward_passes_per_step):
         self._hs_names = {p: name for name, p in named}
+        self._parameter_names = parameter_names(named)
         self._hs_compression = compression
         self._hs_bpps = backward_passes_per_step
         self._hs_start = {p: torch.zeros_like(p, requires_grad=False) for _, p in named}

@@ -96,8 +96,9 @@ def _base_step(optimizer) -> None:
 
 def _initialise_state(optimizer, model) -> None:
     """Horovod's way to create state on a fresh optimizer: one step with zero gradients for
-    every parameter that trains. Parameters and gradients are restored afterwards, so only the
-    state changes (an AdamW step would otherwise decay the weights)."""
+    every parameter that trains. Parameter values and existing gradients are restored afterwards,
+    so only the state changes (an AdamW step would otherwise decay the weights); a parameter that
+    had no gradient keeps the zero one, as in Horovod (scripts read p.grad afterwards)."""
     sparse = set()
     if model is not None:
         sparse = {id(m.weight) for m in model.modules()
@@ -119,38 +120,61 @@ def _initialise_state(optimizer, model) -> None:
     with torch.no_grad():
         for p, grad, value in saved:
             p.copy_(value)
-            p.grad = grad
+            if grad is not None:
+                p.grad = grad
+
+
+def _assign_option(group: dict, key, value) -> None:
+    """group[key] = value; a tensor hyper-parameter (lr=torch.tensor(...)) is copied into the
+    tensor this rank already has, which keeps its device and the objects LR schedulers hold."""
+    current = group.get(key)
+    if torch.is_tensor(current) and torch.is_tensor(value) and current.shape == value.shape:
+        with torch.no_grad():
+            current.copy_(value)
+    elif torch.is_tensor(value) and torch.is_tensor(current):
+        group[key] = value.to(current.device)
+    else:
+        group[key] = value
+
+
+def _state_layout(optimizer) -> dict:
+    """{(group, index): {key: ('tensor', shape, dtype) | ('value', v)}} of every parameter with state."""
+    layout = {}
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if p in optimizer.state:
+                layout[i, j] = {k: ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v) else ("value", v)
+                                for k, v in optimizer.state[p].items()}
+    return layout
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=global_process_set):
     """Makes every rank's optimizer state and hyper-parameters (lr, momentum, ...) equal to
-    root_rank's, as Horovod does: a rank whose optimizer has no state yet first creates it with
-    a zero-gradient step; then state tensors are broadcast in place and everything else (options,
-    non-tensor state) as one object. Server-side state of parameter-server tables lives on the
-    shards and is not copied. model: lets sparse embedding weights get sparse zero gradients."""
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    root_rank's, for every torch.optim optimizer (LBFGS too, which Horovod refuses). A rank whose
+    optimizer has no state yet first creates it with a zero-gradient step, as Horovod does (not
+    LBFGS: its step needs a closure); then state tensors are broadcast in place and everything
+    else (options, tensor hyper-parameters included, and non-tensor state) as one object; state
+    the root has not got (a parameter without gradient) is dropped. Server-side state of
+    parameter-server tables lives on the shards and is not copied. model: lets sparse embedding
+    weights get sparse zero gradients."""
     if ops.set_size(process_set) == 1:
         return
-    if len(optimizer.state) == 0:
+    if len(optimizer.state) == 0 and not isinstance(optimizer, torch.optim.LBFGS):
         _initialise_state(optimizer, model)
     groups = optimizer.param_groups
     meta = None
     if ops.global_rank() == root_rank:
-        meta = {"options": [{k: v for k, v in g.items() if k != "params"} for g in groups], "state": {}}
-        for i, group in enumerate(groups):
-            for j, p in enumerate(group["params"]):
-                if p in optimizer.state:
-                    meta["state"][i, j] = {k: ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v)
-                                           else ("value", v) for k, v in optimizer.state[p].items()}
+        meta = {"options": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+                "sizes": [len(g["params"]) for g in groups], "state": _state_layout(optimizer)}
     meta = broadcast_object(meta, root_rank, name="optimizer_state.meta", process_set=process_set)
-    if len(meta["options"]) != len(groups) or any(
-            len(groups[i]["params"]) <= j for i, j in meta["state"]):
-        raise ValueError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer has a different param_groups "
-                         "layout than this rank's; every rank must build the same optimizer")
+    if meta["sizes"] != [len(g["params"]) for g in groups]:
+        raise ValueError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer has param_groups of sizes "
+                         f"{meta['sizes']}, this rank's {[len(g['params']) for g in groups]}; every rank must "
+                         "build the same optimizer")
     handles = []
     for i, group in enumerate(groups):
-        group.update(meta["options"][i])
+        for key, value in meta["options"][i].items():
+            _assign_option(group, key, value)
         for j, p in enumerate(group["params"]):
             wanted = meta["state"].get((i, j))
             if wanted is None:
@@ -159,7 +183,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=gl
             state = optimizer.state[p]
             for key in [k for k in state if k not in wanted]:
                 del state[key]
-            for key, (kind, *spec) in sorted(wanted.items()):
+            for key, (kind, *spec) in sorted(wanted.items(), key=lambda kv: str(kv[0])):
                 if kind == "value":
                     state[key] = spec[0]
                     continue

@@ -175,9 +175,14 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 # -- alltoall / reducescatter -----------------------------------------------------------------
 def _splits(splits):
+    """Row counts per destination rank as ints; a splits tensor must hold int32 (as in Horovod)."""
     if splits is None:
         return None
-    return [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype != torch.int32:
+            raise ValueError(f"alltoall: splits must be a tensor of 32-bit integers (torch.int32), not {splits.dtype}")
+        splits = splits.tolist()
+    return [int(s) for s in splits]
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):

@@ -29,8 +29,9 @@ from .adasum_optimizer import adasum_optimizer
 from .batching import BatchedLookups
 from .compression import Compression, NoneCompressor
 from .embedding import Embedding, EmbeddingBag
-from .optimizer_args import check_groups, check_op, check_process_set, sparse_as_dense_config
+from .optimizer_args import check_groups, check_op, parameter_names, sparse_as_dense_config
 from .planner import plan_for, ps_modules, route_for_observed
+from .process_set_optimizer import check_routes, outside_set_optimizer, scope_for, set_config
 from .server_optimizer import describe, group_of
 from .table_tensor import ShardedTableTensor
 from ..sync.table import TableView
@@ -79,15 +80,24 @@ class _DistributedOptimizer:
     """Mixed in front of the wrapped optimizer's class. Attributes are prefixed `_hs_`."""
 
     def _hs_setup(self, named, model, config, compression, backward_passes_per_step, op,
-                  gradient_predivide_factor, backend):
+                  gradient_predivide_factor, backend, scope=None):
+        """scope: a process set's SetScope (hybridsync.torch.process_set_optimizer), or None."""
         world = runtime.init()
+        self._parameter_names = parameter_names(named)
         # Config and plan first: they need no communication, so a bad config raises the same
         # ConfigError on every rank before any collective could leave one waiting.
         cfg = config_mod.load(config if config is not None else runtime.default_config())
-        backend_name = comm.choose(backend or (cfg.backend if cfg else None))
+        if scope is None:
+            backend_name = comm.choose(backend or (cfg.backend if cfg else None))
+            size, reason = world.size, comm.why(backend_name)
+        else:  # the set's own MPI communicator, whatever the job's dense backend
+            backend_name, size, reason = "mpi", scope.size, scope.reason()
         plan, self._hs_planner = plan_for(self, named, model, cfg, _compression_name(compression),
-                                          backend_name, world.size, comm.why(backend_name))
-        dense_backend = comm.backend(backend_name)
+                                          backend_name, size, reason)
+        self._hs_scope = scope
+        if scope is not None:
+            check_routes(plan.variables, scope)
+        dense_backend = comm.backend(backend_name) if scope is None else scope.engine
         self._hs_plan = agree(plan, dense_backend)
         self._hs_bpps = backward_passes_per_step
         tensor_buffers = backend_name == "horovod"
@@ -98,7 +108,7 @@ class _DistributedOptimizer:
         self._hs_param_of = {var: p for var, (_, p) in zip(self._hs_vars, named)}
         for name, module in ps_modules(model):
             self._hs_vars.append(self._hs_table_variable(name, module, by_name[name]))
-        self._hs_sync = SyncSet(SyncContext(dense_backend, op, world.size, gradient_predivide_factor,
+        self._hs_sync = SyncSet(SyncContext(dense_backend, op, size, gradient_predivide_factor,
                                             tensor_buffers=tensor_buffers))
         self._hs_model = model
         self._hs_swapped: dict = {}  # Variable -> ([(PS module, the nn module it replaced)], its parameter)
@@ -202,6 +212,8 @@ class _DistributedOptimizer:
         p = self._hs_param_of[var]
         kind = GradKind.SPARSE if p.grad is not None and p.grad.is_sparse else GradKind.DENSE
         route_for_observed(var.plan, kind, self._hs_planner, p)
+        if self._hs_scope is not None:
+            check_routes([var.plan], self._hs_scope)
         self._hs_sync.assign(var)
 
     def _hs_confirm_plan(self):
@@ -399,8 +411,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         divide by this before the sum and by size/factor after.
     num_groups / groups: Horovod's explicit grouping of gradient all-reduces; validated, and a
         scheduling hint only (see optimizer_args.check_groups).
-    sparse_as_dense: sparse gradients are densified and all-reduced (config rules still win).
-    process_set: the global set only (other sets: NotImplementedError).
+    sparse_as_dense: sparse gradients are densified and all-reduced (config rules still win); a
+        SparseAdam gets the average back sparse, every other optimizer dense.
+    process_set: a registered hvd.ProcessSet: gradients are averaged over its members only (sparse
+        ones all-gathered, or densified with sparse_as_dense); on a rank outside it, step()
+        applies that rank's own gradients, as in Horovod (hybridsync.torch.process_set_optimizer).
 
     hybridsync's own, by keyword:
     model: the model; lets sparse embeddings be planned up front and, by default, sharded on
@@ -414,7 +429,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a hybridsync DistributedOptimizer")
-    check_process_set(process_set)
+    scope = scope_for(process_set)
     op = check_op(op)
     adasum = op == "adasum"
     op = check_options(ReduceOp.AVERAGE if adasum else op, gradient_predivide_factor, backward_passes_per_step)
@@ -428,9 +443,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise TypeError("compression must be hybridsync.torch.Compression.none / .fp16 (or have compress/decompress)")
     named = _named_parameters(optimizer, named_parameters, model)
     check_groups(num_groups, groups, named)
+    if scope is False:  # this rank is outside the process set
+        return outside_set_optimizer(optimizer, named, backward_passes_per_step)
     if adasum:  # Horovod's Adasum optimizer: each rank's update, combined (sparse_as_dense is implied)
+        if scope is not None:
+            raise NotImplementedError("DistributedOptimizer(op=Adasum, process_set=...): Adasum combines updates "
+                                      "over the whole job only")
         return adasum_optimizer(optimizer, named, compression, backward_passes_per_step, model, config, backend)
-    if sparse_as_dense:
+    if scope is not None:
+        config = set_config(config, sparse_as_dense)
+    elif sparse_as_dense:
         config = sparse_as_dense_config(config)
 
     base = type(optimizer)
@@ -440,5 +462,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     # original must not be copied (it would call the unsynchronized step).
     dist.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     dist._hs_setup(named, model, config, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, backend)
+                   gradient_predivide_factor, backend, scope)
     return dist

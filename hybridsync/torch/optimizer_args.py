@@ -9,16 +9,12 @@ import torch
 
 from .. import config as config_mod
 from .. import runtime
-from . import process_sets
 
 
-def check_process_set(process_set) -> None:
-    """Only the global set: the optimizer's exchanges (dense buckets, PS shards) span every rank."""
-    if not process_sets.is_global(process_set):
-        raise NotImplementedError(
-            f"DistributedOptimizer(process_set={process_set}): reducing gradients over a subset of the ranks is "
-            "not supported by hybridsync's optimizer (its dense buckets and parameter-server shards span every "
-            "rank); hvd.allreduce(..., process_set=...) and the other collectives do support process sets")
+def parameter_names(named) -> dict:
+    """Horovod's `optimizer._parameter_names`: parameter -> name (scripts and tools read it);
+    names are 'allreduce.noname.<group>.<index>' when no named_parameters were given."""
+    return {p: name for name, p in sorted(named, key=lambda pair: pair[0])}
 
 
 def check_op(op):
@@ -66,14 +62,19 @@ def check_groups(num_groups, groups, named):
     return groups
 
 
-def sparse_as_dense_config(config):
-    """The config with every sparse variable on the all-reduce-as-dense route by default
-    (Horovod's sparse_as_dense=True); rules in the config's `variables` still win."""
+def sparse_default_config(config, sync: str, why: str):
+    """The config with every sparse variable on route `sync` by default (`why` names who asked);
+    rules in the config's `variables` still win."""
     cfg = config_mod.load(config if config is not None else runtime.default_config())
     if cfg is None:
-        cfg = config_mod.load({"defaults": {"sparse": {"sync": "allreduce-as-dense"}}})
+        cfg = config_mod.load({"defaults": {"sparse": {"sync": sync}}})
     else:
-        sparse = config_mod.Settings(sync="allreduce-as-dense", compression=cfg.sparse.compression)
+        sparse = config_mod.Settings(sync=sync, compression=cfg.sparse.compression)
         cfg = dataclasses.replace(cfg, sparse=sparse, where=dict(cfg.where))
-    cfg.where["defaults.sparse"] = "DistributedOptimizer(sparse_as_dense=True)"
+    cfg.where["defaults.sparse"] = why
     return cfg
+
+
+def sparse_as_dense_config(config):
+    """Horovod's sparse_as_dense=True: sparse variables densified and all-reduced by default."""
+    return sparse_default_config(config, "allreduce-as-dense", "DistributedOptimizer(sparse_as_dense=True)")

@@ -208,7 +208,7 @@ def check_optimizer_keywords(hvd, rank, size, backend):
     for a, b in zip(model.parameters(), ref.parameters()):
         _close(a, b)
     assert {v.name: v.route.value for v in opt.plan.variables}["0.weight"] == "allreduce-as-dense"
-    with pytest.raises(NotImplementedError, match="process_set"):
+    with pytest.raises(ValueError, match="not registered"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_set=hvd.ProcessSet([0]))
     with pytest.raises(NotImplementedError, match="Average, Sum or Adasum"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Max)
