@@ -73,20 +73,19 @@ def run_example(workload, name, ranks, steps, cluster=None, per_host=1, timeout=
 
 
 def decided_routes(stdout: str):
-    """{variable: 'ps/4' | route} from the lines `sync: auto` printed when it decided (None if it
-    did not run: a config fixed every route)."""
-    import re
-
-    if "sync: auto decided at step" not in stdout:
+    """{variable: 'ps/4' | route} from the table `sync: auto` printed when it decided
+    (hybridsync.plan.auto_decision_table; None if it did not run: a config fixed every route)."""
+    marker = "sync: auto decided at step"
+    if marker not in stdout:
         return None
-    after = stdout.split("sync: auto decided at step", 1)[1].splitlines()[1:]
+    rows = stdout.split(marker, 1)[1].splitlines()[3:]  # past the title's end, the header and its rule
     routes = {}
-    for line in after:
-        found = re.match(r"\s+(\S+): density .*\| choice: (\S+)(?: on (\d+) shards?)? at step", line)
-        if not found:
+    for line in rows:
+        cells = line.split()
+        if len(cells) < 3 or not (cells[2] == "-" or cells[2].isdigit()):
             break
-        name, route, shards = found.groups()
-        routes[name] = f"{route}/{shards}" if shards else route
+        name, route, shards = cells[:3]
+        routes[name] = f"{route}/{shards}" if route == "ps" else route
     return routes
 
 
