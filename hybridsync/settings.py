@@ -1,6 +1,7 @@
 """Environment variables, parsed once (the first time they are needed).
 
-HYBRIDSYNC_BACKEND       dense all-reduce backend: horovod | mpi (default: horovod when importable)
+HYBRIDSYNC_BACKEND       dense all-reduce backend: horovod | mpi (default: horovod when installed, the job
+                         has more than one rank and every local rank has a spare core; else mpi)
 HYBRIDSYNC_CONFIG        path of a YAML config used when none is passed in code
 HYBRIDSYNC_TIMEOUT_S     a PS operation waiting longer than this raises (default 600; 0 = never)
 HYBRIDSYNC_SPIN_US       poll (yielding the core) this long before sleeping while waiting for peers
