@@ -23,7 +23,7 @@ test-parallel: install
 	$(PY) -m pytest tests/parallel
 
 # Side-by-side benchmark (about 25 minutes, then 30 for the network mode): table, JSON and plots in benchmarks/results/,
-# README's Performance section updated; then the large-cluster projection (a model).
+# docs/performance.md's tables updated; then the large-cluster projection (a model).
 bench: install
 	$(PY) benchmarks/bench.py
 	$(PY) benchmarks/network.py

@@ -15,9 +15,10 @@ included). Each runs as a user writes it
 on one host (2 ranks) and on 2 emulated hosts x 2 ranks at 1 Gbit (launch/cluster.py; root), in
 interleaved rounds, medians. Reports auto / the best hand-written config per workload and place,
 and the routes auto chose with their predicted times (from the plan). Writes
-benchmarks/results/auto.{json,md}.
+benchmarks/results/auto.{json,md} and updates docs/performance.md's `sync: auto` section.
 
     python benchmarks/auto.py [--quick] [--no-network]
+    python benchmarks/auto.py --rerender       # no runs: results/auto.json summarised again
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench import RESULTS, ROOT, median, run  # noqa: E402
+from benchmarks.bench import RESULTS, ROOT, median, run, update_docs  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
 WORKLOADS = {"dlrm": [], "dlrm-hot": ["--hot-rows", "256"]}
@@ -73,20 +74,19 @@ def run_example(workload, name, ranks, steps, cluster=None, per_host=1, timeout=
 
 
 def decided_routes(stdout: str):
-    """{variable: 'ps/4' | route} from the lines `sync: auto` printed when it decided (None if it
-    did not run: a config fixed every route)."""
-    import re
-
-    if "sync: auto decided at step" not in stdout:
+    """{variable: 'ps/4' | route} from the table `sync: auto` printed when it decided
+    (hybridsync.plan.auto_decision_table; None if it did not run: a config fixed every route)."""
+    marker = "sync: auto decided at step"
+    if marker not in stdout:
         return None
-    after = stdout.split("sync: auto decided at step", 1)[1].splitlines()[1:]
+    rows = stdout.split(marker, 1)[1].splitlines()[3:]  # past the title's end, the header and its rule
     routes = {}
-    for line in after:
-        found = re.match(r"\s+(\S+): density .*\| choice: (\S+)(?: on (\d+) shards?)? at step", line)
-        if not found:
+    for line in rows:
+        cells = line.split()
+        if len(cells) < 3 or not (cells[2] == "-" or cells[2].isdigit()):
             break
-        name, route, shards = found.groups()
-        routes[name] = f"{route}/{shards}" if shards else route
+        name, route, shards = cells[:3]
+        routes[name] = f"{route}/{shards}" if route == "ps" else route
     return routes
 
 
@@ -171,15 +171,6 @@ def markdown(rows, verdicts, meta, errors=()) -> str:
     return "\n".join(lines)
 
 
-def update_readme(text: str) -> None:
-    readme = ROOT / "README.md"
-    body = readme.read_text()
-    start, end = "<!-- bench-auto:start -->", "<!-- bench-auto:end -->"
-    if start in body and end in body:
-        head, rest = body.split(start, 1)
-        readme.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -190,9 +181,16 @@ def main():
     p.add_argument("--nlp-steps", type=int, default=1000, help="steps of each NLP example run (auto's included)")
     p.add_argument("--no-network", action="store_true", help="one host only")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-docs", action="store_true", help="leave docs/performance.md as it is")
+    p.add_argument("--rerender", action="store_true",
+                   help="no runs: summarise benchmarks/results/auto.json's runs again (tables, docs page)")
     args = p.parse_args()
     if args.quick:
         args.repeats, args.steps, args.nlp_steps = 1, 60, 60
+    if args.rerender:
+        previous = json.loads((RESULTS / "auto.json").read_text())
+        report(previous["runs"], previous["meta"], args)
+        return
     places = ["1 host x 2"]
     cluster = None
     if not args.no_network:
@@ -223,12 +221,17 @@ def main():
     finally:
         if cluster is not None:
             cluster.down()
-    rows, verdicts, errors = summarise(raw)
     from hybridsync.settings import settings
 
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
             "steps": args.steps, "warmup": args.warmup, "nlp_steps": args.nlp_steps,
             "auto_steps": settings().auto_steps}
+    report(raw, meta, args)
+
+
+def report(raw: list, meta: dict, args) -> None:
+    """Summary, verdicts, the cost model's errors; results/auto.{json,md}; the docs page's section."""
+    rows, verdicts, errors = summarise(raw)
     table = markdown(rows, verdicts, meta, errors)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "auto.json").write_text(json.dumps({"meta": meta, "summary": rows, "verdicts": verdicts,
@@ -236,8 +239,8 @@ def main():
     (RESULTS / "auto.md").write_text(table + "\n")
     print(table)
     print(f"\nwrote {RESULTS / 'auto.json'} and auto.md")
-    if not args.quick:
-        update_readme(table)
+    if not args.quick and not args.no_docs:
+        update_docs("bench-auto", table)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 
 Each configuration runs under its own `mpirun` (benchmarks/run_one.py), repeated; medians are
 reported. Writes benchmarks/results/latest.{json,md,png} (and a timestamped JSON copy), prints
-the table and the targets, and updates README's Performance section.
+the table and the targets, and updates the tables in docs/performance.md (between its
+<!-- bench:start --> and <!-- bench:end --> markers).
 """
 from __future__ import annotations
 
@@ -292,14 +293,26 @@ def plot(summary, path):
     fig.savefig(path, dpi=110)
 
 
-def update_readme(table: str) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+PERFORMANCE_PAGE = ROOT / "docs" / "performance.md"
+
+
+def update_docs(section: str, text: str) -> None:
+    """Replaces what docs/performance.md holds between `<!-- section:start -->` and
+    `<!-- section:end -->` (bench, bench-network, bench-auto) with `text`."""
+    page = PERFORMANCE_PAGE
+    body = page.read_text()
+    start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
+    if start not in body or end not in body:
+        print(f"{page.relative_to(ROOT)} has no {start} ... {end} markers: not updated", file=sys.stderr)
+        return
+    head, rest = body.split(start, 1)
+    page.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
+    print(f"updated {page.relative_to(ROOT)} ({section})")
+
+
+def results_image(alt: str, name: str) -> str:
+    """A markdown image of benchmarks/results/<name>, as docs/performance.md links it."""
+    return f"![{alt}](../benchmarks/results/{name})"
 
 
 def main():
@@ -312,10 +325,11 @@ def main():
     p.add_argument("--dense-steps", type=int, default=15, help="steps of horovod-sparse-as-dense (slow)")
     p.add_argument("--skip", default="", help="comma-separated extra systems to skip")
     p.add_argument("--quick", action="store_true", help="1 repeat, 60 steps: a smoke run")
-    p.add_argument("--no-readme", action="store_true")
+    p.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true",
+                   help="leave docs/performance.md as it is")
     p.add_argument("--retries", type=int, default=2, help="re-runs of a run that crashed (each failure is reported)")
     p.add_argument("--rerender", action="store_true",
-                   help="no runs: summarise benchmarks/results/latest.json's runs again (tables, targets, README)")
+                   help="no runs: summarise benchmarks/results/latest.json's runs again (tables, targets, docs page)")
     p.add_argument("--compare", metavar="CHECKOUT", help="also run this checkout's hybridsync systems as "
                    "'<system>@before' (its C++ extension built in place), in the same interleaved rounds")
     args = p.parse_args()
@@ -368,8 +382,8 @@ def main():
     if before_lines:
         print(f"\nThis checkout vs {args.compare} (same run, interleaved):\n" + "\n".join(before_lines))
     print(f"\nwrote {RESULTS / 'latest.json'}, latest.md, latest.png")
-    if not args.no_readme and not args.quick:
-        update_readme(table + "\n\n" + target_lines + "\n\n![throughput and memory](benchmarks/results/latest.png)")
+    if not args.no_docs and not args.quick:
+        update_docs("bench", table + "\n\n" + target_lines + "\n\n" + results_image("throughput and memory", "latest.png"))
 
 
 if __name__ == "__main__":

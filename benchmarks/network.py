@@ -13,13 +13,15 @@ calibrated with), and two independent 1-rank trainings at once on one core, as a
 every 2 x 2 system here works under. Per configuration, medians over interleaved rounds: samples/s; bytes on the wire per rank per
 step (the host link's counters over the timed steps, shared out to the host's ranks); where a
 step's time goes (forward / backward / optimizer step, timed on every rank). Writes
-benchmarks/results/network.{json,md,png} and updates README's network section. Needs root.
+benchmarks/results/network.{json,md,png} and updates docs/performance.md's network section. Needs
+root (`--rerender`, which summarises network.json's runs again, does not).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
 import re
 import subprocess
 import sys
@@ -28,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench import RESULTS, ROOT, free_port, median, run  # noqa: E402
+from benchmarks.bench import RESULTS, ROOT, free_port, median, results_image, run, update_docs  # noqa: E402
 from launch.cluster import Cluster  # noqa: E402
 
 SYSTEMS = ["hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "horovod-allgather-yield",
@@ -188,15 +190,6 @@ def plot(summary, path):
     fig.savefig(path, dpi=110)
 
 
-def update_readme(text: str) -> None:
-    readme = ROOT / "README.md"
-    body = readme.read_text()
-    start, end = "<!-- bench-network:start -->", "<!-- bench-network:end -->"
-    if start in body and end in body:
-        head, rest = body.split(start, 1)
-        readme.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS))
@@ -207,16 +200,30 @@ def main():
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--dense-steps", type=int, default=6)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--no-readme", action="store_true")
+    p.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true",
+                   help="leave docs/performance.md as it is")
+    p.add_argument("--rerender", action="store_true",
+                   help="no runs: summarise benchmarks/results/network.json's runs again (tables, targets, docs page)")
     args = p.parse_args()
     args.systems, args.rates = args.systems.split(","), args.rates.split(",")
     args.per_host = [int(x) for x in args.per_host.split(",")]
     if args.quick:
         args.repeats, args.steps, args.warmup, args.dense_steps = 1, 60, 10, 3
+    if args.rerender:
+        previous = json.loads((RESULTS / "network.json").read_text())
+        report(previous["runs"], previous["meta"], args)
+        return
     why = Cluster.unavailable()
     if why:
         sys.exit(f"network benchmark: cannot emulate hosts here: {why}")
+    raw = measure(args)
+    meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(),
+            "repeats": args.repeats, "steps": args.steps, "dense_steps": args.dense_steps}
+    report(raw, meta, args)
 
+
+def measure(args) -> list:
+    """Every run of the plan, on 2 emulated hosts; one result per run (failures included)."""
     raw = []
     with Cluster(2, prefix="hsb", subnet="10.231.8") as cluster:
         current = None
@@ -235,11 +242,12 @@ def main():
             if "error" in result:
                 tqdm.write(f"FAILED {system} 2x{per_host} at {rate}: {result['error'][-400:]}")
             raw.append(result)
-    summary = summarise(raw)
-    import os
+    return raw
 
-    meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(),
-            "repeats": args.repeats, "steps": args.steps, "dense_steps": args.dense_steps}
+
+def report(raw: list, meta: dict, args) -> None:
+    """Summary, targets, plot and results/network.{json,md,png}; the docs page's section."""
+    summary = summarise(raw)
     checks = targets(summary)
     target_lines = "\n".join(f"- {'info' if ok is None else 'met' if ok else 'MISSED'}: {n} ({d})"
                              for n, ok, d in checks)
@@ -253,8 +261,8 @@ def main():
     plot(summary, RESULTS / "network.png")
     print(table + "\n\nTargets:\n" + target_lines)
     print(f"\nwrote {RESULTS / 'network.json'}, network.md, network.png")
-    if not args.no_readme and not args.quick:
-        update_readme(table + "\n\n" + target_lines + "\n\n![network benchmark](benchmarks/results/network.png)")
+    if not args.no_docs and not args.quick:
+        update_docs("bench-network", table + "\n\n" + target_lines + "\n\n" + results_image("network benchmark", "network.png"))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sys
 import threading
+import weakref
 
 from .types import GradKind, Placement, Route
 
@@ -77,12 +78,10 @@ class Plan:
                 _human_bytes(v.bytes_per_step) if v.bytes_per_step is not None else "(after step 1)",
                 v.reason,
             ])
-        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
         reason = f" - {self.backend_reason}" if self.backend_reason and self.backend_reason != "default" else ""
         title = (f"hybridsync plan ({self.framework}, {self.world_size} rank{'s' if self.world_size != 1 else ''}, "
                  f"dense backend: {self.backend or '-'}{reason})")
-        lines = [title, line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
+        lines = [title] + format_table(headers, rows)
         auto = [v for v in self.variables if v.auto]
         if auto:
             from .sync.cost_model import describe_auto
@@ -103,6 +102,35 @@ class Plan:
                    d.get("backend", ""), d.get("world_size", 1), d.get("backend_reason", ""))
 
 
+def format_table(headers: list, rows: list) -> list[str]:
+    """Fixed-width columns: the header line, a dashed rule, one line per row."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
+def auto_decision_table(variables: list, step: int) -> str:
+    """What `sync: auto` chose for each of its variables (VariablePlans, decided), in the plan's
+    table format: the route from now on and, briefly, the numbers it was chosen on."""
+    from .sync.cost_model import format_time
+
+    headers = ["variable", "route", "shards", "density", "rows/rank", "over ranks", "predicted",
+               "why"]
+    rows = []
+    for v in variables:
+        auto, measured = v.auto or {}, (v.auto or {}).get("measured", {})
+        predicted = sorted((auto.get("predicted_ms") or {}).items(), key=lambda kv: kv[1])
+        rows.append([
+            v.name, v.route.value if v.route else "-", str(v.shards) if v.shards else "-",
+            f"{measured.get('density', 0.0):.2%}", f"{measured.get('rows_per_rank', 0.0):.1f}",
+            f"{measured.get('union_rows', 0.0):.1f}", ", ".join(f"{r} {format_time(ms)}" for r, ms in predicted),
+            auto.get("why", ""),
+        ])
+    title = (f"hybridsync sync: auto decided at step {step}: each table's route from now on "
+             "(predicted: the table's exchange and update per step; explain() shows more)")
+    return "\n".join([title] + format_table(headers, rows))
+
+
 def _short(x) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
@@ -120,19 +148,32 @@ _registry: list = []
 _lock = threading.Lock()
 
 
+# `sync: auto` variables whose plan this process printed while they were still measuring (by id;
+# a variable's entry goes with it): their decision is printed here too, once it is made.
+_shown_measuring: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
 def announce(plan: "Plan") -> None:
     """Rank 0 prints a plan once it is made, when HYBRIDSYNC_EXPLAIN=1 (hybridsync-run)."""
     from . import runtime
     from .settings import settings
 
     if settings().explain and runtime.world().rank == 0:
-        write_lines(plan.table())
+        _print_plans([plan])
+
+
+def announce_auto_decision(variables: list, step: int) -> None:
+    """Prints what `sync: auto` decided (auto_decision_table) where the plan was printed while it
+    was measuring -- by explain() on this rank, or by announce() -- so whoever read "measuring"
+    reads the outcome too."""
+    with _lock:
+        shown = [v for v in variables if _shown_measuring.pop(id(v), None) is v]
+    if shown:
+        write_lines(auto_decision_table(variables, step))
 
 
 def register(plan_source) -> None:
     """Registers an object with a `.plan` property (a distributed optimizer)."""
-    import weakref
-
     with _lock:
         _registry.append(weakref.ref(plan_source))
 
@@ -152,7 +193,17 @@ def explain(file=None, as_json: bool = False) -> str:
     elif not plans:
         text = "hybridsync: no DistributedOptimizer has been created yet"
     else:
-        text = "\n\n".join(p.table() for p in plans)
+        return _print_plans(plans, file)
+    write_lines(text, file)
+    return text
+
+
+def _print_plans(plans: list, file=None) -> str:
+    text = "\n\n".join(p.table() for p in plans)
+    with _lock:
+        for v in (v for p in plans for v in p.variables):
+            if v.auto and v.auto.get("status") == "measuring":
+                _shown_measuring[id(v)] = v
     write_lines(text, file)
     return text
 

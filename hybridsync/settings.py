@@ -1,6 +1,7 @@
 """Environment variables, parsed once (the first time they are needed).
 
-HYBRIDSYNC_BACKEND       dense all-reduce backend: horovod | mpi (default: horovod when importable)
+HYBRIDSYNC_BACKEND       dense all-reduce backend: horovod | mpi (default: horovod when installed, the job
+                         has more than one rank and every local rank has a spare core; else mpi)
 HYBRIDSYNC_CONFIG        path of a YAML config used when none is passed in code
 HYBRIDSYNC_TIMEOUT_S     a PS operation waiting longer than this raises (default 600; 0 = never)
 HYBRIDSYNC_SPIN_US       poll (yielding the core) this long before sleeping while waiting for peers
@@ -8,7 +9,8 @@ HYBRIDSYNC_SPIN_US       poll (yielding the core) this long before sleeping whil
 HYBRIDSYNC_MAX_SLEEP_US  cap of the sleep back-off while waiting (default 200)
 HYBRIDSYNC_TIMELINE      write a Chrome trace of each step's phases to this file
 HYBRIDSYNC_BATCH_LOOKUPS 0 turns off batching all PS embedding pulls of a forward into one
-HYBRIDSYNC_EXPLAIN       1: rank 0 prints each plan once it is made (hybridsync-run sets it)
+HYBRIDSYNC_EXPLAIN       1: rank 0 prints each plan once it is made, and then what `sync: auto`
+                         decided (hybridsync-run sets it)
 HYBRIDSYNC_FUSION_MB     MPI backend: size of one fused all-reduce bucket in MiB (default 64)
 HYBRIDSYNC_PEER_TIMEOUT_S a peer not heard from (heartbeat) this long fails the wait with an error
                          naming it; a peer that is alive but slow gets a warning after as long

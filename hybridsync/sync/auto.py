@@ -22,7 +22,9 @@ step's synchronize, a collective point):
      to the new route's synchronizer.
 3. the plan records, per variable, what was measured, each candidate's predicted time, the
    choice and its margin (explain() prints them; the JSON plan keeps them and loads back as
-   a fixed config). Then this object detaches itself: later steps do no auto work at all.
+   a fixed config), and wherever the plan was printed while it measured, the decision is
+   printed as a table (plan.announce_auto_decision). Then this object detaches itself: later
+   steps do no auto work at all.
 
 The frontend supplies what is framework-specific (AutoFrontend).
 """
@@ -34,6 +36,7 @@ from typing import Protocol
 import numpy as np
 
 from .. import timeline
+from ..plan import announce_auto_decision
 from ..types import Placement, Route
 from . import cost_model
 from .base import Variable
@@ -160,17 +163,7 @@ class AutoStrategy:
             var.access = var.access.inner
             self._apply(var, decision)
         self.ids.clear()
-        self._announce(backend.rank)
-
-    def _announce(self, rank: int) -> None:
-        """Rank 0 prints the decisions when plans are printed (HYBRIDSYNC_EXPLAIN=1, hybridsync-run)."""
-        from ..plan import write_lines
-        from ..settings import settings
-
-        if settings().explain and rank == 0:
-            write_lines("\n".join([f"sync: auto decided at step {self.steps}:"]
-                                  + ["  " + cost_model.describe_auto(v.name, v.plan.auto, v.plan.shape)
-                                     for v in self.variables]))
+        announce_auto_decision([var.plan for var in self.variables], self.steps)
 
     def _decide(self, i: int, var: Variable, everyone: list) -> dict:
         per_rank = [[len(ids) for ids in stats["ids"][i]] for stats in everyone]

@@ -200,7 +200,7 @@ def _pct(slow: float, fast: float) -> str:
     return f"{(slow - fast) / slow:.0%}" if slow > 0 else "0%"
 
 
-def _time(ms: float) -> str:
+def format_time(ms: float) -> str:
     return f"{ms:.3f} ms" if ms >= 1 else f"{ms * 1e3:.1f} us"
 
 
@@ -210,7 +210,7 @@ def describe_auto(name: str, auto: dict, shape) -> str:
         return f"{name}: measuring ({auto.get('steps')} steps on ps, then the route is chosen once)"
     m = auto.get("measured", {})
     pred = auto.get("predicted_ms", {})
-    cands = ", ".join(f"{r} {_time(ms)}" for r, ms in sorted(pred.items(), key=lambda kv: kv[1]))
+    cands = ", ".join(f"{r} {format_time(ms)}" for r, ms in sorted(pred.items(), key=lambda kv: kv[1]))
     k = auto.get("shards", 0)
     shards = f" on {k} shard{'s' if k != 1 else ''}" if auto.get("choice") == PS else ""
     return (f"{name}: density {m.get('density', 0.0):.2%} ({m.get('rows_per_rank', 0.0):.1f} rows/rank, "

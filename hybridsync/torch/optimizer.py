@@ -423,7 +423,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         replica on every rank (Horovod-style) and are recognised at the first backward pass.
     config: YAML path, dict, or None (hybridsync.init(config=...), else HYBRIDSYNC_CONFIG): per-variable
         routes, placements, partitions, compression and server optimizers (see hybridsync.config).
-    backend: 'horovod' | 'mpi' for dense all-reduce (default: env, config, then Horovod).
+    backend: 'horovod' | 'mpi' for dense all-reduce (default: the config's `backend`, then
+        hybridsync.init(backend=...), HYBRIDSYNC_BACKEND, then chosen by resources: comm.choose).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__module__}.{type(optimizer).__qualname__}")

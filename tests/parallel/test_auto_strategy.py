@@ -226,12 +226,19 @@ def rank_auto_off():
     assert _routes(opt.plan)["hot.weight"][0] == "ps"
 
 
-def rank_explain_prints_the_decision():
-    """Train past the switch; the test reads what rank 0 printed."""
+def rank_explain_prints_the_decision(show="env"):
+    """Train past the switch; the test reads what was printed. show="explain": rank 0 calls
+    hybridsync.explain() after the first step, while auto measures (as the examples do)."""
+    import hybridsync
     import hybridsync.torch as hvd
 
     rank, size = hvd.rank(), hvd.size()
-    _train("sgd", "sharded", CONFIG, rank, size, steps=AUTO_STEPS + 1)
+    model = _model()
+    opt = hvd.DistributedOptimizer(_optimizer("sgd", model), model=model, config=CONFIG)
+    _steps(model, opt, range(1), rank, size)
+    if show == "explain" and rank == 0:
+        hybridsync.explain()
+    _steps(model, opt, range(1, AUTO_STEPS + 2), rank, size)
 
 
 def _steps(model, opt, steps, rank, size):
@@ -309,12 +316,37 @@ def test_auto_moves_the_dense_table_to_allreduce_and_keeps_parity(np_, backend):
     run_ranks(__file__, "rank_auto_parity", np_, backend, timeout=300, env=_env())
 
 
-def test_hybridsync_explain_prints_auto_decisions_once_on_rank_0():
-    out = run_ranks(__file__, "rank_explain_prints_the_decision", 2, timeout=240,
-                    env={**_env(), "HYBRIDSYNC_EXPLAIN": "1"})
-    assert out.count(f"sync: auto decided at step {AUTO_STEPS}:") == 1, out
-    hot = next(line for line in out.splitlines() if "hot.weight: density" in line and "choice:" in line)
-    assert "choice: allreduce-as-dense" in hot and "predicted:" in hot, hot
+def _decision_rows(out: str) -> dict:
+    """{variable: its row's cells} of the decision table, checked to come from rank 0 only and
+    after the plan's `measuring` lines."""
+    lines = out.splitlines()
+    title = [i for i, line in enumerate(lines) if f"sync: auto decided at step {AUTO_STEPS}:" in line]
+    assert len(title) == 1 and lines[title[0]].startswith("[1,0]<stdout>:"), out
+    measuring = [i for i, line in enumerate(lines) if "hot.weight: measuring (4 steps on ps" in line]
+    assert measuring and measuring[-1] < title[0], out
+    rows = [line.split(":", 1)[1].split() for line in lines[title[0] + 1:title[0] + 5]]
+    assert rows[0][:3] == ["variable", "route", "shards"], out
+    return {cells[0]: cells for cells in rows[2:]}
+
+
+@pytest.mark.parametrize("show", ["env", "explain"])
+def test_auto_decision_is_printed_where_the_plan_was(show):
+    """HYBRIDSYNC_EXPLAIN=1 (hybridsync-run) prints the plan at wrap time on rank 0; or rank 0
+    calls explain() while auto measures: either way the decision follows, once, on rank 0."""
+    env = {**_env(), "HYBRIDSYNC_EXPLAIN": "1" if show == "env" else "0"}
+    out = run_ranks(__file__, "rank_explain_prints_the_decision", 2, show, timeout=240, env=env)
+    rows = _decision_rows(out)
+    assert set(rows) == {"hot.weight", "cold.weight"}, out
+    hot, cold = rows["hot.weight"], rows["cold.weight"]
+    assert hot[1:4] == ["allreduce-as-dense", "-", "99.38%"], hot  # route, shards, density
+    assert cold[1] == "ps" and cold[2] in ("1", "2") and "ps" in cold[6:], cold
+    assert "allreduce-as-dense predicted" in " ".join(hot), hot  # the why
+
+
+def test_auto_decision_is_not_printed_where_no_plan_was():
+    out = run_ranks(__file__, "rank_explain_prints_the_decision", 2, "quiet", timeout=240,
+                    env={**_env(), "HYBRIDSYNC_EXPLAIN": "0"})
+    assert "sync: auto decided" not in out and "measuring" not in out, out
 
 
 @pytest.mark.parametrize("load_np", [2, 3])

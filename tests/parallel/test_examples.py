@@ -8,12 +8,27 @@ def _losses(out):
     return [float(x) for x in re.findall(r"step\s+\d+\s+loss ([0-9.]+)", out)]
 
 
-def test_dlrm_sharded_loss_falls_and_plan_is_printed():
-    out = run_program(2, "examples/torch_dlrm.py", "--rows", "20000", "--steps", "200", "--log-every", "50")
+def test_dlrm_sharded_loss_falls_and_plan_and_auto_decision_are_printed():
+    """What `make demo` shows: the plan at step 1 (tables measuring for `sync: auto`), then, on
+    rank 0 only and without HYBRIDSYNC_EXPLAIN, the route auto chose for every table."""
+    out = run_program(2, "examples/torch_dlrm.py", "--rows", "20000", "--steps", "200", "--log-every", "50",
+                      env={"HYBRIDSYNC_EXPLAIN": "0"})
     losses = _losses(out)
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], out
-    plan = [line for line in out.splitlines() if "embeddings.0.weight" in line]
+    lines = out.splitlines()
+    plan = [line for line in lines if "embeddings.0.weight" in line]
     assert plan and "ps" in plan[0] and "sharded" in plan[0] and "adagrad" in plan[0], out
+    measuring = [i for i, line in enumerate(lines) if "embeddings.7.weight: measuring (20 steps on ps" in line]
+    decided = [i for i, line in enumerate(lines) if "sync: auto decided at step 20:" in line]
+    assert len(measuring) == 1 and len(decided) == 1 and measuring[0] < decided[0], out
+    assert lines[decided[0]].startswith("[1,0]<stdout>:"), out  # rank 0's
+    rows = [line.split(":", 1)[1].split() for line in lines[decided[0] + 1:decided[0] + 11]]
+    assert rows[0][:3] == ["variable", "route", "shards"], out
+    assert [r[0] for r in rows[2:]] == [f"embeddings.{k}.weight" for k in range(8)], out
+    for cells in rows[2:]:  # route, shards (PS only), density; the choice itself is test_auto_strategy's
+        assert cells[1] in ("ps", "allgather", "allreduce-as-dense"), cells
+        assert (cells[2] in ("1", "2")) if cells[1] == "ps" else cells[2] == "-", cells
+        assert cells[3].endswith("%"), cells
 
 
 def test_dlrm_replicated_loss_falls():
