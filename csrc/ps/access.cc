@@ -198,6 +198,7 @@ void Client::read_table(int table, int slot, float* out) {
   Impl& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
+  check_fixed(t, "read_table");
   std::vector<Chunk> chunks = table_chunks(c, t, table, slot, RequestKind::kRead, nullptr, out, nullptr);
   exchange_chunks(c, chunks, RequestKind::kRead, "read");
 }
@@ -216,6 +217,7 @@ void Client::write_table(int table, int slot, const float* values) {
   Impl& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
+  check_fixed(t, "write_table");
   std::vector<Chunk> chunks = table_chunks(c, t, table, slot, RequestKind::kWrite, values, nullptr, nullptr);
   exchange_chunks(c, chunks, RequestKind::kWrite, "write");
 }
@@ -272,6 +274,7 @@ void Client::load_from_root(int table, const float* values, int root, const std:
   Impl& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
+  check_fixed(t, "load_from_root");
   if (root < 0 || root >= c.size()) {  // every rank sees the same root: all throw, none waits
     throw PSError("table '" + t.spec.name + "': load_from_root needs a root rank in [0, " + std::to_string(c.size()) +
                   "), got " + std::to_string(root));

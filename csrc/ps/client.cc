@@ -14,6 +14,7 @@
 
 #include "../transport/wait.h"
 #include "client_impl.h"
+#include "seeded.h"
 
 namespace hybridsync {
 
@@ -24,18 +25,39 @@ std::string describe(const TableSpec& s) {
   out << "'" << s.name << "' rows=" << s.num_rows << " dim=" << s.dim << " shards=" << s.num_shards
       << " partition=" << (s.partition == PartitionKind::kCyclic ? "cyclic" : "block") << " optimizer=" << s.rule;
   for (const auto& [k, v] : s.hparams) out << " " << k << "=" << v;
+  const DynamicSpec& d = s.dynamic;
+  if (d.on) {
+    out << " dynamic(capacity=" << d.capacity << " admit_after=" << d.admit_after << " evict=" << d.evict
+        << " ttl_steps=" << d.ttl_steps << " seed=" << d.seed << " init=" << d.init << "(" << d.init_a << ", "
+        << d.init_b << "))";
+  }
   return out.str();
 }
 
-// Seeded value for element (id, col): a counter-based hash, so it does not depend on sharding.
-uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
+// What is wrong with a dynamic table's options ("" when nothing).
+std::string dynamic_error(const TableSpec& s) {
+  const DynamicSpec& d = s.dynamic;
+  const std::string at = "dynamic table '" + s.name + "': ";
+  if (d.capacity < 0) return at + "capacity must be >= 1 (or none: unbounded), got " + std::to_string(d.capacity);
+  if (d.capacity > 0 && d.capacity < s.num_shards) {
+    return at + "capacity " + std::to_string(d.capacity) + " is below one row per shard (" +
+           std::to_string(s.num_shards) + " shards)";
+  }
+  if (d.admit_after < 1) return at + "admit_after must be >= 1, got " + std::to_string(d.admit_after);
+  if (d.ttl_steps < 0) return at + "ttl_steps must be >= 1 (or none), got " + std::to_string(d.ttl_steps);
+  if (d.evict != "none" && d.evict != "lru" && d.evict != "lfu") {
+    return at + "evict must be none, 'lru' or 'lfu', got '" + d.evict + "'";
+  }
+  if (d.evict != "none" && d.capacity == 0) return at + "evict='" + d.evict + "' needs a capacity";
+  if (d.init != "normal" && d.init != "uniform") return at + "initializer must be normal or uniform, got '" + d.init + "'";
+  return "";
 }
 
-double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) / 9007199254740992.0; }
+// A dynamic shard's share of the capacity: capacity / shards, the first capacity % shards one more.
+int64_t capacity_share(const DynamicSpec& d, int shards, int shard) {
+  if (d.capacity == 0) return 0;
+  return d.capacity / shards + (shard < d.capacity % shards ? 1 : 0);
+}
 
 void check_slot(const Table& t, int slot) {
   if (t.shard && slot >= t.shard->num_slots()) {
@@ -52,7 +74,7 @@ void init_rows(Table& t, int rank, uint64_t seed, Value value) {
     const uint64_t id = static_cast<uint64_t>(t.part.global_id(rank, l));
     float* row = t.shard->row(l);
     for (int64_t j = 0; j < dim; ++j) {
-      row[j] = value(mix64(seed ^ mix64(id * static_cast<uint64_t>(dim) + static_cast<uint64_t>(j))));
+      row[j] = value(element_key(seed, id, dim, j));
     }
   }
 }
@@ -64,6 +86,13 @@ constexpr double kServeMinSleepUs = 20.0;
 constexpr double kServeMaxSleepUs = 1000.0;
 
 }  // namespace
+
+void check_fixed(const Table& t, const char* op) {
+  if (t.spec.dynamic.on) {
+    throw PSError(std::string(op) + " needs a fixed row count: table '" + t.spec.name +
+                  "' is dynamic (read its rows by id; save it with its dynamic state)");
+  }
+}
 
 Table& Client::Impl::table_at(int table) const {
   if (table < 0 || table >= static_cast<int>(tables.size())) {
@@ -183,6 +212,11 @@ int Client::add_table(const TableSpec& given, const std::string& given_error) {
   } else if (spec.num_shards < 1 || spec.num_shards > c.size()) {
     error = "table '" + spec.name + "': partitions must be in [1, " + std::to_string(c.size()) +
             "] (the world size), got " + std::to_string(spec.num_shards);
+  } else if (spec.dynamic.on) {
+    spec.num_rows = -1;
+    spec.partition = PartitionKind::kHash;
+    if (spec.dim < 1) error = "dynamic table '" + spec.name + "': embedding_dim must be >= 1, got " + std::to_string(spec.dim);
+    if (error.empty()) error = dynamic_error(spec);
   } else if (spec.num_rows < 0 || spec.dim < 1) {
     error = "table '" + spec.name + "': shape (" + std::to_string(spec.num_rows) + ", " + std::to_string(spec.dim) +
             ") is not a valid (rows, dim)";
@@ -199,10 +233,16 @@ int Client::add_table(const TableSpec& given, const std::string& given_error) {
   if (error.empty()) {
     Partitioner part(spec.num_rows, spec.num_shards, spec.partition);
     std::unique_ptr<Shard> shard;
-    if (c.rank() < spec.num_shards) {
+    std::unique_ptr<DynamicStore> store;
+    if (c.rank() < spec.num_shards && spec.dynamic.on) {
+      store = std::make_unique<DynamicStore>(spec.name, spec.dynamic,
+                                             capacity_share(spec.dynamic, spec.num_shards, c.rank()), spec.dim);
+      shard = std::make_unique<Shard>(spec.name, store->arena_rows(), spec.dim, std::move(rule));
+    } else if (c.rank() < spec.num_shards) {
       shard = std::make_unique<Shard>(spec.name, part.shard_rows(c.rank()), spec.dim, std::move(rule));
     }
-    c.adding = std::make_unique<Table>(Table{spec, part, std::move(shard), RowAggregator(), false, RoundStats{}});
+    c.adding = std::make_unique<Table>(
+        Table{spec, part, std::move(shard), RowAggregator(), false, RoundStats{}, std::move(store)});
   }
   for (int d = 0; d < c.size(); ++d) {
     if (!error.empty()) {
@@ -266,6 +306,7 @@ void Client::load_local(int table, int slot, const float* values) {
   impl_->check_usable();
   impl_->settle();
   Table& t = impl_->table_at(table);
+  check_fixed(t, "load_local");
   if (!t.shard) return;
   check_slot(t, slot);
   const int64_t dim = t.spec.dim;
@@ -279,6 +320,7 @@ void Client::attach_replica(int table, float* full_table) {
   impl_->check_usable();
   impl_->settle();
   Table& t = impl_->table_at(table);
+  check_fixed(t, "a replica");
   if (!t.shard) return;
   if (!full_table) {
     t.shard->detach();
@@ -297,6 +339,7 @@ void Client::write_local(int table, int slot, const int64_t* ids, int64_t n, con
   impl_->check_usable();
   impl_->settle();
   Table& t = impl_->table_at(table);
+  check_fixed(t, "write_local");
   check_ids(t.spec.name, ids, n, t.spec.num_rows);
   check_slot(t, slot);
   if (!t.shard) return;
@@ -311,6 +354,7 @@ std::vector<float> Client::local_values(int table, int slot) const {
   impl_->check_usable();
   impl_->settle();
   Table& t = impl_->table_at(table);
+  check_fixed(t, "local_values");
   check_slot(t, slot);
   if (!t.shard) return {};
   const int64_t dim = t.spec.dim;
@@ -326,6 +370,7 @@ void Client::rename_table(int table, const std::string& name) {
   Table& t = impl_->table_at(table);
   t.spec.name = name;
   if (t.shard) t.shard->rename(name);
+  if (t.dynamic) t.dynamic->rename(name);
 }
 
 void Client::set_rule(int table, const std::string& rule, const std::map<std::string, double>& hparams) {
@@ -343,19 +388,17 @@ void Client::init_normal(int table, uint64_t seed, float mean, float stddev) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->check_usable();
   impl_->settle();
-  const double two_pi = 6.283185307179586;
-  init_rows(impl_->table_at(table), impl_->rank(), seed, [&](uint64_t key) {
-    const double u1 = uniform01(key), u2 = uniform01(mix64(key));
-    return mean + stddev * static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(two_pi * u2));
-  });
+  check_fixed(impl_->table_at(table), "init_normal");
+  init_rows(impl_->table_at(table), impl_->rank(), seed, [&](uint64_t key) { return normal_value(key, mean, stddev); });
 }
 
 void Client::init_uniform(int table, uint64_t seed, float low, float high) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->check_usable();
   impl_->settle();
+  check_fixed(impl_->table_at(table), "init_uniform");
   init_rows(impl_->table_at(table), impl_->rank(), seed,
-            [&](uint64_t key) { return low + (high - low) * static_cast<float>(uniform01(key)); });
+            [&](uint64_t key) { return uniform_value(key, low, high); });
 }
 
 void Client::set_step(int table, int64_t step) {
@@ -389,7 +432,44 @@ std::map<std::string, double> Client::hyperparameters(int table) const {
 int64_t Client::shard_rows(int table) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   const Table& t = impl_->table_at(table);
+  if (t.dynamic) return t.dynamic->stored();
   return t.shard ? t.shard->rows() : 0;
+}
+
+DynamicState Client::dynamic_state(int table) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  impl_->settle();
+  const Table& t = impl_->table_at(table);
+  if (!t.spec.dynamic.on) throw PSError("table '" + t.spec.name + "' is not dynamic");
+  return t.dynamic ? t.dynamic->state(*t.shard) : DynamicState{t.spec.dim, {}, {}, {}, {}, {}, {}, {}, {}};
+}
+
+void Client::dynamic_restore(int table, const DynamicState& state) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  impl_->settle();
+  Table& t = impl_->table_at(table);
+  if (!t.spec.dynamic.on) throw PSError("table '" + t.spec.name + "' is not dynamic");
+  const size_t n = state.ids.size(), floats = n * static_cast<size_t>(state.dim);
+  bool ok = state.counts.size() == n && state.last_touch.size() == n && state.rows.size() == floats &&
+            state.pending_counts.size() == state.pending_ids.size() &&
+            state.pending_last.size() == state.pending_ids.size();
+  for (const auto& s : state.slots) ok = ok && s.size() == floats;
+  if (!ok) throw PSError("table '" + t.spec.name + "': inconsistent dynamic table state (array lengths differ)");
+  if (!t.dynamic) return;
+  const int rank = impl_->rank();
+  const Partitioner& part = t.part;
+  t.dynamic->restore(t.shard, state, [&](int64_t id) { return part.shard_of(id) == rank; });
+}
+
+DynamicStats Client::dynamic_stats(int table) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  impl_->settle();
+  const Table& t = impl_->table_at(table);
+  if (!t.spec.dynamic.on) throw PSError("table '" + t.spec.name + "' is not dynamic");
+  return t.dynamic ? t.dynamic->stats(*t.shard) : DynamicStats{};
 }
 
 int64_t Client::row_store_bytes() const {

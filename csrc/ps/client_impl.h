@@ -18,6 +18,7 @@
 #include "../transport/transport.h"
 #include "../transport/wait.h"
 #include "dedup.h"
+#include "dynamic_store.h"
 #include "hybridsync/ps.h"
 #include "partitioner.h"
 #include "protocol.h"
@@ -35,7 +36,11 @@ struct Table {
   RowAggregator sums;            // server side: a round's gradients summed over workers
   bool dropped = false;          // drop_table(): the handle stays taken, its use throws
   RoundStats last_round;         // server side: this shard's part of the newest round's statistics
+  std::unique_ptr<DynamicStore> dynamic;  // a dynamic table's id map (its rows: `shard`, an arena)
 };
+
+// Throws PSError naming a dynamic table for an operation that needs a fixed row count.
+void check_fixed(const Table& t, const char* op);
 
 // A request waiting in a server's queue: its head, parsed; the body is read when it is served.
 struct Request {
@@ -153,6 +158,10 @@ std::vector<char> error_request(RequestKind kind, int64_t seq, const std::string
 
 // A server's sanity check of row positions a worker sent (they come from our partitioner).
 void check_rows(const Shard* shard, const std::string& table, const int64_t* local, int64_t n, const char* op);
+// The same for any table (a dynamic one takes every id).
+void check_rows(const Table& t, const int64_t* local, int64_t n, const char* op);
+// Rows (slot < 0) or slot values of a shard's local rows / a dynamic shard's ids into out.
+void gather_rows(const Table& t, const int64_t* local, int64_t n, float* out, int slot = -1);
 
 template <class Ready>
 void Client::Impl::drive_until(Ready ready, const std::string& what, int peer) {

@@ -6,6 +6,7 @@
 namespace hybridsync {
 
 void check_ids(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows) {
+  if (num_rows < 0) return;  // a dynamic table: every int64 is an id
   for (int64_t i = 0; i < n; ++i) {
     if (ids[i] < 0 || ids[i] >= num_rows) {
       throw PSIndexError("table '" + table + "': id " + std::to_string(ids[i]) + " is out of range [0, " +
@@ -40,9 +41,15 @@ std::vector<float> sum_duplicates(const Dedup& dedup, const float* grads, int64_
 }
 
 void RowAggregator::step(Shard& shard, const std::vector<GradientRows>& sources, float scale) {
+  sum(shard.dim(), sources, scale);
+  shard.rule().begin_step();
+  shard.apply(rows_.data(), size(), sums_.data());
+}
+
+void RowAggregator::sum(int64_t dim, const std::vector<GradientRows>& sources, float scale) {
   size_t expected = 0;
   for (const GradientRows& s : sources) expected += static_cast<size_t>(s.n);
-  dim_ = shard.dim();
+  dim_ = dim;
   rows_.clear();
   sums_.resize(expected * static_cast<size_t>(dim_));
   index_.reset(expected);
@@ -54,8 +61,6 @@ void RowAggregator::step(Shard& shard, const std::vector<GradientRows>& sources,
   if (scale != 1.0f) {
     for (int64_t i = 0; i < n * dim_; ++i) sums_[i] *= scale;
   }
-  shard.rule().begin_step();
-  shard.apply(rows_.data(), n, sums_.data());
 }
 
 void RowAggregator::add(const GradientRows& source) {

@@ -12,7 +12,7 @@
 
 namespace hybridsync {
 
-// Throws PSIndexError naming `table` and the first id outside [0, num_rows).
+// Throws PSIndexError naming `table` and the first id outside [0, num_rows) (none: num_rows < 0).
 void check_ids(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows);
 
 // ids[i] -> unique[inverse[i]], unique ids in first-seen order.
@@ -42,6 +42,9 @@ class RowAggregator {
   // rows may repeat within and across sources), multiplies the sums by `scale`, then runs one
   // step of `shard`'s rule, once per distinct row. Row indices must be valid.
   void step(Shard& shard, const std::vector<GradientRows>& sources, float scale);
+  // The same sums and statistics without running the rule (a dynamic table runs its own step).
+  void sum(int64_t dim, const std::vector<GradientRows>& sources, float scale);
+  const float* sums() const { return sums_.data(); }
   // The distinct rows of the last step (first-seen order), e.g. to send replicas.
   int64_t size() const { return static_cast<int64_t>(rows_.size()); }
   const int64_t* rows() const { return rows_.data(); }

@@ -181,6 +181,12 @@ std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, flo
     return {};
   }
   std::string error = given_error;
+  for (const TableBatch& b : batches) {  // (a bad handle is route_batches' error)
+    const bool known = b.table >= 0 && b.table < static_cast<int>(c.tables.size()) && !c.tables[b.table]->dropped;
+    if (error.empty() && return_updates && known && c.tables[b.table]->spec.dynamic.on) {
+      error = "table '" + c.tables[b.table]->spec.name + "' is dynamic: it cannot be replicated (return_updates)";
+    }
+  }
   bool index_error = false;
   std::vector<Routed> routed = route_batches(c, batches, true, &error, &index_error);
   std::vector<double> lrs;

@@ -1,4 +1,5 @@
-// A flat open-addressing map from non-negative int64 ids to dense slots 0, 1, 2, ... in
+// A flat open-addressing map from int64 ids (any: a dynamic table's raw ids include -1, the
+// empty marker, which is kept beside the table) to dense slots 0, 1, 2, ... in
 // first-seen order: the hot loop of deduplication and of server-side aggregation. Much faster
 // than std::unordered_map for the few thousand ids of a step (no per-node allocation).
 #pragma once
@@ -23,9 +24,15 @@ class IdIndex {
     }
     mask_ = capacity - 1;
     size_ = 0;
+    empty_key_slot_ = -1;
   }
   // The slot of `id`, inserting it with the next free slot if new. (slot, inserted)
   std::pair<int64_t, bool> insert(int64_t id) {
+    if (id == kEmpty) {
+      if (empty_key_slot_ >= 0) return {empty_key_slot_, false};
+      empty_key_slot_ = static_cast<int64_t>(size_);
+      return {static_cast<int64_t>(size_++), true};
+    }
     if ((size_ + 1) * 2 > keys_.size()) grow();
     size_t at = hash(id) & mask_;
     while (true) {
@@ -58,6 +65,7 @@ class IdIndex {
   }
   std::vector<int64_t> keys_, slots_;
   size_t mask_ = 0, size_ = 0;
+  int64_t empty_key_slot_ = -1;  // the slot of id kEmpty, if present
 };
 
 }  // namespace hybridsync

@@ -8,6 +8,10 @@
 
 namespace hybridsync {
 
+// The shard of a dynamic table's raw id: a hash of it modulo the shards.
+int hash_shard(int64_t id, int num_shards);
+
+// kHash: local_index is the raw id itself (the shard's id map finds its row).
 class Partitioner {
  public:
   Partitioner(int64_t num_rows, int num_shards, PartitionKind kind);

@@ -121,6 +121,22 @@ void check_rows(const Shard* shard, const std::string& table, const int64_t* loc
   }
 }
 
+void check_rows(const Table& t, const int64_t* local, int64_t n, const char* op) {
+  if (t.dynamic) {
+    if (n && !t.shard) check_rows(nullptr, t.spec.name, local, n, op);
+    return;
+  }
+  check_rows(t.shard.get(), t.spec.name, local, n, op);
+}
+
+void gather_rows(const Table& t, const int64_t* local, int64_t n, float* out, int slot) {
+  if (t.dynamic) {
+    t.dynamic->read(*t.shard, local, n, out, slot);
+  } else {
+    t.shard->gather(local, n, out, slot);
+  }
+}
+
 void Client::Impl::fail(const std::string& reason) {
   if (!broken) {
     broken = true;
@@ -320,8 +336,8 @@ void Client::Impl::serve_pulls(std::vector<Request>& requests, const std::vector
       w.reserve(static_cast<size_t>(floats) * sizeof(float) + 4096);
       for (const Entry& e : entries) {
         Table& t = table_at(e.table);
-        check_rows(t.shard.get(), t.spec.name, e.rows.rows, e.rows.n, "pull");
-        if (e.rows.n) t.shard->gather(e.rows.rows, e.rows.n, w.f32_slot(static_cast<size_t>(e.rows.n * t.spec.dim)));
+        check_rows(t, e.rows.rows, e.rows.n, "pull");
+        if (e.rows.n) gather_rows(t, e.rows.rows, e.rows.n, w.f32_slot(static_cast<size_t>(e.rows.n * t.spec.dim)));
         served_rows += e.rows.n;
       }
     }
@@ -333,7 +349,12 @@ void Client::Impl::serve_pulls(std::vector<Request>& requests, const std::vector
 void Client::Impl::apply_to_table(Table& t, const std::vector<GradientRows>& sources, float scale, double lr,
                                   int64_t round, int ranks) {
   if (lr >= 0) t.shard->rule().set_hyperparameter("lr", lr);
-  t.sums.step(*t.shard, sources, scale);
+  if (t.dynamic) {
+    t.sums.sum(t.spec.dim, sources, scale);
+    t.dynamic->step(t.shard, t.sums.rows(), t.sums.size(), t.sums.sums());
+  } else {
+    t.sums.step(*t.shard, sources, scale);
+  }
   t.last_round = RoundStats{round, t.sums.local_sq(), t.sums.combined_sq(), ranks};
 }
 
@@ -358,7 +379,7 @@ void Client::Impl::apply_push_round(std::vector<Request>& requests, const std::v
       r.i64();
       for (const Entry& e : read_entries(r, true, &scale, dim_of)) {
         Table& t = table_at(e.table);
-        check_rows(t.shard.get(), t.spec.name, e.rows.rows, e.rows.n, "push");
+        check_rows(t, e.rows.rows, e.rows.n, "push");
         if (e.lr >= 0) lr[e.table] = e.lr;
         ++ranks[e.table];
       }
@@ -474,8 +495,7 @@ void Client::Impl::serve_one_sided(int source, const Request& request) {
       throw PSError("table '" + t->spec.name + "': optimizer '" + t->spec.rule + "' has no state slot " +
                     std::to_string(slot));
     }
-    check_rows(t->shard.get(), t->spec.name, rows.data(), static_cast<int64_t>(rows.size()),
-               operation_name(request.kind));
+    check_rows(*t, rows.data(), static_cast<int64_t>(rows.size()), operation_name(request.kind));
   } catch (const PSTransportError&) {
     throw;
   } catch (const PSError& e) {
@@ -486,10 +506,21 @@ void Client::Impl::serve_one_sided(int source, const Request& request) {
   const auto n = static_cast<int64_t>(rows.size());
   if (request.kind == RequestKind::kRead) {
     write_reply_head(w, request.kind, request.seq, errors);  // deferred push errors wait for a collective
-    if (error.empty() && n) t->shard->gather(rows.data(), n, w.f32_slot(static_cast<size_t>(n * t->spec.dim)), slot);
+    if (error.empty() && n) gather_rows(*t, rows.data(), n, w.f32_slot(static_cast<size_t>(n * t->spec.dim)), slot);
     tracer.record("serve reads", start, n);
   } else {
-    if (error.empty() && n) t->shard->scatter(rows.data(), n, r.f32s(static_cast<size_t>(n * t->spec.dim)), slot);
+    if (error.empty() && n) {
+      const float* values = r.f32s(static_cast<size_t>(n * t->spec.dim));
+      try {
+        if (t->dynamic) {
+          t->dynamic->write(t->shard, rows.data(), n, values, slot);
+        } else {
+          t->shard->scatter(rows.data(), n, values, slot);
+        }
+      } catch (const PSError& e) {  // a full dynamic shard: the writer's error
+        errors.push_back(ErrorNote{source, false, e.what(), ""});
+      }
+    }
     write_reply_head(w, request.kind, request.seq, errors);
     tracer.record("serve writes", start, n);
   }

@@ -25,8 +25,37 @@ struct PSRemoteError : std::runtime_error { using std::runtime_error::runtime_er
 // afterwards, on every rank (the one that saw it tells the others).
 struct PSTransportError : PSRemoteError { using PSRemoteError::PSRemoteError; };
 
-// kCyclic (id mod shards) keeps hot small ids apart; kBlock gives each shard one range.
-enum class PartitionKind : int { kBlock = 0, kCyclic = 1 };
+// kCyclic (id mod shards) keeps hot small ids apart; kBlock gives each shard one range; kHash
+// (a hash of the id mod shards) spreads a dynamic table's raw 64-bit ids.
+enum class PartitionKind : int { kBlock = 0, kCyclic = 1, kHash = 2 };
+
+// A dynamic table (on: true): any int64 id, rows created on first touch (csrc/ps/dynamic_store.h).
+// capacity 0: unbounded; each shard holds at most its share. ttl_steps 0: no expiry.
+struct DynamicSpec {
+  bool on = false;
+  int64_t capacity = 0, admit_after = 1, ttl_steps = 0;
+  std::string evict = "none";  // none | lru | lfu
+  uint64_t seed = 0;
+  std::string init = "normal";  // normal (mean a, std b) | uniform (low a, high b)
+  double init_a = 0.0, init_b = 1.0;
+};
+
+// A dynamic shard's contents, for checkpoints (slots[k]: optimizer slot k, like rows).
+struct DynamicState {
+  int64_t dim = 0;
+  std::vector<int64_t> ids, counts, last_touch;
+  std::vector<float> rows;
+  std::vector<std::vector<float>> slots;
+  std::vector<int64_t> pending_ids, pending_counts, pending_last;  // seen, not admitted yet
+};
+
+// A dynamic shard's counters: cumulative, and of the newest round (last_*).
+struct DynamicStats {
+  int64_t stored = 0, capacity = 0, pending = 0;
+  int64_t admitted = 0, evicted = 0, expired = 0, rejected = 0;
+  int64_t last_admitted = 0, last_evicted = 0, last_expired = 0;
+  int64_t map_bytes = 0, row_bytes = 0;  // the id map and per-row metadata; rows and slots
+};
 
 // A table registered with a Client; num_shards 0 means every rank holds a shard.
 struct TableSpec {
@@ -36,6 +65,7 @@ struct TableSpec {
   PartitionKind partition = PartitionKind::kCyclic;
   std::string rule = "sgd";
   std::map<std::string, double> hparams;
+  DynamicSpec dynamic;  // num_rows is ignored (-1) when dynamic.on
 };
 
 // One table's input to a pull or push; grads (n x dim) and lr (< 0: unchanged) are push-only.
@@ -194,6 +224,11 @@ class Client {
   int64_t shard_rows(int table) const;
   int64_t row_store_bytes() const;
   int64_t state_bytes() const;
+  // A dynamic table's shard here: its contents, restoring them (ids other shards own are
+  // skipped, so any world size loads any checkpoint), and its counters.
+  DynamicState dynamic_state(int table) const;
+  void dynamic_restore(int table, const DynamicState& state);
+  DynamicStats dynamic_stats(int table) const;
   // The newest complete push round's gradient statistics of `table` this rank has seen.
   RoundStats round_stats(int table) const;
   // Traffic counters; server-side work recorded for timelines while tracing is on.

@@ -1,0 +1,364 @@
+// A dynamic table's shard (see dynamic_store.h for the rules).
+#include "dynamic_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "seeded.h"
+#include "update_rule.h"
+
+namespace hybridsync {
+
+// -- IdMap ------------------------------------------------------------------------------------
+
+size_t IdMap::home(int64_t id) const {
+  // Fibonacci hashing, top bits: independent of the low-bit hash that picked the shard.
+  return static_cast<size_t>((static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> shift_);
+}
+
+void IdMap::rehash(size_t buckets) {
+  int bits = 0;
+  while ((size_t{1} << bits) < buckets) ++bits;
+  buckets_.assign(size_t{1} << bits, -1);
+  mask_ = buckets_.size() - 1;
+  shift_ = 64 - bits;
+  for (size_t pos = 0; pos < ids_.size(); ++pos) {
+    size_t at = home(ids_[pos]);
+    while (buckets_[at] >= 0) at = (at + 1) & mask_;
+    buckets_[at] = static_cast<int32_t>(pos);
+  }
+}
+
+void IdMap::reserve(int64_t n) {
+  size_t want = 16;
+  while (want < static_cast<size_t>(n) * 2) want <<= 1;
+  if (want > buckets_.size()) rehash(want);
+  ids_.reserve(static_cast<size_t>(n));
+}
+
+int64_t IdMap::find(int64_t id) const {
+  if (buckets_.empty()) return -1;
+  for (size_t at = home(id);; at = (at + 1) & mask_) {
+    const int32_t pos = buckets_[at];
+    if (pos < 0) return -1;
+    if (ids_[pos] == id) return pos;
+  }
+}
+
+size_t IdMap::bucket_of(int64_t id) const {
+  size_t at = home(id);
+  while (ids_[buckets_[at]] != id) at = (at + 1) & mask_;
+  return at;
+}
+
+int64_t IdMap::insert(int64_t id) {
+  if ((ids_.size() + 1) * 2 > buckets_.size()) rehash(std::max<size_t>(16, buckets_.size() * 2));
+  if (ids_.size() >= static_cast<size_t>(INT32_MAX)) throw PSError("a dynamic shard holds at most 2^31 - 1 ids");
+  const auto pos = static_cast<int32_t>(ids_.size());
+  ids_.push_back(id);
+  size_t at = home(id);
+  while (buckets_[at] >= 0) at = (at + 1) & mask_;
+  buckets_[at] = pos;
+  return pos;
+}
+
+int64_t IdMap::erase_at(int64_t pos) {
+  // Backward-shift deletion (no tombstones): later entries of the probe run move up into the
+  // gap unless their home lies cyclically in (gap, their bucket].
+  size_t gap = bucket_of(ids_[pos]);
+  for (size_t j = (gap + 1) & mask_; buckets_[j] >= 0; j = (j + 1) & mask_) {
+    const size_t k = home(ids_[buckets_[j]]);
+    const bool stays = gap <= j ? (gap < k && k <= j) : (gap < k || k <= j);
+    if (!stays) {
+      buckets_[gap] = buckets_[j];
+      gap = j;
+    }
+  }
+  buckets_[gap] = -1;
+  const int64_t last = size() - 1;
+  if (pos == last) {
+    ids_.pop_back();
+    return -1;
+  }
+  buckets_[bucket_of(ids_[last])] = static_cast<int32_t>(pos);
+  ids_[pos] = ids_[last];
+  ids_.pop_back();
+  return last;
+}
+
+int64_t IdMap::bytes() const {
+  return static_cast<int64_t>(buckets_.capacity() * sizeof(int32_t) + ids_.capacity() * sizeof(int64_t));
+}
+
+// -- DynamicStore -----------------------------------------------------------------------------
+
+namespace {
+
+constexpr int64_t kFirstArenaRows = 1024;  // an unbounded shard's arena doubles from here
+
+uint32_t bumped(uint32_t count) { return count == UINT32_MAX ? count : count + 1; }
+
+}  // namespace
+
+DynamicStore::DynamicStore(std::string table, const DynamicSpec& spec, int64_t share, int64_t dim)
+    : table_(std::move(table)), spec_(spec), share_(share), dim_(dim) {
+  if (share_ > 0) {
+    rows_.reserve(share_);
+    counts_.reserve(static_cast<size_t>(share_));
+    last_.reserve(static_cast<size_t>(share_));
+  }
+}
+
+int64_t DynamicStore::arena_rows() const { return share_ > 0 ? share_ : kFirstArenaRows; }
+
+void DynamicStore::initial_row(int64_t id, float* out) const {
+  const auto a = static_cast<float>(spec_.init_a), b = static_cast<float>(spec_.init_b);
+  const bool normal = spec_.init == "normal";
+  for (int64_t j = 0; j < dim_; ++j) {
+    const uint64_t key = element_key(spec_.seed, static_cast<uint64_t>(id), dim_, j);
+    out[j] = normal ? normal_value(key, a, b) : uniform_value(key, a, b);
+  }
+}
+
+void DynamicStore::grow(std::unique_ptr<Shard>& arena, int64_t rows) {
+  const UpdateRule& rule = arena->rule();
+  auto bigger = std::make_unique<Shard>(arena->table(), rows, dim_, make_update_rule(rule.name(), rule.hyperparameters()));
+  bigger->rule().set_step(rule.step());
+  const int64_t kept = std::min(stored(), arena->rows());  // (a row being added may be counted already)
+  const size_t bytes = static_cast<size_t>(kept * dim_) * sizeof(float);
+  if (bytes) {
+    std::memcpy(bigger->row(0), arena->row(0), bytes);
+    for (int k = 0; k < arena->num_slots(); ++k) std::memcpy(bigger->slot(k), arena->slot(k), bytes);
+  }
+  arena = std::move(bigger);
+}
+
+int64_t DynamicStore::add_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last) {
+  const int64_t pos = rows_.insert(id);
+  if (pos >= arena->rows()) grow(arena, std::max<int64_t>(kFirstArenaRows, arena->rows() * 2));
+  counts_.push_back(count);
+  last_.push_back(last);
+  initial_row(id, arena->row(pos));
+  for (int k = 0; k < arena->num_slots(); ++k) {
+    std::fill(arena->row_of(k, pos), arena->row_of(k, pos) + dim_, arena->rule().slot_init(k));
+  }
+  return pos;
+}
+
+void DynamicStore::remove_row(Shard& arena, int64_t pos) {
+  const int64_t moved = rows_.erase_at(pos);
+  if (moved >= 0) {
+    std::memcpy(arena.row(pos), arena.row(moved), dim_ * sizeof(float));
+    for (int k = 0; k < arena.num_slots(); ++k) {
+      std::memcpy(arena.row_of(k, pos), arena.row_of(k, moved), dim_ * sizeof(float));
+    }
+    counts_[pos] = counts_[moved];
+    last_[pos] = last_[moved];
+  }
+  counts_.pop_back();
+  last_.pop_back();
+}
+
+void DynamicStore::remove_pending(int64_t pos) {
+  const int64_t moved = pending_.erase_at(pos);
+  if (moved >= 0) {
+    pending_counts_[pos] = pending_counts_[moved];
+    pending_last_[pos] = pending_last_[moved];
+  }
+  pending_counts_.pop_back();
+  pending_last_.pop_back();
+}
+
+std::vector<int64_t>& DynamicStore::touch_list(int32_t round) {
+  if (touched_.empty()) touched_first_ = round;
+  while (touched_first_ + static_cast<int64_t>(touched_.size()) <= round) touched_.emplace_back();
+  return touched_[static_cast<size_t>(round - touched_first_)];
+}
+
+void DynamicStore::expire(Shard& arena, int32_t now) {
+  while (!touched_.empty() && touched_first_ <= now - spec_.ttl_steps - 1) {
+    const auto round = static_cast<int32_t>(touched_first_);
+    for (const int64_t id : touched_.front()) {  // an id touched again since is listed again later
+      const int64_t pos = rows_.find(id);
+      if (pos >= 0 && last_[pos] == round) {
+        remove_row(arena, pos);
+        ++counters_.last_expired;
+        continue;
+      }
+      const int64_t p = pending_.find(id);
+      if (p >= 0 && pending_last_[p] == round) remove_pending(p);
+    }
+    touched_.pop_front();
+    ++touched_first_;
+  }
+}
+
+int64_t DynamicStore::evict_to(Shard& arena, int64_t target, int32_t now) {
+  struct Key {
+    uint32_t count;
+    int32_t last;
+    int64_t id;
+  };
+  std::vector<Key> keys;
+  for (int64_t pos = 0; pos < stored(); ++pos) {
+    if (last_[pos] != now) keys.push_back(Key{counts_[pos], last_[pos], rows_.id(pos)});
+  }
+  const auto k = static_cast<size_t>(std::min<int64_t>(stored() - target, static_cast<int64_t>(keys.size())));
+  if (k == 0) return 0;
+  const bool lfu = spec_.evict == "lfu";
+  auto before = [lfu](const Key& x, const Key& y) {
+    if (lfu && x.count != y.count) return x.count < y.count;
+    if (x.last != y.last) return x.last < y.last;
+    return x.id < y.id;
+  };
+  std::nth_element(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(k - 1), keys.end(), before);
+  for (size_t i = 0; i < k; ++i) remove_row(arena, rows_.find(keys[i].id));
+  return static_cast<int64_t>(k);
+}
+
+void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* grads) {
+  arena->rule().begin_step();
+  const auto now = static_cast<int32_t>(arena->rule().step());
+  counters_.last_admitted = counters_.last_evicted = counters_.last_expired = 0;
+  std::vector<int64_t>* listed = spec_.ttl_steps > 0 ? &touch_list(now) : nullptr;
+  // 1. Counts and last touches; ids reaching admit_after become candidates.
+  struct Candidate {
+    int64_t id;
+    uint32_t count;
+  };
+  std::vector<Candidate> candidates;
+  int64_t touched_stored = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i];
+    if (listed) listed->push_back(id);
+    const int64_t pos = rows_.find(id);
+    if (pos >= 0) {
+      counts_[pos] = bumped(counts_[pos]);
+      last_[pos] = now;
+      ++touched_stored;
+      continue;
+    }
+    int64_t p = pending_.find(id);
+    const uint32_t count = bumped(p >= 0 ? pending_counts_[p] : 0);
+    if (count >= static_cast<uint64_t>(spec_.admit_after)) {
+      candidates.push_back(Candidate{id, count});
+      continue;
+    }
+    if (p < 0) {
+      p = pending_.insert(id);
+      pending_counts_.push_back(0);
+      pending_last_.push_back(0);
+    }
+    pending_counts_[p] = count;
+    pending_last_[p] = now;
+  }
+  // 2. Expiry of what was not touched for more than ttl_steps rounds.
+  if (spec_.ttl_steps > 0) expire(*arena, now);
+  // 3-4. Room for the candidates, by eviction down to 7/8 of the share.
+  const auto wanted = static_cast<int64_t>(candidates.size());
+  if (share_ > 0 && stored() + wanted > share_ && spec_.evict != "none") {
+    const int64_t low = share_ - share_ / 8;
+    const int64_t target = std::max<int64_t>(touched_stored, low - wanted);
+    counters_.last_evicted = evict_to(*arena, target, now);
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& x, const Candidate& y) { return x.id < y.id; });
+  const int64_t room = share_ > 0 ? std::max<int64_t>(0, share_ - stored()) : wanted;
+  for (int64_t c = 0; c < wanted; ++c) {
+    const Candidate& cand = candidates[c];
+    const int64_t p = pending_.find(cand.id);
+    if (c < room) {
+      if (p >= 0) remove_pending(p);
+      add_row(arena, cand.id, cand.count, now);
+      ++counters_.last_admitted;
+      continue;
+    }
+    int64_t q = p;  // no room: it waits, its count kept
+    if (q < 0) {
+      q = pending_.insert(cand.id);
+      pending_counts_.push_back(0);
+      pending_last_.push_back(0);
+    }
+    pending_counts_[q] = cand.count;
+    pending_last_[q] = now;
+  }
+  // 5. The rule, on every stored touched row.
+  Shard& a = *arena;
+  std::vector<float*> slot_rows(static_cast<size_t>(a.num_slots()));
+  int64_t applied = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = rows_.find(ids[i]);
+    if (pos < 0) continue;
+    for (int k = 0; k < a.num_slots(); ++k) slot_rows[k] = a.row_of(k, pos);
+    a.rule().apply(a.row(pos), slot_rows.data(), grads + i * dim_, dim_);
+    ++applied;
+  }
+  counters_.rejected += n - applied;
+  counters_.admitted += counters_.last_admitted;
+  counters_.evicted += counters_.last_evicted;
+  counters_.expired += counters_.last_expired;
+}
+
+void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float* out, int slot) const {
+  for (int64_t i = 0; i < n; ++i) {
+    float* dst = out + i * dim_;
+    const int64_t pos = rows_.find(ids[i]);
+    if (pos >= 0) {
+      std::memcpy(dst, arena.row_of(slot, pos), dim_ * sizeof(float));
+    } else if (slot < 0) {
+      initial_row(ids[i], dst);
+    } else {
+      std::fill(dst, dst + dim_, arena.rule().slot_init(slot));
+    }
+  }
+}
+
+void DynamicStore::write(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* values, int slot) {
+  const auto now = static_cast<int32_t>(arena->rule().step());
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t pos = rows_.find(ids[i]);
+    if (pos < 0) {
+      if (share_ > 0 && stored() >= share_) {
+        throw PSError("table '" + table_ + "': cannot create the row of id " + std::to_string(ids[i]) +
+                      ": its shard is full (" + std::to_string(share_) + " rows, its share of capacity)");
+      }
+      const int64_t p = pending_.find(ids[i]);
+      if (p >= 0) remove_pending(p);
+      pos = add_row(arena, ids[i], 0, now);
+      if (spec_.ttl_steps > 0) touch_list(now).push_back(ids[i]);
+    }
+    std::memcpy(arena->row_of(slot, pos), values + i * dim_, dim_ * sizeof(float));
+  }
+}
+
+DynamicState DynamicStore::state(const Shard& arena) const {
+  DynamicState s;
+  s.dim = dim_;
+  const int64_t n = stored();
+  s.ids = rows_.ids();
+  s.counts.assign(counts_.begin(), counts_.end());
+  s.last_touch.assign(last_.begin(), last_.end());
+  const auto floats = static_cast<size_t>(n * dim_);
+  if (n) s.rows.assign(arena.row(0), arena.row(0) + floats);
+  for (int k = 0; k < arena.num_slots(); ++k) s.slots.emplace_back(arena.slot(k), arena.slot(k) + floats);
+  s.pending_ids = pending_.ids();
+  s.pending_counts.assign(pending_counts_.begin(), pending_counts_.end());
+  s.pending_last.assign(pending_last_.begin(), pending_last_.end());
+  return s;
+}
+
+DynamicStats DynamicStore::stats(const Shard& arena) const {
+  DynamicStats s = counters_;
+  s.stored = stored();
+  s.capacity = share_;
+  s.pending = pending_.size();
+  int64_t listed = 0;
+  for (const auto& l : touched_) listed += static_cast<int64_t>(l.capacity());
+  s.map_bytes = rows_.bytes() + pending_.bytes() +
+                static_cast<int64_t>((counts_.capacity() + last_.capacity() + pending_counts_.capacity() +
+                                      pending_last_.capacity()) * 4) +
+                listed * static_cast<int64_t>(sizeof(int64_t));
+  s.row_bytes = stored() * dim_ * static_cast<int64_t>(sizeof(float)) * (1 + arena.num_slots());
+  return s;
+}
+
+}  // namespace hybridsync

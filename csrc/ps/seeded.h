@@ -1,0 +1,38 @@
+// Counter-based pseudo-random values: element (id, column) of a table under a seed is a pure
+// function of the three, so rows never depend on the sharding or on when they were created.
+// Mirrored by hybridsync/partition.py (dynamic_initial_rows; tested against each other).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace hybridsync {
+
+// splitmix64's finaliser: a bijection of 64-bit values with good avalanche.
+inline uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// In (0, 1): 53 random bits, never exactly 0 (a log of it stays finite).
+inline double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) / 9007199254740992.0; }
+
+// The bits element (id, col) of a `dim`-wide table draws under `seed`.
+inline uint64_t element_key(uint64_t seed, uint64_t id, int64_t dim, int64_t col) {
+  return mix64(seed ^ mix64(id * static_cast<uint64_t>(dim) + static_cast<uint64_t>(col)));
+}
+
+// Box-Muller from one key: N(mean, stddev).
+inline float normal_value(uint64_t key, float mean, float stddev) {
+  const double two_pi = 6.283185307179586;
+  const double u1 = uniform01(key), u2 = uniform01(mix64(key));
+  return mean + stddev * static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(two_pi * u2));
+}
+
+inline float uniform_value(uint64_t key, float low, float high) {
+  return low + (high - low) * static_cast<float>(uniform01(key));
+}
+
+}  // namespace hybridsync

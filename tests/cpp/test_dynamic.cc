@@ -1,0 +1,278 @@
+// Dynamic tables: the id map, the store's admission / eviction / expiry rules on one shard,
+// and Clients whose dynamic tables give the same rows at one rank and at three.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <unordered_map>
+#include <vector>
+
+#include "check.h"
+#include "hybridsync/ps.h"
+#include "inproc_transport.h"
+#include "ps/dynamic_store.h"
+#include "ps/partitioner.h"
+#include "ps/update_rule.h"
+
+using namespace hybridsync;
+
+namespace {
+
+std::unique_ptr<Shard> arena_for(const DynamicStore& store, int64_t dim, const std::string& rule = "sgd",
+                                 std::map<std::string, double> hp = {{"lr", 1.0}}) {
+  return std::make_unique<Shard>("dyn", store.arena_rows(), dim, make_update_rule(rule, hp));
+}
+
+std::vector<float> row_of(const DynamicStore& store, const Shard& arena, int64_t id, int64_t dim) {
+  std::vector<float> out(static_cast<size_t>(dim));
+  store.read(arena, &id, 1, out.data(), -1);
+  return out;
+}
+
+DynamicSpec dyn(int64_t capacity = 0, int64_t admit_after = 1, const std::string& evict = "none", int64_t ttl = 0) {
+  DynamicSpec d;
+  d.on = true;
+  d.capacity = capacity;
+  d.admit_after = admit_after;
+  d.evict = evict;
+  d.ttl_steps = ttl;
+  d.seed = 7;
+  return d;
+}
+
+// One round touching `ids` with gradient rows of ones.
+void touch(DynamicStore& store, std::unique_ptr<Shard>& arena, std::vector<int64_t> ids, int64_t dim) {
+  std::vector<float> grads(ids.size() * static_cast<size_t>(dim), 1.0f);
+  store.step(arena, ids.data(), static_cast<int64_t>(ids.size()), grads.data());
+}
+
+bool stored(const DynamicStore& store, const Shard& arena, int64_t id) {
+  const DynamicState s = store.state(arena);
+  return std::find(s.ids.begin(), s.ids.end(), id) != s.ids.end();
+}
+
+}  // namespace
+
+TEST(id_map_matches_a_hash_map_under_random_inserts_and_erases_of_any_int64) {
+  IdMap map;
+  std::unordered_map<int64_t, bool> ref;
+  std::mt19937_64 gen(3);
+  std::vector<int64_t> pool = {-1, 0, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()};
+  for (int i = 0; i < 300; ++i) pool.push_back(static_cast<int64_t>(gen()));
+  for (int op = 0; op < 20000; ++op) {
+    const int64_t id = pool[gen() % pool.size()];
+    const int64_t pos = map.find(id);
+    CHECK((pos >= 0) == (ref.count(id) > 0));
+    if (pos < 0) {
+      CHECK(map.insert(id) == map.size() - 1);
+      ref[id] = true;
+    } else if (gen() % 2) {
+      map.erase_at(pos);
+      ref.erase(id);
+    }
+  }
+  CHECK(map.size() == static_cast<int64_t>(ref.size()));
+  for (int64_t p = 0; p < map.size(); ++p) CHECK(map.find(map.id(p)) == p);  // dense, consistent positions
+}
+
+TEST(initial_rows_depend_only_on_seed_and_id_and_absent_ids_read_them) {
+  DynamicStore a("dyn", dyn(), 0, 4), b("dyn", dyn(100), 100, 4);
+  auto arena_a = arena_for(a, 4), arena_b = arena_for(b, 4);
+  const int64_t id = -1234567890123LL;
+  CHECK(row_of(a, *arena_a, id, 4) == row_of(b, *arena_b, id, 4));
+  CHECK(row_of(a, *arena_a, id, 4) != row_of(a, *arena_a, id + 1, 4));
+  CHECK(a.stored() == 0);  // a read creates nothing
+  // The same generator as a fixed table's init_normal: element (id, j) under the seed.
+  const std::vector<float> first = row_of(a, *arena_a, 5, 4);
+  touch(a, arena_a, {5}, 4);  // sgd lr 1, gradient 1: initial - 1
+  const std::vector<float> after = row_of(a, *arena_a, 5, 4);
+  for (int j = 0; j < 4; ++j) CHECK_NEAR(after[j], first[j] - 1.0f, 1e-6);
+}
+
+TEST(admission_counts_touches_and_applies_nothing_before_admit_after) {
+  DynamicStore store("dyn", dyn(0, 3), 0, 2);
+  auto arena = arena_for(store, 2);
+  const std::vector<float> initial = row_of(store, *arena, 42, 2);
+  touch(store, arena, {42}, 2);
+  touch(store, arena, {42}, 2);
+  CHECK(!stored(store, *arena, 42));
+  CHECK(row_of(store, *arena, 42, 2) == initial);
+  CHECK(store.stats(*arena).pending == 1);
+  touch(store, arena, {42}, 2);  // third touch: admitted, and this round's gradient applied
+  CHECK(stored(store, *arena, 42));
+  CHECK_NEAR(row_of(store, *arena, 42, 2)[0], initial[0] - 1.0f, 1e-6);
+  const DynamicStats s = store.stats(*arena);
+  CHECK(s.admitted == 1 && s.rejected == 2 && s.pending == 0);
+}
+
+TEST(lru_eviction_keeps_the_share_and_removes_the_least_recent_first) {
+  DynamicStore store("dyn", dyn(8, 1, "lru"), 8, 2);
+  auto arena = arena_for(store, 2);
+  for (int64_t id = 0; id < 8; ++id) touch(store, arena, {id * 1000}, 2);  // rounds 1..8, one id each
+  CHECK(store.stored() == 8);
+  touch(store, arena, {0}, 2);       // round 9: id 0 is recent again
+  touch(store, arena, {-5, -6}, 2);  // round 10: 8 stored + 2 new > 8
+  // Evicted down to 7/8 of the share less the 2 new, 5: the 3 least recent, 1000, 2000 and 3000.
+  CHECK(store.stored() == 7);
+  CHECK(!stored(store, *arena, 1000) && !stored(store, *arena, 2000) && !stored(store, *arena, 3000));
+  CHECK(stored(store, *arena, 0) && stored(store, *arena, 4000) && stored(store, *arena, -5));
+  CHECK(store.stats(*arena).evicted == 3 && store.stats(*arena).last_evicted == 3);
+}
+
+TEST(lfu_eviction_removes_the_least_frequent_and_no_policy_refuses_new_rows_when_full) {
+  DynamicStore lfu("dyn", dyn(4, 1, "lfu"), 4, 1);
+  auto arena = arena_for(lfu, 1);
+  touch(lfu, arena, {1, 2, 3, 4}, 1);
+  touch(lfu, arena, {1, 2, 4}, 1);
+  touch(lfu, arena, {5}, 1);  // full: 4 + 1 > 4; evict to 4 - 0 - 1 = 3 -> one: id 3 (count 1)
+  CHECK(!stored(lfu, *arena, 3) && stored(lfu, *arena, 5) && lfu.stored() == 4);
+
+  DynamicStore none("dyn", dyn(2), 2, 1);
+  auto arena2 = arena_for(none, 1);
+  touch(none, arena2, {9, 8, 7}, 1);  // room for two: the lowest ids, 7 and 8
+  CHECK(stored(none, *arena2, 7) && stored(none, *arena2, 8) && !stored(none, *arena2, 9));
+  CHECK(none.stats(*arena2).rejected == 1 && none.stats(*arena2).pending == 1);
+}
+
+TEST(rows_untouched_for_more_than_ttl_steps_expire_at_a_step_boundary) {
+  DynamicStore store("dyn", dyn(0, 1, "none", 2), 0, 1);
+  auto arena = arena_for(store, 1);
+  touch(store, arena, {10, 11}, 1);  // round 1
+  touch(store, arena, {11}, 1);      // round 2
+  touch(store, arena, {}, 1);        // round 3: 10 is 2 rounds old, kept
+  CHECK(stored(store, *arena, 10));
+  touch(store, arena, {}, 1);  // round 4: 10 untouched for 3 > 2 rounds
+  CHECK(!stored(store, *arena, 10) && stored(store, *arena, 11));
+  touch(store, arena, {}, 1);  // round 5: 11 (last round 2) expires
+  CHECK(store.stored() == 0 && store.stats(*arena).expired == 2);
+}
+
+TEST(an_unbounded_store_grows_its_arena_and_keeps_rows_and_slots) {
+  DynamicStore store("dyn", dyn(), 0, 3);
+  auto arena = arena_for(store, 3, "adagrad", {{"lr", 0.1}, {"initial_accumulator_value", 0.1}});
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < 5000; ++i) ids.push_back(i * 7919 - 20000);
+  touch(store, arena, ids, 3);
+  CHECK(store.stored() == 5000 && arena->rows() >= 5000);
+  std::vector<float> acc(3);
+  const int64_t id = ids[4321];
+  store.read(*arena, &id, 1, acc.data(), 0);  // adagrad's accumulator: initial 0.1 + 1
+  CHECK_NEAR(acc[2], 1.1, 1e-5);
+}
+
+TEST(a_dynamic_table_trains_alike_at_one_rank_and_three) {
+  const int64_t dim = 3;
+  std::vector<std::vector<int64_t>> steps;
+  std::mt19937_64 gen(11);
+  std::vector<int64_t> pool;
+  for (int i = 0; i < 40; ++i) pool.push_back(static_cast<int64_t>(gen()));
+  for (int s = 0; s < 6; ++s) {
+    std::vector<int64_t> ids;
+    for (int i = 0; i < 12; ++i) ids.push_back(pool[gen() % pool.size()]);
+    steps.push_back(ids);
+  }
+  auto train = [&](int ranks) {
+    std::vector<float> result(pool.size() * dim);
+    auto errors = run_ranks(ranks, [&](int rank, Client& c) {
+      TableSpec spec{"dyn", 0, dim, 0, PartitionKind::kCyclic, "adam", {{"lr", 0.05}}, {}};
+      spec.dynamic = dyn(24, 2, "lru");
+      const int t = c.add_table(spec);
+      for (const auto& ids : steps) {
+        // Rank r pushes every ranks-th position, so all ranks' gradients together are the step's.
+        std::vector<int64_t> mine;
+        std::vector<float> grads;
+        for (size_t i = rank; i < ids.size(); i += ranks) {
+          mine.push_back(ids[i]);
+          for (int j = 0; j < dim; ++j) grads.push_back(0.1f * static_cast<float>(i + j));
+        }
+        c.pull({TableBatch{t, mine.data(), static_cast<int64_t>(mine.size())}});
+        c.push({TableBatch{t, mine.data(), static_cast<int64_t>(mine.size()), grads.data()}}, 1.0f);
+      }
+      c.barrier();
+      if (rank == 0) c.read_rows(t, -1, pool.data(), static_cast<int64_t>(pool.size()), result.data());
+      c.barrier();
+    });
+    for (auto& e : errors) CHECK(!e);
+    return result;
+  };
+  // Eviction is per shard, so a bounded table matches only itself: compare one rank unbounded
+  // to three unbounded, and three ranks to three.
+  const std::vector<float> three = train(3), again = train(3);
+  CHECK(three == again);
+  auto unbounded = [&](int ranks) {
+    std::vector<float> result(pool.size() * dim);
+    auto errors = run_ranks(ranks, [&](int rank, Client& c) {
+      TableSpec spec{"dyn", 0, dim, 0, PartitionKind::kCyclic, "adam", {{"lr", 0.05}}, {}};
+      spec.dynamic = dyn(0, 2);
+      const int t = c.add_table(spec);
+      for (const auto& ids : steps) {
+        std::vector<int64_t> mine;
+        std::vector<float> grads;
+        for (size_t i = rank; i < ids.size(); i += ranks) {
+          mine.push_back(ids[i]);
+          for (int j = 0; j < dim; ++j) grads.push_back(0.1f * static_cast<float>(i + j));
+        }
+        c.push({TableBatch{t, mine.data(), static_cast<int64_t>(mine.size()), grads.data()}}, 1.0f);
+      }
+      c.barrier();
+      if (rank == 0) c.read_rows(t, -1, pool.data(), static_cast<int64_t>(pool.size()), result.data());
+      c.barrier();
+    });
+    for (auto& e : errors) CHECK(!e);
+    return result;
+  };
+  const std::vector<float> one = unbounded(1), spread = unbounded(3);
+  for (size_t i = 0; i < one.size(); ++i) CHECK_NEAR(one[i], spread[i], 1e-6);
+}
+
+TEST(dynamic_state_saved_at_two_ranks_restores_at_one) {
+  const int64_t dim = 2;
+  std::vector<int64_t> ids = {-9, 3, std::numeric_limits<int64_t>::min(), 77, 123456789012345LL};
+  std::vector<DynamicState> saved(2);
+  std::vector<float> before(ids.size() * dim), after(ids.size() * dim);
+  TableSpec spec{"dyn", 0, dim, 0, PartitionKind::kCyclic, "adagrad", {{"lr", 0.5}, {"initial_accumulator_value", 0.1}}, {}};
+  spec.dynamic = dyn();
+  auto errors = run_ranks(2, [&](int rank, Client& c) {
+    const int t = c.add_table(spec);
+    std::vector<float> grads(ids.size() * dim, 0.5f);
+    if (rank == 0) c.push({TableBatch{t, ids.data(), static_cast<int64_t>(ids.size()), grads.data()}}, 1.0f);
+    else c.push({TableBatch{t, nullptr, 0, nullptr}}, 1.0f);
+    c.barrier();
+    saved[rank] = c.dynamic_state(t);
+    if (rank == 0) c.read_rows(t, -1, ids.data(), static_cast<int64_t>(ids.size()), before.data());
+    c.barrier();
+  });
+  for (auto& e : errors) CHECK(!e);
+  CHECK(saved[0].ids.size() + saved[1].ids.size() == ids.size());
+  run_ranks(1, [&](int, Client& c) {
+    const int t = c.add_table(spec);
+    c.set_step(t, 1);
+    for (const auto& s : saved) c.dynamic_restore(t, s);
+    c.read_rows(t, -1, ids.data(), static_cast<int64_t>(ids.size()), after.data());
+    CHECK(c.shard_rows(t) == static_cast<int64_t>(ids.size()));
+    std::vector<float> acc(ids.size() * dim);
+    c.read_rows(t, 0, ids.data(), static_cast<int64_t>(ids.size()), acc.data());
+    for (float a : acc) CHECK_NEAR(a, 0.1 + 0.25, 1e-6);  // adagrad's accumulator came along
+  });
+  CHECK(before == after);
+}
+
+TEST(bad_dynamic_options_fail_on_every_rank_and_fixed_only_operations_refuse_dynamic_tables) {
+  auto errors = run_ranks(3, [&](int, Client& c) {
+    TableSpec spec{"dyn", 0, 2, 0, PartitionKind::kCyclic, "sgd", {{"lr", 1.0}}, {}};
+    spec.dynamic = dyn(2);  // 3 shards
+    CHECK_THROWS(c.add_table(spec), PSError, "capacity 2 is below one row per shard (3 shards)");
+    spec.dynamic = dyn(30, 1, "mru");
+    CHECK_THROWS(c.add_table(spec), PSError, "evict must be none, 'lru' or 'lfu'");
+    spec.dynamic = dyn(0, 1, "lru");
+    CHECK_THROWS(c.add_table(spec), PSError, "needs a capacity");
+    spec.dynamic = dyn(30);
+    const int t = c.add_table(spec);
+    std::vector<float> out(10);
+    CHECK_THROWS(c.read_table(t, -1, out.data()), PSError, "table 'dyn' is dynamic");
+    std::vector<int64_t> ids = {1};
+    std::vector<float> g = {1, 1};
+    CHECK_THROWS(c.push({TableBatch{t, ids.data(), 1, g.data()}}, 1.0f, true), PSError, "cannot be replicated");
+  });
+  for (auto& e : errors) CHECK(!e);
+}
