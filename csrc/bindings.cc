@@ -10,6 +10,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <set>
+
 #include "bindings_arrays.h"
 #include "hybridsync/liveness.h"
 #include "hybridsync/ps.h"
@@ -23,6 +25,42 @@ PartitionKind partition_kind(const std::string& name) {
   if (name == "cyclic") return PartitionKind::kCyclic;
   if (name == "block") return PartitionKind::kBlock;
   throw PSError("unknown partition '" + name + "' (known: cyclic, block)");
+}
+
+// A dynamic table's options from a dict (capacity, admit_after, evict, ttl_steps, seed, init,
+// init_a, init_b; capacity / ttl_steps None: unbounded / no expiry); bad ones set `error`.
+DynamicSpec dynamic_spec(const py::object& options, std::string* error) {
+  DynamicSpec d;
+  if (options.is_none()) return d;
+  d.on = true;
+  try {
+    const py::dict o = options.cast<py::dict>();
+    auto number = [&](const char* key, int64_t fallback) {
+      return o.contains(key) && !o[key].is_none() ? o[key].cast<int64_t>() : fallback;
+    };
+    for (auto item : o) {
+      const std::string key = item.first.cast<std::string>();
+      static const std::set<std::string> known = {"capacity", "admit_after", "evict", "ttl_steps",
+                                                  "seed",     "init",        "init_a", "init_b"};
+      if (!known.count(key)) throw PSError("unknown dynamic table option '" + key + "'");
+    }
+    d.capacity = number("capacity", 0);
+    if (o.contains("capacity") && !o["capacity"].is_none() && d.capacity == 0) d.capacity = -1;  // 0 is no capacity
+    d.admit_after = number("admit_after", 1);
+    d.ttl_steps = number("ttl_steps", 0);
+    if (o.contains("ttl_steps") && !o["ttl_steps"].is_none() && d.ttl_steps == 0) d.ttl_steps = -1;
+    d.evict = o.contains("evict") && !o["evict"].is_none() ? o["evict"].cast<std::string>() : "none";
+    d.seed = static_cast<uint64_t>(number("seed", 0));
+    if (o.contains("init")) d.init = o["init"].cast<std::string>();
+    if (o.contains("init_a")) d.init_a = o["init_a"].cast<double>();
+    if (o.contains("init_b")) d.init_b = o["init_b"].cast<double>();
+  } catch (const py::cast_error&) {
+    *error = "dynamic table options must be numbers (capacity, admit_after, ttl_steps, seed, init_a, init_b) "
+             "and strings (evict, init)";
+  } catch (const PSError& e) {
+    *error = e.what();
+  }
+  return d;
 }
 
 // Runs `body` on the Client without the GIL (see the top of this file).
@@ -44,7 +82,7 @@ class PyEngine {
   // Collective. A bad partition name becomes the operation's error, so every rank raises.
   int add_table(const std::string& name, int64_t num_rows, int64_t dim, int num_shards,
                 const std::string& partition, const std::string& optimizer,
-                const std::map<std::string, double>& hparams) {
+                const std::map<std::string, double>& hparams, const py::object& dynamic) {
     std::string error;
     PartitionKind kind = PartitionKind::kCyclic;
     try {
@@ -52,7 +90,7 @@ class PyEngine {
     } catch (const PSError& e) {
       error = e.what();
     }
-    TableSpec spec{name, num_rows, dim, num_shards, kind, optimizer, hparams};
+    TableSpec spec{name, num_rows, dim, num_shards, kind, optimizer, hparams, dynamic_spec(dynamic, &error)};
     return nogil([&] { return client_->add_table(spec, error); });
   }
 
@@ -60,8 +98,10 @@ class PyEngine {
   // None, rows) instead, rows[i] the row of ids[i] shaped ids.shape + (dim,): a NumPy array the
   // engine writes each row into once (in a world of one straight from the shard, and unique is
   // empty: nothing was pulled from anywhere). What embedding forwards need, all in one round.
-  py::list pull(const std::vector<int>& tables, const py::list& ids, const std::vector<bool>& in_order) {
-    std::string error;
+  // `given_error`: this rank's bad input found by the caller, raised on every rank.
+  py::list pull(const std::vector<int>& tables, const py::list& ids, const std::vector<bool>& in_order,
+                const std::string& given_error = "") {
+    std::string error = given_error;
     std::vector<IdArray> keep;
     std::vector<TableBatch> batches;
     std::vector<int64_t> dims;
@@ -101,10 +141,10 @@ class PyEngine {
   }
 
   // Pull for one table in input order: (unique ids, rows) as pull(..., in_order) gives them.
-  py::tuple lookup(int table, const py::object& ids) {
+  py::tuple lookup(int table, const py::object& ids, const std::string& error) {
     py::list one;
     one.append(ids);
-    auto result = pull({table}, one, {true})[0].cast<py::tuple>();
+    auto result = pull({table}, one, {true}, error)[0].cast<py::tuple>();
     return py::make_tuple(result[0], result[2]);
   }
 
@@ -235,6 +275,42 @@ class PyEngine {
     return to_numpy(std::move(values), {rows, static_cast<py::ssize_t>(spec.dim)});
   }
 
+  // Local: this rank's shard of a dynamic table as arrays (ids, rows, slot.<k>, counts, ...).
+  py::dict dynamic_state(int table) {
+    DynamicState s = nogil([&] { return client_->dynamic_state(table); });
+    const auto n = static_cast<py::ssize_t>(s.ids.size()), dim = static_cast<py::ssize_t>(s.dim);
+    py::dict d;
+    d["ids"] = to_numpy(std::move(s.ids), {n});
+    d["rows"] = to_numpy(std::move(s.rows), {n, dim});
+    d["counts"] = to_numpy(std::move(s.counts), {n});
+    d["last_touch"] = to_numpy(std::move(s.last_touch), {n});
+    py::list slots;
+    for (auto& v : s.slots) slots.append(to_numpy(std::move(v), {n, dim}));
+    d["slots"] = slots;
+    const auto p = static_cast<py::ssize_t>(s.pending_ids.size());
+    d["pending_ids"] = to_numpy(std::move(s.pending_ids), {p});
+    d["pending_counts"] = to_numpy(std::move(s.pending_counts), {p});
+    d["pending_last"] = to_numpy(std::move(s.pending_last), {p});
+    return d;
+  }
+
+  // Local: what dynamic_state returned (any shard's: ids this rank's shard does not own are skipped).
+  void dynamic_restore(int table, const py::dict& d) {
+    DynamicState s;
+    s.dim = spec(table).dim;
+    auto ints = [&](const char* key) { return py::cast<std::vector<int64_t>>(py::array_t<int64_t>::ensure(d[key]).attr("ravel")()); };
+    auto floats = [&](const py::object& a) { return py::cast<std::vector<float>>(py::array_t<float>::ensure(a).attr("ravel")()); };
+    s.ids = ints("ids");
+    s.counts = ints("counts");
+    s.last_touch = ints("last_touch");
+    s.rows = floats(d["rows"]);
+    for (auto slot : d["slots"].cast<py::list>()) s.slots.push_back(floats(py::reinterpret_borrow<py::object>(slot)));
+    s.pending_ids = ints("pending_ids");
+    s.pending_counts = ints("pending_counts");
+    s.pending_last = ints("pending_last");
+    nogil([&] { client_->dynamic_restore(table, s); });
+  }
+
   TableSpec spec(int table) {
     return nogil([&] { return client_->spec(table); });
   }
@@ -332,9 +408,29 @@ PYBIND11_MODULE(_ps, m) {
       .def_property_readonly("usable", [](PyEngine& e) { return nogil([&] { return e.client().usable(); }); })
       .def("add_table", &PyEngine::add_table, py::arg("name"), py::arg("num_rows"), py::arg("dim"),
            py::arg("num_shards") = 0, py::arg("partition") = "cyclic", py::arg("optimizer") = "sgd",
-           py::arg("hparams") = std::map<std::string, double>{})
-      .def("pull", &PyEngine::pull, py::arg("tables"), py::arg("ids"), py::arg("in_order") = std::vector<bool>{})
-      .def("lookup", &PyEngine::lookup, py::arg("table"), py::arg("ids"))
+           py::arg("hparams") = std::map<std::string, double>{}, py::arg("dynamic") = py::none())
+      .def("dynamic_state", &PyEngine::dynamic_state, py::arg("table"))
+      .def("dynamic_restore", &PyEngine::dynamic_restore, py::arg("table"), py::arg("state"))
+      .def("dynamic_stats", [](PyEngine& e, int t) {
+        const DynamicStats s = nogil([&] { return e.client().dynamic_stats(t); });
+        py::dict d;
+        d["stored"] = s.stored;
+        d["capacity"] = s.capacity;
+        d["pending"] = s.pending;
+        d["admitted"] = s.admitted;
+        d["evicted"] = s.evicted;
+        d["expired"] = s.expired;
+        d["rejected"] = s.rejected;
+        d["last_admitted"] = s.last_admitted;
+        d["last_evicted"] = s.last_evicted;
+        d["last_expired"] = s.last_expired;
+        d["map_bytes"] = s.map_bytes;
+        d["row_bytes"] = s.row_bytes;
+        return d;
+      })
+      .def("pull", &PyEngine::pull, py::arg("tables"), py::arg("ids"), py::arg("in_order") = std::vector<bool>{},
+           py::arg("error") = "")
+      .def("lookup", &PyEngine::lookup, py::arg("table"), py::arg("ids"), py::arg("error") = "")
       .def("push", &PyEngine::push, py::arg("tables"), py::arg("ids"), py::arg("grads"),
            py::arg("scale") = 1.0f, py::arg("return_updates") = false, py::arg("lrs") = py::none())
       .def("set_rule", [](PyEngine& e, int t, const std::string& rule, const std::map<std::string, double>& hparams) {
@@ -392,7 +488,8 @@ PYBIND11_MODULE(_ps, m) {
         d["num_rows"] = s.num_rows;
         d["dim"] = s.dim;
         d["num_shards"] = s.num_shards;
-        d["partition"] = s.partition == PartitionKind::kCyclic ? "cyclic" : "block";
+        d["partition"] = s.partition == PartitionKind::kCyclic ? "cyclic" : s.partition == PartitionKind::kHash ? "hash" : "block";
+        d["dynamic"] = s.dynamic.on;
         d["optimizer"] = s.rule;
         d["hparams"] = s.hparams;
         return d;

@@ -10,6 +10,8 @@
         optimizer: {name: adagrad, lr: 0.05, initial_accumulator_value: 0.1}
       - match: "mlp.0.*"
         compression: fp16
+      - match: "user_ids.*"                             # a hybridsync DynamicEmbedding's options
+        dynamic: {capacity: 1000000, evict: lru, ttl_steps: 5000, admit_after: 2}
     strict: true                                        # a rule that matches nothing is an error
     backend: mpi                                        # dense backend: horovod | mpi (optional)
     auto_steps: 20                                      # steps `sync: auto` measures before it decides
@@ -40,7 +42,8 @@ PARTITIONS = ("cyclic", "block")
 COMPRESSIONS = ("none", "fp16")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 BACKENDS = ("horovod", "mpi")
-RULE_KEYS = ("match", "sync", "placement", "partitions", "partition", "compression", "optimizer")
+RULE_KEYS = ("match", "sync", "placement", "partitions", "partition", "compression", "optimizer", "dynamic")
+DYNAMIC_KEYS = ("capacity", "evict", "ttl_steps", "admit_after")
 DEFAULT_KEYS = ("sync", "placement", "partitions", "partition", "compression", "optimizer")
 
 
@@ -54,6 +57,7 @@ class Settings:
     partition: str | None = None
     compression: str | None = None
     optimizer: dict | None = None
+    dynamic: dict | None = None  # a DynamicEmbedding's options (rules only)
 
 
 @dataclasses.dataclass
@@ -177,7 +181,27 @@ class _Checker:
             s.partitions = node.value
         if "optimizer" in fields:
             s.optimizer = self.optimizer(fields["optimizer"], f"{key}.optimizer")
+        if "dynamic" in fields:
+            s.dynamic = self.dynamic(fields["dynamic"], f"{key}.dynamic")
         return s
+
+    def dynamic(self, entry, key) -> dict:
+        node, line = entry
+        fields = self.mapping(node, key, DYNAMIC_KEYS)
+        out = {}
+        for k, (v, vline) in fields.items():
+            value = v.value
+            if k == "evict":
+                if value not in (None, "lru", "lfu"):
+                    self.fail(vline, f"{key}.evict", f"{value!r} is not one of lru, lfu, null")
+            elif value is not None or k == "admit_after":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    none = "" if k == "admit_after" else " (or null)"
+                    self.fail(vline, f"{key}.{k}", f"expected an integer >= 1{none}, got {value!r}")
+            out[k] = value
+        if out.get("evict") and "capacity" in out and out["capacity"] is None:
+            self.fail(line, f"{key}.evict", "eviction needs a capacity")
+        return out
 
     def optimizer(self, entry, key) -> dict:
         node, line = entry

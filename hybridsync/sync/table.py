@@ -20,13 +20,14 @@ class PSTable:
     """A table (num_rows x dim float32 rows) split over `shards` ranks (0: every rank)."""
 
     def __init__(self, name: str, num_rows: int, dim: int, shards: int = 0, partition: str = "cyclic",
-                 rule: dict | None = None):
-        """Collective: registers the table on every rank (same arguments everywhere)."""
+                 rule: dict | None = None, dynamic: dict | None = None):
+        """Collective: registers the table on every rank (same arguments everywhere). dynamic:
+        the options of a dynamic table (hybridsync.dynamic.options; num_rows is then ignored)."""
         self.engine = ps.engine()
         self.name, self.num_rows, self.dim = name, int(num_rows), int(dim)
         rule_name, hparams = hyperparameters(rule or PLACEHOLDER_RULE)
         self.handle = self.engine.add_table(name, self.num_rows, self.dim, int(shards or 0), partition,
-                                            rule_name, hparams)
+                                            rule_name, hparams, dynamic)
         self.pulled_rows = 0  # unique rows pulled since the last push (byte accounting)
         self._replica = None  # the array the shard's rows alias (kept alive here)
 
@@ -164,10 +165,10 @@ class PSTable:
             self.engine.set_table_step(self.handle, int(state["step"]))
 
     # -- lookups ----------------------------------------------------------------------------------
-    def lookup(self, ids):
+    def lookup(self, ids, error: str = ""):
         """Collective (local in a world of one): (unique ids pulled, rows) with rows[i] the row
-        of ids[i], shaped ids.shape + (dim,)."""
-        unique, rows = self.engine.lookup(self.handle, ids)
+        of ids[i], shaped ids.shape + (dim,). error: this rank's bad input, raised on every rank."""
+        unique, rows = self.engine.lookup(self.handle, ids, error)
         self.pulled_rows += len(unique)
         return unique, rows
 
@@ -195,11 +196,11 @@ class TableView:
         return f"table '{self.table.name}' {what}"
 
 
-def pull(tables: list, ids: list, in_order=()) -> list:
+def pull(tables: list, ids: list, in_order=(), error: str = "") -> list:
     """Collective: one round for several tables; per table (unique ids, inverse, unique rows),
     or where in_order[i] is true (unique ids, None, rows) with rows[i] the row of ids[i], shaped
     ids.shape + (dim,), written there once (in a world of one, unique is empty)."""
-    results = tables[0].engine.pull([t.handle for t in tables], ids, list(in_order)) if tables else []
+    results = tables[0].engine.pull([t.handle for t in tables], ids, list(in_order), error) if tables else []
     for t, (unique, _, _) in zip(tables, results):
         t.pulled_rows += len(unique)
     return results

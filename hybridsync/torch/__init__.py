@@ -12,6 +12,7 @@ from .basics import (HorovodInternalError, ccl_built, cross_rank, cross_size, cu
                      gloo_enabled, init, is_initialized, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
                      rocm_built, start_timeline, stop_timeline)
 from .compression import Compression
+from .dynamic_embedding import DynamicEmbedding
 from .embedding import Embedding, EmbeddingBag
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce, allreduce_,
@@ -39,7 +40,7 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     # training
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
-    "allgather_object", "SyncBatchNorm", "elastic", "Embedding", "EmbeddingBag", "explain",
+    "allgather_object", "SyncBatchNorm", "elastic", "DynamicEmbedding", "Embedding", "EmbeddingBag", "explain",
     # modules, as in horovod.torch
     "compression", "functions", "mpi_ops", "optimizer", "sync_batch_norm",
 ]

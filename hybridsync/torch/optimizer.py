@@ -30,7 +30,8 @@ from .batching import BatchedLookups
 from .compression import Compression, NoneCompressor
 from .embedding import Embedding, EmbeddingBag
 from .optimizer_args import check_groups, check_op, parameter_names, sparse_as_dense_config
-from .planner import plan_for, ps_modules, route_for_observed
+from .dynamic_embedding import DynamicEmbedding
+from .planner import apply_dynamic_rules, plan_for, ps_modules, route_for_observed
 from .process_set_optimizer import check_routes, outside_set_optimizer, scope_for, set_config
 from .server_optimizer import describe, group_of
 from .table_tensor import ShardedTableTensor
@@ -92,6 +93,7 @@ class _DistributedOptimizer:
             size, reason = world.size, comm.why(backend_name)
         else:  # the set's own MPI communicator, whatever the job's dense backend
             backend_name, size, reason = "mpi", scope.size, scope.reason()
+        apply_dynamic_rules(cfg, named, model)
         plan, self._hs_planner = plan_for(self, named, model, cfg, _compression_name(compression),
                                           backend_name, size, reason)
         self._hs_scope = scope
@@ -129,7 +131,8 @@ class _DistributedOptimizer:
         self._hs_hooks = [p.register_post_accumulate_grad_hook(self._hs_make_hook(var))
                           for var, p in self._hs_param_of.items() if p.requires_grad]
         self._hs_sync.prepare()
-        modules = [var.access.module for var in self._hs_vars if isinstance(var.access, _ModuleRows)]
+        modules = [var.access.module for var in self._hs_vars  # (a dynamic table pulls on its own)
+                   if isinstance(var.access, _ModuleRows) and not isinstance(var.access.module, DynamicEmbedding)]
         if model is not None and modules and settings().batch_lookups:
             BatchedLookups(model, modules)
         self._hs_forward_end = None

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..plan import Plan, VariablePlan
 from ..routing import RouteResolver
 from ..sync.server_rules import server_rule
 from ..types import GradKind
+from .dynamic_embedding import DynamicEmbedding
 from .embedding import PS_MODULES
 from .server_optimizer import describe, group_of
 
@@ -57,7 +58,27 @@ def ps_modules(model) -> list:
     """(name, module) of user-built PS-backed modules: tables with no torch parameter."""
     if model is None:
         return []
-    return [(f"{name}.weight" if name else "weight", m) for name, m in model.named_modules() if isinstance(m, PS_MODULES)]
+    kinds = PS_MODULES + (DynamicEmbedding,)
+    return [(f"{name}.weight" if name else "weight", m) for name, m in model.named_modules() if isinstance(m, kinds)]
+
+
+def apply_dynamic_rules(config: Config | None, named, model) -> None:
+    """Collective where it changes a table: a config rule's `dynamic:` options replace those of
+    the hybridsync.torch.DynamicEmbedding it matches (its table is made anew, still empty). A rule
+    with `dynamic:` that matches another kind of variable is a ConfigError, raised on every rank
+    alike before anything changes (every rank has the same config and model)."""
+    if config is None or not any(rule.dynamic for rule in config.rules):
+        return
+    tables = ps_modules(model)
+    for name, module in [(n, None) for n, _ in named] + tables:
+        rule = config.rule_for(name)
+        if rule is not None and rule.dynamic and not isinstance(module, DynamicEmbedding):
+            raise ConfigError(f"{rule.where}: dynamic: variable '{name}' is not a hybridsync DynamicEmbedding "
+                              "(dynamic options apply to those only)")
+    for name, module in tables:
+        rule = config.rule_for(name)
+        if rule is not None and rule.dynamic:
+            module.reconfigure(**rule.dynamic)
 
 
 def plan_for(optimizer, named, model, config: Config | None, compression_name: str, backend_name: str,

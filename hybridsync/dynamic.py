@@ -1,0 +1,97 @@
+"""Dynamic tables, framework-neutral: their options, and the Python twins of the C++ rules that
+decide where a raw id lives and what its first row is (csrc/ps/partitioner.cc hash_shard,
+csrc/ps/seeded.h; tested against each other). See docs/dynamic-tables.md.
+
+A dynamic table takes any int64 id (unsigned 64-bit hashes cast to int64 included): a shard
+creates the row on the id's first push (after `admit_after` pushes), evicts rows when it
+holds its share of `capacity` (LRU or LFU) and expires rows untouched for `ttl_steps` rounds.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+EVICTIONS = (None, "lru", "lfu")
+OPTION_KEYS = ("capacity", "admit_after", "evict", "ttl_steps")
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def options(name: str, capacity=None, admit_after=1, evict=None, ttl_steps=None, initializer=("normal", 0.0, 1.0),
+            seed: int = 0) -> dict:
+    """The engine's option dict for dynamic table `name`; ValueError naming a bad argument."""
+    def whole(key, value, low, allow_none):
+        if value is None and allow_none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            none = " or None" if allow_none else ""
+            raise ValueError(f"dynamic table '{name}': {key} must be an integer >= {low}{none}, got {value!r}")
+        return int(value)
+
+    capacity = whole("capacity", capacity, 1, True)
+    admit_after = whole("admit_after", admit_after, 1, False)
+    ttl_steps = whole("ttl_steps", ttl_steps, 1, True)
+    if evict not in EVICTIONS:
+        raise ValueError(f"dynamic table '{name}': evict must be None, 'lru' or 'lfu', got {evict!r}")
+    if evict is not None and capacity is None:
+        raise ValueError(f"dynamic table '{name}': evict={evict!r} needs a capacity")
+    kind, a, b = _initializer(name, initializer)
+    return {"capacity": capacity, "admit_after": admit_after, "evict": evict, "ttl_steps": ttl_steps,
+            "seed": int(seed) & ((1 << 63) - 1), "init": kind, "init_a": a, "init_b": b}
+
+
+def _initializer(name, initializer):
+    ok = (isinstance(initializer, (tuple, list)) and len(initializer) == 3 and initializer[0] in ("normal", "uniform")
+          and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in initializer[1:]))
+    if not ok:
+        raise ValueError(f"dynamic table '{name}': initializer must be ('normal', mean, std) or "
+                         f"('uniform', low, high), got {initializer!r}")
+    return initializer[0], float(initializer[1]), float(initializer[2])
+
+
+def check_ids(name: str, ids) -> np.ndarray:
+    """ids as a flat int64 array; TypeError naming the table for non-integer ids."""
+    a = np.asarray(ids)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"dynamic table '{name}': ids must be integers (int64, or uint64 hashes), got dtype {a.dtype}")
+    return a.astype(np.int64, copy=False)
+
+
+# -- twins of the C++ rules ---------------------------------------------------------------------
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def hash_shard(ids, shards: int) -> np.ndarray:
+    """The shard of each raw id of a dynamic table over `shards` shards."""
+    u = np.asarray(ids, dtype=np.int64).view(np.uint64)
+    return (_mix64(u ^ np.uint64(0xD6E8FEB86659FD93)) % np.uint64(shards)).astype(np.int64)
+
+
+def capacity_share(capacity, shards: int, shard: int) -> int:
+    """Rows shard `shard` holds at most (0: unbounded): capacity / shards, the first
+    capacity % shards one more."""
+    if not capacity:
+        return 0
+    return capacity // shards + (1 if shard < capacity % shards else 0)
+
+
+def initial_rows(seed: int, ids, dim: int, initializer=("normal", 0.0, 1.0)) -> np.ndarray:
+    """Rows (len(ids), dim) a dynamic table starts `ids` from: element (id, j) a pure function of
+    (seed, id, j) -- the same generator as a fixed table's seeded initialisers."""
+    kind, a, b = initializer
+    u = np.asarray(ids, dtype=np.int64).reshape(-1).view(np.uint64)
+    with np.errstate(over="ignore"):
+        counter = u[:, None] * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :]
+        key = _mix64(np.uint64(seed) ^ _mix64(counter))
+    u1 = ((key >> np.uint64(11)).astype(np.float64) + 0.5) / 9007199254740992.0
+    if kind == "uniform":
+        return (np.float32(a) + (np.float32(b) - np.float32(a)) * u1.astype(np.float32)).astype(np.float32)
+    u2 = ((_mix64(key) >> np.uint64(11)).astype(np.float64) + 0.5) / 9007199254740992.0
+    z = (np.sqrt(-2.0 * np.log(u1)) * np.cos(6.283185307179586 * u2)).astype(np.float32)
+    return (np.float32(a) + np.float32(b) * z).astype(np.float32)
