@@ -9,7 +9,8 @@ Layout of a checkpoint (a directory; safetensors files and JSON, nothing pickled
                                   step and files with their SHA-256, the dense files, `extra`
     dense.safetensors             dense weights and the wrapped optimizer's tensors (rank 0)
     table-<i>-shard-<s>.safetensors  shard s of PS table i: its global row ids, rows and server
-                                  optimizer slots, written by the rank that owns it
+                                  optimizer slots, written by the rank that owns it (a dynamic
+                                  table's also its counts, last touches and ids not yet admitted)
 
 Why safetensors + JSON: a format many tools read, no code runs on load, and each shard file is
 written by its owner in parallel with no rank ever holding a whole table (torch's distributed
@@ -281,10 +282,15 @@ def _load_table(path: Path, var, table, saved: dict) -> None:
     """Writes the saved rows (and slots) this rank owns under this run's layout."""
     from safetensors import safe_open
 
+    from .sync.dynamic_table import DynamicTable
+
     rank = runtime.world().rank
     shards, kind = table.layout
     if rank >= shards:
         table.set_step(saved["step"])
+        return
+    if isinstance(table, DynamicTable):
+        _load_dynamic_table(path, table, saved)
         return
     mine = Partition(table.num_rows, shards, kind)
     same_layout = (saved["shards"], saved["partition"]) == (shards, kind)
@@ -306,3 +312,35 @@ def _load_table(path: Path, var, table, saved: dict) -> None:
         except Exception as exc:
             raise CheckpointError(f"{file}: {exc}") from exc
     table.set_step(saved["step"])
+
+
+# Per-row and per-pending-id arrays of a dynamic table's shard file.
+_DYNAMIC_ROWS = ("ids", "rows", "counts", "last_touch")
+_DYNAMIC_PENDING = ("pending_ids", "pending_counts", "pending_last")
+
+
+def _load_dynamic_table(path: Path, table, saved: dict) -> None:
+    """Every saved shard file in CHUNK_ROWS pieces; this rank's shard keeps the ids it owns under
+    this run's hash partition (any world size). The step first: expiry counts from it."""
+    from safetensors import safe_open
+
+    table.set_step(saved["step"])
+    slots = [f"slot.{s}" for s in saved["slots"]]
+    for entry in saved["files"]:
+        file = path / entry["name"]
+        _verify(file, entry["sha256"])
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                rows, pending = entry["rows"], f.get_slice("pending_ids").get_shape()[0]
+
+                def piece(key, start, n):  # (safetensors slices must be non-empty, inside the array)
+                    if n == 0:
+                        return f.get_tensor(key)
+                    return f.get_slice(key)[start:min(start + CHUNK_ROWS, n)] if start < n else f.get_slice(key)[:1][:0]
+
+                for start in range(0, max(rows, pending, 1), CHUNK_ROWS):
+                    part = {k: piece(k, start, rows) for k in _DYNAMIC_ROWS + tuple(slots)}
+                    part.update({k: piece(k, start, pending) for k in _DYNAMIC_PENDING})
+                    table.restore(part)
+        except Exception as exc:
+            raise CheckpointError(f"{file}: {exc}") from exc

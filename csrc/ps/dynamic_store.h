@@ -74,7 +74,8 @@ class DynamicStore {
   void step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* grads);
 
   DynamicState state(const Shard& arena) const;
-  // Inserts the entries of `s` whose ids `mine` accepts (checkpoint restore; replaces stored ones).
+  // Inserts the entries of `s` whose ids `mine` accepts (checkpoint restore; replaces stored ones),
+  // beyond the share if need be (the next round evicts).
   template <class Mine>
   void restore(std::unique_ptr<Shard>& arena, const DynamicState& s, Mine mine);
   DynamicStats stats(const Shard& arena) const;
@@ -121,10 +122,8 @@ void DynamicStore::restore(std::unique_ptr<Shard>& arena, const DynamicState& s,
     if (!mine(id)) continue;
     int64_t pos = rows_.find(id);
     if (pos < 0) {
-      if (share_ > 0 && stored() >= share_) {
-        throw PSError("table '" + table_ + "': the checkpoint holds more rows than this shard's share of capacity (" +
-                      std::to_string(share_) + ")");
-      }
+      // Loaded at another world size, a shard may get more than its share: it holds them (the
+      // lookups stay those that were saved) and its next round evicts down by its rule.
       pos = add_row(arena, id, 0, 0);
     }
     counts_[pos] = static_cast<uint32_t>(s.counts[i]);

@@ -68,6 +68,8 @@ class DynamicTable(PSTable):
             out[f"slot.{name}"] = values
         return out
 
+    local_state = shard_state  # what a checkpoint's shard file holds
+
     def restore(self, arrays: dict) -> None:
         """Local: inserts the entries of any shard's shard_state() that this rank's shard owns
         (so a checkpoint of any world size loads). Set the table's step first (expiry counts

@@ -103,17 +103,12 @@ def _train(model, opt, rank, size, references=None):
             references[name].push(grads)
 
 
-def rank_parity(size_s):
+def _parity(model, opt, rank, size):
+    """Trains and compares every id's row and the counters with the reference."""
     import numpy as np
-    import torch
 
     import hybridsync.torch as hvd
 
-    hvd.init()
-    size, rank = hvd.size(), hvd.rank()
-    assert size == int(size_s)
-    model = _model()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, config=_config())
     refs = _references(size)
     _train(model, opt, rank, size, refs)
     pool = _pool()
@@ -130,43 +125,144 @@ def rank_parity(size_s):
     # The rules were exercised: rows waited for admission, and bounded tables evicted and expired.
     assert refs["lru_emb"].evicted > 0 and refs["lfu_emb"].evicted > 0 and refs["sgd_emb"].expired > 0
     assert len(refs["sgd_emb"].stored_ids()) < len(set(np.concatenate([b[0].ravel() for b in _batches()])))
-    hvd.shutdown()
 
 
-@pytest.mark.parametrize("np_", [1, 2, 3])
-def test_dynamic_tables_match_a_one_process_reference(np_):
-    run_ranks(__file__, "rank_parity", np_, str(np_), timeout=240)
+def _wrapped():
+    import torch
+
+    import hybridsync.torch as hvd
+
+    model = _model()
+    return model, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, config=_config())
 
 
-def rank_bad_input():
+def _bad_input():
+    """Rank 1's bad ids raise on every rank (its own error there, 'failed on rank 1' elsewhere),
+    nothing hangs, and the engine stays in step."""
     import numpy as np
     import torch
 
     import hybridsync.torch as hvd
 
-    hvd.init()
-    rank = hvd.rank()
+    rank, size = hvd.rank(), hvd.size()
     emb = hvd.DynamicEmbedding(2, name="bad", seed=1)
     bag = hvd.DynamicEmbedding(2, name="bags", mode="mean", seed=1)
-    ids = torch.tensor([3, -4]) if rank == 0 else torch.tensor([0.5, 1.0])  # rank 1: not integers
+    ids = torch.tensor([0.5, 1.0]) if rank == 1 else torch.tensor([3, -4])  # rank 1: not integers
     with pytest.raises((ValueError, RuntimeError), match="ids must be integers|failed on rank 1"):
         emb(ids)
     flat = torch.tensor([1, 2, 3]) if rank == 1 else torch.tensor([[1, 2]])  # rank 1: 1-D bags, no offsets
     with pytest.raises((ValueError, RuntimeError), match="takes 2-D ids|failed on rank 1"):
         bag(flat)
-    with pytest.raises(ValueError, match="capacity 1 is below one row per shard"):
-        hvd.DynamicEmbedding(2, name="tiny", capacity=1, evict="lru")
+    with pytest.raises(ValueError, match=f"capacity {size - 1} is below one row per shard"):
+        hvd.DynamicEmbedding(2, name="tiny", capacity=size - 1, evict="lru")
     with pytest.raises(ValueError, match="evict must be None, 'lru' or 'lfu'"):
         hvd.DynamicEmbedding(2, name="x", capacity=10, evict="fifo")  # local, before any collective
-    # Nothing hangs and the engine is still in step: a good lookup works everywhere.
     out = emb(torch.tensor([[7, 8]]))
     assert out.shape == (1, 2, 2)
     np.testing.assert_allclose(out[0, 0].detach().numpy(), emb.table.read_rows(np.array([7]))[0])
+
+
+def rank_scenario(path, role):
+    """Every role: parity with the reference at this world size. save: then a checkpoint and an
+    export; load: a fresh model loads it and sees the same state; corrupt: a damaged shard file is
+    an error naming it, on every rank."""
+    import shutil
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    model, opt = _wrapped()
+    _parity(model, opt, rank, size)
+    if role == "save":
+        _save(path, model, opt)
+    else:
+        _load(path)
+    if role == "corrupt":
+        from hybridsync.checkpoint import CheckpointError
+
+        damaged = f"{path}.damaged"
+        if rank == 0:
+            shutil.copytree(path, damaged)
+            shard = f"{damaged}/table-4-shard-1.safetensors"
+            data = bytearray(open(shard, "rb").read())
+            data[-5] ^= 0xFF
+            open(shard, "wb").write(bytes(data))
+        hvd.allgather_object(0)
+        model, opt = _wrapped()
+        with pytest.raises(CheckpointError, match="table-4-shard-1.safetensors is corrupt"):
+            hybridsync.load_checkpoint(damaged, model, opt)
+    if size > 1:
+        _bad_input()
     hvd.shutdown()
 
 
-def test_bad_input_raises_on_every_rank_and_nothing_hangs():
-    run_ranks(__file__, "rank_bad_input", 2, timeout=120)
+def test_dynamic_tables_parity_at_2_3_1_ranks_checkpoint_across_them_and_bad_input(tmp_path):
+    """One job per world size (each start costs seconds): 2 trains, checks and saves; 3 and 1
+    train, check and load it; 1 also meets a corrupt shard file; 2 and 3 check bad input."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(__file__, "rank_scenario", 2, path, "save", timeout=240)
+    run_ranks(__file__, "rank_scenario", 3, path, "load", timeout=240)
+    run_ranks(__file__, "rank_scenario", 1, path, "corrupt", timeout=240)
+
+
+def _everything(model):
+    """Per table: every stored id (sorted), its row and slots, counts and last touches, gathered."""
+    import numpy as np
+
+    import hybridsync.torch as hvd
+
+    out = {}
+    for name, _, _ in TABLES:
+        table = getattr(model, name).table
+        parts = hvd.allgather_object(table.shard_state())
+        ids = np.concatenate([p["ids"] for p in parts])
+        order = np.argsort(ids)
+        out[f"{name}.ids"] = ids[order]
+        for key in ("counts", "last_touch"):
+            out[f"{name}.{key}"] = np.concatenate([p[key] for p in parts])[order]
+        out[f"{name}.pending"] = np.sort(np.concatenate([p["pending_ids"] for p in parts]))
+        out[f"{name}.rows"] = table.read_rows(ids[order])  # through the engine, as lookups see them
+        for k, slot in enumerate(table.slot_names):
+            out[f"{name}.slot.{slot}"] = table.read_rows(ids[order], slot=k)
+    return out
+
+
+def _save(path, model, opt):
+    import numpy as np
+
+    import hybridsync
+    import hybridsync.torch as hvd
+    from hybridsync.sync.dynamic_table import read_export
+
+    hybridsync.save_checkpoint(path, model, opt)
+    state = _everything(model)
+    if hvd.rank() == 0:
+        np.savez(f"{path}.expected.npz", **state)
+    # The export: every stored (id, row) pair in one file, each rank writing its own shard's.
+    total = model.lfu_emb.export(f"{path}.export")
+    ids, rows = read_export(f"{path}.export")
+    order = np.argsort(ids)
+    assert total == len(state["lfu_emb.ids"]) > 0
+    np.testing.assert_array_equal(ids[order], state["lfu_emb.ids"])
+    np.testing.assert_array_equal(rows[order], state["lfu_emb.rows"])
+
+
+def _load(path):
+    """A fresh model loads the checkpoint: every stored id's row and slots, counts, last
+    touches and pending ids are those saved (at another world size: re-hashed)."""
+    import numpy as np
+
+    import hybridsync
+
+    model, opt = _wrapped()
+    hybridsync.load_checkpoint(path, model, opt)
+    got, want = _everything(model), np.load(f"{path}.expected.npz")
+    assert set(got) == set(want.files)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert model.sgd_emb.table.step == STEPS
 
 
 if __name__ == "__main__":
