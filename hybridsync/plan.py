@@ -198,8 +198,18 @@ def explain(file=None, as_json: bool = False) -> str:
     return text
 
 
+def _dynamic_lines() -> list:
+    import sys
+
+    if "hybridsync.sync.dynamic_table" not in sys.modules:  # no dynamic table was ever made
+        return []
+    from .sync.dynamic_table import explain_lines
+
+    return explain_lines()
+
+
 def _print_plans(plans: list, file=None) -> str:
-    text = "\n\n".join(p.table() for p in plans)
+    text = "\n".join(["\n\n".join(p.table() for p in plans)] + _dynamic_lines())
     with _lock:
         for v in (v for p in plans for v in p.variables):
             if v.auto and v.auto.get("status") == "measuring":

@@ -6,6 +6,7 @@ size restores, and by a streaming export."""
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 
@@ -13,6 +14,7 @@ from .. import dynamic as dyn
 from .table import PSTable
 
 EXPORT_MAGIC = b"HSDYNEXP"
+_live: "weakref.WeakSet" = weakref.WeakSet()  # for explain()
 
 
 class DynamicTable(PSTable):
@@ -20,6 +22,11 @@ class DynamicTable(PSTable):
         """Collective: registers the table on every rank (same options everywhere)."""
         super().__init__(name, -1, dim, shards, "cyclic", rule, dynamic=options)
         self.options = dict(options)
+        _live.add(self)
+
+    def drop(self) -> None:
+        _live.discard(self)
+        super().drop()
 
     @property
     def layout(self) -> tuple[int, str]:
@@ -118,6 +125,30 @@ class DynamicTable(PSTable):
             fh.write(pairs.tobytes())
         comm.objects().allgather_object(0, name="hybridsync.dynamic.export.written")
         return total
+
+
+def explain_lines() -> list:
+    """Lines for explain(): per live dynamic table, this rank's shards' rows stored against their
+    share of capacity, rows admitted / evicted / expired in the newest step and in total, and
+    bytes per stored row (rows, optimizer slots, and the id map with its per-row counters)."""
+    from ..plan import format_table
+
+    rows = []
+    for table in sorted(_live, key=lambda t: t.name):
+        try:
+            s = table.stats()
+        except (ValueError, RuntimeError):  # the engine is gone or unusable
+            continue
+        per_row = lambda b: f"{b / s['stored']:.0f} B" if s["stored"] else "-"  # noqa: E731
+        rows.append([table.name, f"{s['stored']}/{s['capacity'] or 'unbounded'}",
+                     f"{s['last_admitted']}/{s['last_evicted']}/{s['last_expired']}",
+                     f"{s['admitted']}/{s['evicted']}/{s['expired']}", str(s["pending"]),
+                     per_row(s["row_bytes"] + s["map_bytes"]), per_row(s["map_bytes"])])
+    if not rows:
+        return []
+    head = ["dynamic table", "stored/capacity", "adm/evict/exp last step", "adm/evict/exp total", "pending",
+            "bytes/row", "of which map"]
+    return ["", "dynamic tables (this rank's shards):"] + format_table(head, rows)
 
 
 def read_export(path) -> tuple[np.ndarray, np.ndarray]:

@@ -125,6 +125,16 @@ def _parity(model, opt, rank, size):
     # The rules were exercised: rows waited for admission, and bounded tables evicted and expired.
     assert refs["lru_emb"].evicted > 0 and refs["lfu_emb"].evicted > 0 and refs["sgd_emb"].expired > 0
     assert len(refs["sgd_emb"].stored_ids()) < len(set(np.concatenate([b[0].ravel() for b in _batches()])))
+    # explain() shows this rank's shards: stored / share, and the newest step's counters.
+    import io
+
+    import hybridsync
+
+    text = hybridsync.explain(file=io.StringIO())
+    s = model.lru_emb.stats()
+    section = text.split("dynamic tables (this rank's shards):")[1]
+    line = next(x for x in section.splitlines() if x.startswith("lru_emb.weight "))
+    assert f"{s['stored']}/{s['capacity']}" in line and f"{s['admitted']}/{s['evicted']}/{s['expired']}" in line, text
 
 
 def _wrapped():
