@@ -8,6 +8,7 @@
 
 #include "bindings_arrays.h"
 #include "ps/dedup.h"
+#include "ps/dynamic_store.h"
 #include "ps/partitioner.h"
 #include "ps/shard.h"
 
@@ -90,6 +91,25 @@ class PyShard {
 }  // namespace
 
 void add_testing_bindings(py::module_& m) {
+  // The C++ sides of hybridsync/dynamic.py's twins.
+  m.def("hash_shard", [](const std::vector<int64_t>& ids, int shards) {
+    std::vector<int64_t> out;
+    for (int64_t id : ids) out.push_back(hash_shard(id, shards));
+    return out;
+  });
+  m.def("dynamic_initial_rows", [](uint64_t seed, const std::vector<int64_t>& ids, int64_t dim, const std::string& init,
+                                   double a, double b) {
+    DynamicSpec spec;
+    spec.on = true;
+    spec.seed = seed;
+    spec.init = init;
+    spec.init_a = a;
+    spec.init_b = b;
+    DynamicStore store("twin", spec, 0, dim);
+    std::vector<float> out(ids.size() * static_cast<size_t>(dim));
+    for (size_t i = 0; i < ids.size(); ++i) store.initial_row(ids[i], out.data() + i * dim);
+    return out;
+  });
   py::class_<Partitioner>(m, "Partitioner")
       .def(py::init([](int64_t rows, int shards, const std::string& kind) {
              return Partitioner(rows, shards, partition_kind(kind));
