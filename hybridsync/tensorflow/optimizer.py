@@ -97,6 +97,12 @@ class _DistributedKerasOptimizer:
                     "policy 'mixed_float16' / 'mixed_bfloat16' (float32 variables) or route it with sync: allreduce")
             rows.append(vp)
         resolver.check_strict(rows)
+        for vp in rows:  # (a Keras layer's table exists, and its graph holds it, before the plan)
+            rule = self._hs_config.rule_for(vp.name) if self._hs_config is not None else None
+            if rule is not None and rule.dynamic:
+                raise config_mod.ConfigError(f"{rule.where}: dynamic: variable '{vp.name}': dynamic options apply to "
+                                             "PyTorch DynamicEmbedding tables; pass a Keras DynamicEmbedding its "
+                                             "options as arguments")
         plan = Plan(rows, framework="tensorflow", backend="mpi", world_size=world.size,
                     backend_reason="TensorFlow: MPI via mpi4py (Horovod here is built for PyTorch only)")
         backend = collectives.mpi()
@@ -173,6 +179,8 @@ class _DistributedKerasOptimizer:
 
         results = tf.numpy_function(exchange, inputs, Tout=[tf.int64] + [t for types in out_types for t in types],
                                     stateful=True, name="hybridsync_exchange")
+        if not isinstance(results, (list, tuple)):  # one output (every table sharded): eager gives it bare
+            results = [results]
         done, results = results[0], iter(results[1:])
         keep_g, keep_v, updates = [], [], [done]
         for i, (v, var) in enumerate(zip(variables, self._hs_vars)):
