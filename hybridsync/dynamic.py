@@ -82,16 +82,24 @@ def capacity_share(capacity, shards: int, shard: int) -> int:
 
 
 def initial_rows(seed: int, ids, dim: int, initializer=("normal", 0.0, 1.0)) -> np.ndarray:
-    """Rows (len(ids), dim) a dynamic table starts `ids` from: element (id, j) a pure function of
-    (seed, id, j) -- the same generator as a fixed table's seeded initialisers."""
+    """Rows (len(ids), dim) a dynamic table starts `ids` from, a pure function of (seed, id):
+    uniform: element j from the key of (seed, id, j), as fixed tables seed theirs; normal:
+    columns 2k and 2k+1 are the cosine and sine of one float32 Box-Muller pair from key k."""
     kind, a, b = initializer
     u = np.asarray(ids, dtype=np.int64).reshape(-1).view(np.uint64)
+    cols = dim if kind == "uniform" else (dim + 1) // 2
     with np.errstate(over="ignore"):
-        counter = u[:, None] * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :]
+        counter = u[:, None] * np.uint64(dim) + np.arange(cols, dtype=np.uint64)[None, :]
         key = _mix64(np.uint64(seed) ^ _mix64(counter))
-    u1 = ((key >> np.uint64(11)).astype(np.float64) + 0.5) / 9007199254740992.0
+    a32, b32 = np.float32(a), np.float32(b)
     if kind == "uniform":
-        return (np.float32(a) + (np.float32(b) - np.float32(a)) * u1.astype(np.float32)).astype(np.float32)
-    u2 = ((_mix64(key) >> np.uint64(11)).astype(np.float64) + 0.5) / 9007199254740992.0
-    z = (np.sqrt(-2.0 * np.log(u1)) * np.cos(6.283185307179586 * u2)).astype(np.float32)
-    return (np.float32(a) + np.float32(b) * z).astype(np.float32)
+        u1 = ((key >> np.uint64(11)).astype(np.float64) + 0.5) / 9007199254740992.0
+        return (a32 + (b32 - a32) * u1.astype(np.float32)).astype(np.float32)
+    u1 = ((key >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    u2 = ((key >> np.uint64(16)) & np.uint64(0xFFFFFF)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+    r = np.sqrt(np.float32(-2.0) * np.log(u1))
+    angle = np.float32(6.2831853) * u2
+    out = np.empty((len(u), 2 * cols), np.float32)
+    out[:, 0::2] = a32 + b32 * (r * np.cos(angle))
+    out[:, 1::2] = a32 + b32 * (r * np.sin(angle))
+    return out[:, :dim]

@@ -113,10 +113,16 @@ int64_t DynamicStore::arena_rows() const { return share_ > 0 ? share_ : kFirstAr
 
 void DynamicStore::initial_row(int64_t id, float* out) const {
   const auto a = static_cast<float>(spec_.init_a), b = static_cast<float>(spec_.init_b);
-  const bool normal = spec_.init == "normal";
-  for (int64_t j = 0; j < dim_; ++j) {
-    const uint64_t key = element_key(spec_.seed, static_cast<uint64_t>(id), dim_, j);
-    out[j] = normal ? normal_value(key, a, b) : uniform_value(key, a, b);
+  if (spec_.init != "normal") {
+    for (int64_t j = 0; j < dim_; ++j) out[j] = uniform_value(element_key(spec_.seed, static_cast<uint64_t>(id), dim_, j), a, b);
+    return;
+  }
+  // Columns 2k and 2k+1 share the key of column k: one Box-Muller pair each.
+  float pair[2];
+  for (int64_t j = 0; j < dim_; j += 2) {
+    normal_pair(element_key(spec_.seed, static_cast<uint64_t>(id), dim_, j / 2), a, b, pair);
+    out[j] = pair[0];
+    if (j + 1 < dim_) out[j + 1] = pair[1];
   }
 }
 
