@@ -73,7 +73,12 @@ void Shard::set_rule(std::unique_ptr<UpdateRule> rule) {
   slots_.shrink_to_fit();
   const auto names = rule_->slot_names();
   for (size_t k = 0; k < names.size(); ++k) {
-    slots_.emplace_back(static_cast<size_t>(rows_ * dim_), rule_->slot_init(static_cast<int>(k)));
+    const float init = rule_->slot_init(static_cast<int>(k));
+    if (init == 0.0f) {
+      slots_.emplace_back(static_cast<size_t>(rows_ * dim_));  // fresh zero pages, resident once written
+    } else {
+      slots_.emplace_back(static_cast<size_t>(rows_ * dim_), init);
+    }
   }
 }
 

@@ -83,7 +83,7 @@ class Shard {
   std::vector<float, ZeroPages<float>> owned_;
   float* base_ = nullptr;
   int64_t stride_ = 1, offset_ = 0;
-  std::vector<std::vector<float>> slots_;
+  std::vector<std::vector<float, ZeroPages<float>>> slots_;  // zero-initialised ones cost nothing until written
 };
 
 }  // namespace hybridsync
