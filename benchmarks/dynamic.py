@@ -34,7 +34,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-MARK = "DYNAMIC-RESULT"
 UNIVERSE_BITS = 26
 INITIALIZERS = {"normal": ("normal", 0.0, 0.01), "uniform": ("uniform", -0.01, 0.01)}
 
@@ -134,20 +133,25 @@ def rank_run(args) -> None:
         "distinct_ids": int(np.count_nonzero(distinct)) if rank == 0 else None,
         "ids_drawn": size * args.batch * (args.steps + args.timed),
     }
-    print(MARK + " " + json.dumps(result), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # (one file per rank: long lines from two
+    (Path(args.out) / f"rank-{rank}.json").write_text(json.dumps(result))  # ranks interleave on stdout)
     hybridsync.shutdown()
 
 
 def _launch(args) -> list:
+    import tempfile
+
+    out_dir = tempfile.mkdtemp(prefix="hybridsync-dynamic-")
     cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     cmd += [sys.executable, "-u", __file__, "--rank-run", "--steps", str(args.steps), "--timed", str(args.timed),
             "--batch", str(args.batch), "--dim", str(args.dim), "--capacity", str(args.capacity), "--a", str(args.a),
-            "--every", str(args.every), "--init", args.init]
+            "--every", str(args.every), "--init", args.init, "--out", out_dir]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    results = [json.loads(line.split(MARK, 1)[1]) for line in out.stdout.splitlines() if MARK in line]
+    files = sorted(Path(out_dir).glob("rank-*.json"))
+    results = [json.loads(f.read_text()) for f in files]
     if out.returncode != 0 or len(results) != 2:
         raise SystemExit(f"benchmark run failed (exit {out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     return sorted(results, key=lambda r: r["rank"])
@@ -224,6 +228,7 @@ def main() -> None:
     p.add_argument("--capacity", type=int, default=2_000_000)
     p.add_argument("--a", type=float, default=1.05)
     p.add_argument("--every", type=int, default=10)
+    p.add_argument("--out", default="", help="(rank runs) where each rank writes its result")
     p.add_argument("--init", choices=sorted(INITIALIZERS), default="normal", help="the dynamic rows' initializer")
     args = p.parse_args()
     if args.quick:
