@@ -199,77 +199,58 @@ void DynamicStore::expire(Shard& arena, int32_t now) {
   }
 }
 
-namespace {
-
-// Picks `k` items, the least by `less` (primary key first), among `items` whose primary keys
-// lie in [low, low + span): a histogram of the primary key finds the threshold, so only the items
-// tied at it are ordered further (by `tie_pick`, which must pick `left` of them). Keys spread
-// wider than the items (restored counts, say) are ordered by `less` outright.
-template <class Primary, class TiePick, class Less>
-void pick_least(std::vector<int64_t> items, int64_t k, int64_t low, int64_t span, Primary primary, TiePick tie_pick,
-                Less less, std::vector<int64_t>* picked) {
-  if (span > 4 * static_cast<int64_t>(items.size()) + 4096) {
-    std::nth_element(items.begin(), items.begin() + (k - 1), items.end(), less);
-    picked->insert(picked->end(), items.begin(), items.begin() + k);
-    return;
-  }
-  std::vector<int64_t> hist(static_cast<size_t>(span), 0);
-  for (int64_t x : items) ++hist[static_cast<size_t>(primary(x) - low)];
-  int64_t below = 0, threshold = 0;
-  while (below + hist[static_cast<size_t>(threshold)] < k) below += hist[static_cast<size_t>(threshold++)];
-  std::vector<int64_t> tied;
-  for (int64_t x : items) {
-    const int64_t p = primary(x) - low;
-    if (p < threshold) {
-      picked->push_back(x);
-    } else if (p == threshold) {
-      tied.push_back(x);
-    }
-  }
-  tie_pick(tied, k - below);
-}
-
-}  // namespace
-
 int64_t DynamicStore::evict_to(Shard& arena, int64_t target, int32_t now) {
   // Victims: rows not touched this round, least (count, last, id) for LFU, (last, id) for LRU.
-  // Histograms over the small ranges of last touches and counts replace a sort of every row.
-  std::vector<int64_t> untouched;  // arena positions
-  for (int64_t pos = 0; pos < stored(); ++pos) {
-    if (last_[pos] != now) untouched.push_back(pos);
-  }
-  const int64_t k = std::min<int64_t>(stored() - target, static_cast<int64_t>(untouched.size()));
+  // Level by level, a histogram of the key over the rows still tied finds the threshold: rows
+  // below it go, rows at it stay tied for the next level, so no per-row key array is built (its
+  // memory would be the table's) and only the last tie (one round's rows) is sorted, by id.
+  const int64_t n = stored();
+  std::vector<uint8_t> tied(static_cast<size_t>(n));
+  int64_t untouched = 0;
+  for (int64_t pos = 0; pos < n; ++pos) untouched += tied[pos] = last_[pos] != now ? 1 : 0;
+  int64_t k = std::min<int64_t>(n - target, untouched);
   if (k <= 0) return 0;
-  auto range = [&](const std::vector<int64_t>& items, auto key) {
-    int64_t lo = INT64_MAX, hi = INT64_MIN;
-    for (int64_t pos : items) {
-      lo = std::min<int64_t>(lo, key(pos));
-      hi = std::max<int64_t>(hi, key(pos));
-    }
-    return std::make_pair(lo, hi - lo + 1);
-  };
   std::vector<int64_t> victims;  // positions
-  auto by_id = [&](std::vector<int64_t>& tied, int64_t left) {  // the lowest ids of one (count, last)
-    std::nth_element(tied.begin(), tied.begin() + (left - 1), tied.end(),
-                     [&](int64_t x, int64_t y) { return rows_.id(x) < rows_.id(y); });
-    victims.insert(victims.end(), tied.begin(), tied.begin() + left);
+  // Takes the tied rows below the threshold and leaves those at it tied; false (nothing done)
+  // where the keys spread wider than a histogram should (restored counts, say).
+  auto level = [&](auto key) {
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (int64_t pos = 0; pos < n; ++pos) {
+      if (tied[pos]) {
+        lo = std::min<int64_t>(lo, key(pos));
+        hi = std::max<int64_t>(hi, key(pos));
+      }
+    }
+    if (hi - lo >= (int64_t{1} << 24)) return false;
+    std::vector<int64_t> hist(static_cast<size_t>(hi - lo + 1), 0);
+    for (int64_t pos = 0; pos < n; ++pos) {
+      if (tied[pos]) ++hist[static_cast<size_t>(key(pos) - lo)];
+    }
+    int64_t below = 0, threshold = 0;
+    while (below + hist[static_cast<size_t>(threshold)] < k) below += hist[static_cast<size_t>(threshold++)];
+    for (int64_t pos = 0; pos < n; ++pos) {
+      if (!tied[pos]) continue;
+      const int64_t b = key(pos) - lo;
+      if (b < threshold) victims.push_back(pos);
+      tied[pos] = b == threshold ? 1 : 0;
+    }
+    k -= below;
+    return true;
   };
-  auto last_of = [&](int64_t pos) { return static_cast<int64_t>(last_[pos]); };
-  auto lru_less = [&](int64_t x, int64_t y) {
-    return last_[x] != last_[y] ? last_[x] < last_[y] : rows_.id(x) < rows_.id(y);
-  };
-  auto by_last_then_id = [&](std::vector<int64_t>& tied, int64_t left) {
-    const auto [lo, span] = range(tied, last_of);
-    pick_least(std::move(tied), left, lo, span, last_of, by_id, lru_less, &victims);
-  };
-  if (spec_.evict == "lfu") {
-    auto count_of = [&](int64_t pos) { return static_cast<int64_t>(counts_[pos]); };
-    auto lfu_less = [&](int64_t x, int64_t y) { return counts_[x] != counts_[y] ? counts_[x] < counts_[y] : lru_less(x, y); };
-    const auto [lo, span] = range(untouched, count_of);
-    pick_least(std::move(untouched), k, lo, span, count_of, by_last_then_id, lfu_less, &victims);
-  } else {
-    by_last_then_id(untouched, k);
+  const bool lfu = spec_.evict == "lfu";
+  if (!lfu || level([&](int64_t pos) { return static_cast<int64_t>(counts_[pos]); })) {
+    level([&](int64_t pos) { return static_cast<int64_t>(last_[pos]); });
   }
+  std::vector<int64_t> rest;  // what is still tied, in full key order
+  for (int64_t pos = 0; pos < n; ++pos) {
+    if (tied[pos]) rest.push_back(pos);
+  }
+  std::nth_element(rest.begin(), rest.begin() + (k - 1), rest.end(), [&](int64_t x, int64_t y) {
+    if (lfu && counts_[x] != counts_[y]) return counts_[x] < counts_[y];
+    if (last_[x] != last_[y]) return last_[x] < last_[y];
+    return rows_.id(x) < rows_.id(y);
+  });
+  victims.insert(victims.end(), rest.begin(), rest.begin() + k);
   std::vector<int64_t> ids(victims.size());  // positions move as rows go: remove by id
   for (size_t i = 0; i < victims.size(); ++i) ids[i] = rows_.id(victims[i]);
   for (int64_t id : ids) remove_row(arena, rows_.find(id));
