@@ -182,9 +182,25 @@ def _abort_job_on_uncaught_exception(comm) -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         if "heard from" in str(exc):
+            _on_lost_peer(exc)
             # A lost peer is seen by every rank at about the same moment: let the others say so
             # too before the job is torn down.
             time.sleep(1.0)
         comm.Abort(1)
 
     sys.excepthook = hook
+
+
+def _on_lost_peer(exc) -> None:
+    """A peer on another host went silent: mpirun may wait ~15 minutes on that host's daemon
+    after the abort. Say what the launcher needs (once per host) and leave the backstop."""
+    from mpi4py import MPI
+
+    from . import lost_hosts
+    from .settings import settings
+
+    try:
+        lost_hosts.on_lost_peer(exc, MPI.Get_processor_name(), settings().peer_timeout_s,
+                                advise=_world is None or _world.local_rank == 0)
+    except Exception as err:  # aborting anyway: the abort must not fail on this
+        sys.stderr.write(f"hybridsync: could not arm the lost-host backstop: {err}\n")
