@@ -136,17 +136,18 @@ def arm_backstop(delay_s: float = BACKSTOP_DELAY_S) -> int | None:
     return target
 
 
-def on_lost_peer(exc: BaseException, my_host: str, peer_timeout_s: float, advise: bool = True, env=None) -> None:
+def on_lost_peer(exc: BaseException, my_host: str, peer_timeout_s: float, advise: bool = True,
+                 backstop: bool = True, env=None) -> None:
     """Called by a rank about to abort the job over `exc`. A peer on another host that went
     silent: say what the launcher needs when it lacks it (advise: one rank per host does) and
-    arm the backstop."""
+    arm the backstop (unless HYBRIDSYNC_LOST_HOST_BACKSTOP=0)."""
     lost = lost_peer(exc)
     if lost is None or lost[1] == my_host:
         return  # a frozen peer on this host: its daemon is reachable and ends it
     advice = launcher_advice(peer_timeout_s, os.environ if env is None else env) if advise else None
     if advice:
         sys.stderr.write(advice + "\n")
-    target = arm_backstop()
+    target = arm_backstop() if backstop else None
     if target is not None and advise:
         sys.stderr.write(f"hybridsync: if the job still runs {BACKSTOP_DELAY_S:g} s after this abort, this rank's "
                          f"launcher process ({shlex.quote(_name(target))}, pid {target}) is ended\n")

@@ -201,6 +201,7 @@ def _on_lost_peer(exc) -> None:
 
     try:
         lost_hosts.on_lost_peer(exc, MPI.Get_processor_name(), settings().peer_timeout_s,
-                                advise=_world is None or _world.local_rank == 0)
+                                advise=_world is None or _world.local_rank == 0,
+                                backstop=settings().lost_host_backstop)
     except Exception as err:  # aborting anyway: the abort must not fail on this
         sys.stderr.write(f"hybridsync: could not arm the lost-host backstop: {err}\n")
