@@ -187,6 +187,11 @@ class Cluster:
                    HOROVOD_GLOO_IFACE="eth0")
         return env
 
+    def command_on(self, host: str, cmd: list[str]) -> list[str]:
+        """`cmd` run on `host` (as `ssh host cmd` would): e.g. mpirun started on the first host,
+        as on a real cluster, rather than on this machine, outside every host."""
+        return [str(self.bin_dir / "ssh"), host, shlex.join(cmd)]
+
     def hosts_arg(self, slots: int) -> str:
         """-H value with `slots` ranks on each host: 'hs0:2,hs1:2'."""
         return ",".join(f"{name}:{slots}" for name in self.names)
