@@ -69,13 +69,13 @@ def rank_hosts(prefix, per_host, backend, cpu_shares="{}"):
     print(f"rank {rank} on {host}: local {hvd.local_rank()}/{hvd.local_size()}", flush=True)
 
 
-def rank_train_until_the_link_drops(backend="mpi"):
+def rank_train_until_the_link_drops():
     import torch
 
     import hybridsync
     import hybridsync.torch as hvd
 
-    hvd.init(backend=backend)
+    hvd.init(backend="mpi")
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(1000, 8, sparse=True), "fc": torch.nn.Linear(8, 1)})
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)

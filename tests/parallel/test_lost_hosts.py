@@ -19,13 +19,32 @@ from pathlib import Path
 import pytest
 
 from hybridsync import lost_hosts
-from tests.parallel.harness import ROOT
+from tests.parallel.harness import ROOT, rank_main
 
 PREFIX, SUBNET = "hlost", "10.231.14"
 PER_HOST = 2
 PEER_TIMEOUT_S = 10
 BOUND_S = PEER_TIMEOUT_S + 15  # the goal: the job ends this long after its host was lost
-SCENARIO = [sys.executable, "-u", str(Path(__file__).with_name("test_cluster.py")), "rank_train_until_the_link_drops"]
+SCENARIO = [sys.executable, "-u", __file__, "rank_pull_until_the_link_drops"]
+
+
+def rank_pull_until_the_link_drops():
+    """Parameter-server pulls (every rank takes part) until a host is lost: no torch to import,
+    so 4 ranks start in seconds; training under hybridsync-run: test_cluster.py."""
+    import numpy as np
+
+    import hybridsync
+    from hybridsync import ps
+
+    engine = ps.engine()
+    table = engine.add_table("t", 1000, 8, 0, "cyclic", "sgd", {"lr": 0.1})
+    step = 0
+    while True:  # the peer timeout ends it
+        engine.pull([table], [np.arange(64)])
+        step += 1
+        if step == 5 and hybridsync.rank() == 0:
+            print("CLUSTER-TRAINING", flush=True)
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +106,7 @@ def test_mpirun_with_the_keepalive_flags_ends_the_job_when_a_host_is_lost(hosts)
 def test_horovodrun_with_the_keepalive_exports_ends_the_job_when_a_host_is_lost(hosts):
     exported = dict(item.split("=") for item in lost_hosts.exports(PEER_TIMEOUT_S).split()[1:])
     horovodrun = str(Path(sys.executable).with_name("horovodrun"))
-    cmd = [horovodrun, "-np", str(2 * PER_HOST), "-H", hosts.hosts_arg(PER_HOST)] + SCENARIO + ["horovod"]
+    cmd = [horovodrun, "-np", str(2 * PER_HOST), "-H", hosts.hosts_arg(PER_HOST)] + SCENARIO
     run = _lose_the_second_host(hosts, cmd, _env(hosts, HYBRIDSYNC_LOST_HOST_BACKSTOP="0", **exported))
     _names_the_lost_host(run, hosts.names[1])
 
@@ -105,3 +124,7 @@ def test_plain_mpirun_is_told_what_to_pass_and_the_ranks_backstop_ends_it(hosts)
     assert f"before horovodrun `{lost_hosts.exports(PEER_TIMEOUT_S)}`" in run.output, run.output
     # ... and their backstop ends the launcher process on their host: mpirun itself.
     assert "launcher process (mpirun, pid" in run.output, run.output
+
+
+if __name__ == "__main__":
+    rank_main(globals())
