@@ -15,7 +15,8 @@ Two things end it sooner, both framework-neutral (docs/lost-hosts.md):
   them missing (mpirun hands its MCA parameters to the ranks as OMPI_MCA_* variables).
 - A backstop on the ranks (arm_backstop()): a rank that aborts the job over a lost peer leaves
   a small detached process behind which, if the launcher process that started the rank (orted,
-  or mpirun itself) is still there a few seconds later, ends it; mpirun then exits non-zero.
+  or mpirun itself) is still there a few seconds later, kills it. Where mpirun runs on a host
+  with ranks (their parent), the job then ends, non-zero.
 """
 from __future__ import annotations
 
@@ -114,10 +115,11 @@ def launcher_process(pid: int | None = None) -> int | None:
 
 
 def backstop_command(target: int, delay_s: float) -> list[str]:
-    """A shell that, after delay_s, ends `target` if it is still there (TERM, then KILL): mpirun
-    waiting on a lost daemon then exits non-zero -- ended itself, or told its daemon is gone."""
-    script = (f"sleep {delay_s:g}; kill -0 {target} 2>/dev/null || exit 0; "
-              f"kill -TERM {target}; sleep 3; kill -KILL {target} 2>/dev/null; exit 0")
+    """A shell that, after delay_s, kills `target` if it is still there. SIGKILL, not SIGTERM:
+    mpirun already aborting answers a TERM with "abort is already in progress" and keeps
+    waiting, and a second one (every rank of the host leaves a backstop) makes OpenMPI 4.1's
+    forced exit crash in PMIx_Finalize (a segfault and its stack trace)."""
+    script = f"sleep {delay_s:g}; kill -0 {target} 2>/dev/null || exit 0; kill -KILL {target} 2>/dev/null; exit 0"
     return ["/bin/sh", "-c", script]
 
 
@@ -150,7 +152,7 @@ def on_lost_peer(exc: BaseException, my_host: str, peer_timeout_s: float, advise
     target = arm_backstop() if backstop else None
     if target is not None and advise:
         sys.stderr.write(f"hybridsync: if the job still runs {BACKSTOP_DELAY_S:g} s after this abort, this rank's "
-                         f"launcher process ({shlex.quote(_name(target))}, pid {target}) is ended\n")
+                         f"launcher process ({shlex.quote(_name(target))}, pid {target}) is killed\n")
     sys.stderr.flush()
 
 
