@@ -65,8 +65,10 @@ def command(launcher: str, cluster, timeout: float) -> tuple[list[str], dict]:
     raise ValueError(f"launcher {launcher!r}: one of {LAUNCHERS + [PLAIN]}")
 
 
-def ended_by(output: str) -> str:
+def ended_by(output: str, ended: bool = True) -> str:
     """Who ended the job, from what it printed."""
+    if not ended:
+        return "nobody: killed at the limit"
     if "hybridsync-run: the job was aborted" in output:
         return "hybridsync-run's watch"
     if "lost communication with a remote daemon" in output or "ORTE has lost communication" in output:
@@ -130,7 +132,15 @@ def main() -> int:
     p.add_argument("--launchers", default=";".join(LAUNCHERS), help="; between names")
     p.add_argument("--plain", action="store_true", help=f"also '{PLAIN}' once (it runs until --plain-limit)")
     p.add_argument("--plain-limit", type=float, default=120.0)
+    p.add_argument("--rerender", action="store_true",
+                   help="no runs: the tables, and the plot of --peer-timeout's runs, from lost_hosts.json again")
     args = p.parse_args()
+    if args.rerender:
+        saved = json.loads((RESULTS / "lost_hosts.json").read_text())
+        for row in saved["runs"]:
+            row["ended_by"] = ended_by(row["output_tail"], row["seconds"] is not None)
+        render(saved["runs"], args.peer_timeout, saved["meta"])
+        return 0
     why = Cluster.unavailable()
     if why:
         print(f"lost_hosts benchmark: no namespace cluster here: {why}", file=sys.stderr)
@@ -152,21 +162,28 @@ def main() -> int:
                 print(f"{launcher}: the job never started training:\n{run.output}", file=sys.stderr)
                 return 1
             row = {"launcher": launcher, "peer_timeout_s": args.peer_timeout, "seconds": run.seconds,
-                   "returncode": run.returncode, "limit_s": limit, "ended_by": ended_by(run.output),
+                   "returncode": run.returncode, "limit_s": limit, "ended_by": ended_by(run.output, run.seconds is not None),
                    "output_tail": run.output[-1500:]}
             runs.append(row)
             took = "still running at %.0f s" % limit if run.seconds is None else f"{run.seconds:.1f} s"
             print(f"{launcher}: {took} (exit {run.returncode}, {row['ended_by']})", flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{os.cpu_count()} CPUs"}
-    summary = summarise(runs, args.peer_timeout)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "runs": runs, "summary": summary}, indent=1))
-    table = markdown(summary, args.peer_timeout, meta)
-    (RESULTS / "lost_hosts.md").write_text(table)
-    plot(summary, args.peer_timeout, RESULTS / "lost_hosts.png")
-    print(table)
+    render(runs, 15.0 if any(r["peer_timeout_s"] == 15.0 for r in runs) else args.peer_timeout, meta)
     return 0
+
+
+def render(runs: list[dict], timeout: float, meta: dict) -> None:
+    """lost_hosts.json, a table per peer timeout measured (lost_hosts.md), and the plot of
+    `timeout`'s runs (lost_hosts.png)."""
+    timeouts = sorted({r["peer_timeout_s"] for r in runs})
+    summaries = {f"{t:g}": summarise(runs, t) for t in timeouts}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "lost_hosts.json").write_text(json.dumps({"meta": meta, "runs": runs, "summary": summaries}, indent=1))
+    table = "\n".join(markdown(summaries[f"{t:g}"], t, meta) for t in timeouts)
+    (RESULTS / "lost_hosts.md").write_text(table)
+    plot(summaries[f"{timeout:g}"], timeout, RESULTS / "lost_hosts.png")
+    print(table)
 
 
 if __name__ == "__main__":
