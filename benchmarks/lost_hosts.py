@@ -120,7 +120,8 @@ def plot(summary: dict, timeout: float, path: Path) -> None:
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + label, va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from link-down to the launcher's exit (median)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_xlim(0, max(medians) * 1.45)  # room for the labels
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
