@@ -122,8 +122,10 @@ def test_plain_mpirun_is_told_what_to_pass_and_the_ranks_backstop_ends_it(hosts)
     # ... say exactly what mpirun and horovodrun need next time ...
     assert f"pass mpirun `{lost_hosts.mpirun_flags(PEER_TIMEOUT_S)}`" in run.output, run.output
     assert f"before horovodrun `{lost_hosts.exports(PEER_TIMEOUT_S)}`" in run.output, run.output
-    # ... and their backstop ends the launcher process on their host: mpirun itself.
+    # ... and their backstop ends the launcher process on their host: mpirun itself, killed
+    # (137; without the backstop this mpirun waits out TCP's ~15 minutes).
     assert "launcher process (mpirun, pid" in run.output, run.output
+    assert run.returncode == 137, run.output
 
 
 if __name__ == "__main__":
