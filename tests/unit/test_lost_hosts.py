@@ -65,6 +65,17 @@ def test_a_frozen_peer_on_this_host_arms_nothing_and_says_nothing(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_peer_lost_on_another_host_gets_the_advice_from_one_rank_per_host(capsys):
+    exc = RuntimeError("hybridsync: rank 3 on host node-b has not been heard from for 60 s")
+    lost_hosts.on_lost_peer(exc, "node-a", 60, advise=True, backstop=False, env={})
+    assert "pass mpirun `--mca oob_tcp_keepalive_time 6" in capsys.readouterr().err
+    lost_hosts.on_lost_peer(exc, "node-a", 60, advise=False, backstop=False, env={})  # another rank of node-a
+    assert capsys.readouterr().err == ""
+    given = {f"OMPI_MCA_{k}": str(v) for k, v in lost_hosts.keepalive_mca(60).items()}
+    lost_hosts.on_lost_peer(exc, "node-a", 60, advise=True, backstop=False, env=given)  # launched right
+    assert capsys.readouterr().err == ""
+
+
 def test_only_an_openmpi_launcher_process_is_a_backstop_target():
     assert lost_hosts.launcher_process(os.getpid()) is None  # python: not a launcher
     assert lost_hosts.launcher_process(2**22 + 7) is None  # no such process
