@@ -138,13 +138,32 @@ def arm_backstop(delay_s: float = BACKSTOP_DELAY_S) -> int | None:
     return target
 
 
-def on_lost_peer(exc: BaseException, my_host: str, peer_timeout_s: float, advise: bool = True,
-                 backstop: bool = True, env=None) -> None:
-    """Called by a rank about to abort the job over `exc`. A peer on another host that went
-    silent: say what the launcher needs when it lacks it (advise: one rank per host does) and
-    arm the backstop (unless HYBRIDSYNC_LOST_HOST_BACKSTOP=0)."""
-    lost = lost_peer(exc)
-    if lost is None or lost[1] == my_host:
+def watch_for_the_watchdog(silent_peers, my_host: str, peer_timeout_s: float, abort_after_s: float, on_lost):
+    """Where nothing can raise (a rank blocked in Horovod's own collectives), the heartbeat's C++
+    watchdog aborts the job at abort_after_s of silence, past any Python hook: this thread calls
+    on_lost(host) just before, for a peer silent that long on another host. silent_peers:
+    timeout -> [(rank, host, seconds)]. Returns the threading.Event that stops it."""
+    import threading
+
+    stop = threading.Event()
+
+    def watch():
+        while not stop.wait(0.5):
+            for _, host, seconds in silent_peers(peer_timeout_s):
+                if host != my_host and seconds >= abort_after_s - 0.6:
+                    on_lost(host)
+                    return
+
+    threading.Thread(target=watch, name="hybridsync-lost-host-watch", daemon=True).start()
+    return stop
+
+
+def prepare_for_abort(lost_host: str, my_host: str, peer_timeout_s: float, advise: bool = True,
+                      backstop: bool = True, env=None) -> None:
+    """A peer on another host went silent and this rank is about to abort the job: say what the
+    launcher needs when it lacks it (advise: one rank per host does) and arm the backstop
+    (unless HYBRIDSYNC_LOST_HOST_BACKSTOP=0)."""
+    if lost_host == my_host:
         return  # a frozen peer on this host: its daemon is reachable and ends it
     advice = launcher_advice(peer_timeout_s, os.environ if env is None else env) if advise else None
     if advice:

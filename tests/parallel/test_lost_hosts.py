@@ -47,6 +47,29 @@ def rank_pull_until_the_link_drops():
         time.sleep(0.01)
 
 
+def rank_horovod_steps_until_the_link_drops():
+    """Dense steps through Horovod's own collectives, where no error can be raised: the
+    heartbeat's C++ watchdog aborts the job, and the lost-host watch arms the backstop."""
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    hvd.init(backend="horovod")
+    model = torch.nn.Linear(16, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    step = 0
+    while True:  # the watchdog ends it
+        opt.zero_grad()
+        model(torch.ones(4, 16)).sum().backward()
+        opt.step()
+        step += 1
+        if step == 5 and hybridsync.rank() == 0:
+            print("CLUSTER-TRAINING", flush=True)
+        time.sleep(0.01)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     from launch.cluster import Cluster
@@ -111,11 +134,14 @@ def test_horovodrun_with_the_keepalive_exports_ends_the_job_when_a_host_is_lost(
     _names_the_lost_host(run, hosts.names[1])
 
 
-def test_plain_mpirun_is_told_what_to_pass_and_the_ranks_backstop_ends_it(hosts):
+# The ranks abort from Python (a PS wait raises) or from the heartbeat's C++ watchdog (blocked in
+# Horovod, at the peer timeout plus 5 s): either way they advise and arm the backstop.
+@pytest.mark.parametrize("scenario", ["rank_pull_until_the_link_drops", "rank_horovod_steps_until_the_link_drops"])
+def test_plain_mpirun_is_told_what_to_pass_and_the_ranks_backstop_ends_it(hosts, scenario):
     # mpirun started on the first host, as users do: the ranks there are its children, and their
     # backstop can end it. (Started outside the hosts, a login node, only the flags help.)
     lost = hosts.names[1]
-    cmd = hosts.command_on(hosts.names[0], _mpirun(hosts) + SCENARIO)
+    cmd = hosts.command_on(hosts.names[0], _mpirun(hosts) + SCENARIO[:-1] + [scenario])
     run = _lose_the_second_host(hosts, cmd, _env(hosts, HYBRIDSYNC_LOST_HOST_BACKSTOP="1"))
     # Without the flags, mpirun is not the one that notices: the ranks name the host ...
     assert f"on host {lost} has not been heard from" in run.output, run.output
@@ -126,6 +152,8 @@ def test_plain_mpirun_is_told_what_to_pass_and_the_ranks_backstop_ends_it(hosts)
     # (137; without the backstop this mpirun waits out TCP's ~15 minutes).
     assert "launcher process (mpirun, pid" in run.output, run.output
     assert run.returncode == 137, run.output
+    if "horovod" in scenario:  # it was the watchdog that aborted, past every Python hook
+        assert "is blocked where no error can be raised" in run.output, run.output
 
 
 if __name__ == "__main__":

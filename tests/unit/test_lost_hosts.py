@@ -60,20 +60,44 @@ def test_a_lost_peer_is_read_from_the_python_and_the_cpp_messages():
 
 
 def test_a_frozen_peer_on_this_host_arms_nothing_and_says_nothing(capsys):
-    exc = RuntimeError("hybridsync: rank 1 on host here has not been heard from for 60 s")
-    lost_hosts.on_lost_peer(exc, "here", 60, env={})
+    lost_hosts.prepare_for_abort("here", "here", 60, env={})
     assert capsys.readouterr().err == ""
 
 
 def test_a_peer_lost_on_another_host_gets_the_advice_from_one_rank_per_host(capsys):
-    exc = RuntimeError("hybridsync: rank 3 on host node-b has not been heard from for 60 s")
-    lost_hosts.on_lost_peer(exc, "node-a", 60, advise=True, backstop=False, env={})
+    lost_hosts.prepare_for_abort("node-b", "node-a", 60, advise=True, backstop=False, env={})
     assert "pass mpirun `--mca oob_tcp_keepalive_time 6" in capsys.readouterr().err
-    lost_hosts.on_lost_peer(exc, "node-a", 60, advise=False, backstop=False, env={})  # another rank of node-a
+    lost_hosts.prepare_for_abort("node-b", "node-a", 60, advise=False, backstop=False, env={})  # another rank
     assert capsys.readouterr().err == ""
     given = {f"OMPI_MCA_{k}": str(v) for k, v in lost_hosts.keepalive_mca(60).items()}
-    lost_hosts.on_lost_peer(exc, "node-a", 60, advise=True, backstop=False, env=given)  # launched right
+    lost_hosts.prepare_for_abort("node-b", "node-a", 60, advise=True, backstop=False, env=given)  # launched right
     assert capsys.readouterr().err == ""
+
+
+def test_the_watch_calls_back_just_before_the_watchdog_for_a_peer_on_another_host():
+    import threading
+
+    silence = {"seconds": 0.0}
+    called = []
+    done = threading.Event()
+
+    def silent_peers(timeout):
+        rows = [(1, "here", 99.0)]  # a frozen peer on this host: its daemon ends it, not our business
+        if silence["seconds"] > timeout:
+            rows.append((3, "node-b", silence["seconds"]))
+        return rows
+
+    stop = lost_hosts.watch_for_the_watchdog(silent_peers, "here", 10, 15, lambda host: (called.append(host),
+                                                                                            done.set()))
+    try:
+        silence["seconds"] = 12.0  # past the peer timeout, but the watchdog is 3 s away
+        time.sleep(1.2)
+        assert called == []
+        silence["seconds"] = 14.5
+        assert done.wait(5), "the watch never called back"
+        assert called == ["node-b"]
+    finally:
+        stop.set()
 
 
 def test_only_an_openmpi_launcher_process_is_a_backstop_target():
