@@ -111,16 +111,17 @@ def plot(summary: dict, timeout: float, path: Path) -> None:
     names = list(summary)
     medians = [s["median_s"] if s["median_s"] is not None else s["limit_s"] for s in summary.values()]
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    bars = ax.barh(names, medians, color=["#4c72b0" if s["median_s"] is not None else "#c44e52"
-                                          for s in summary.values()])
+    bars = ax.barh(names, medians, color=["#4c72b0" if s["median_s"] is not None and s["median_s"] <= timeout + 15
+                                          else "#c44e52" for s in summary.values()])
     ax.axvline(timeout, color="grey", linestyle=":", label=f"peer timeout ({timeout:g} s)")
     ax.axvline(timeout + 15, color="black", linestyle="--", label=f"goal ({timeout + 15:g} s)")
     for bar, s in zip(bars, summary.values()):
         label = f"{s['median_s']:.1f} s" if s["median_s"] is not None else f"still running at {s['limit_s']:.0f} s"
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + label, va="center", fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds from link-down to the launcher's exit (median)")
-    ax.set_xlim(0, max(medians) * 1.45)  # room for the labels
+    ax.set_xlabel("seconds from link-down to the launcher's exit (median; log scale)")
+    ax.set_xscale("log")  # seconds next to a quarter of an hour
+    ax.set_xlim(1, max(medians) * 4)  # room for the labels
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
