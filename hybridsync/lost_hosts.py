@@ -13,10 +13,11 @@ Two things end it sooner, both framework-neutral (docs/lost-hosts.md):
   the abort puts the kill message on the link. keepalive_mca() computes them from the peer
   timeout; launcher_advice() says how to pass them to mpirun and horovodrun when a rank finds
   them missing (mpirun hands its MCA parameters to the ranks as OMPI_MCA_* variables).
-- A backstop on the ranks (arm_backstop()): a rank that aborts the job over a lost peer leaves
-  a small detached process behind which, if the launcher process that started the rank (orted,
-  or mpirun itself) is still there a few seconds later, kills it. Where mpirun runs on a host
-  with ranks (their parent), the job then ends, non-zero.
+- A backstop on the ranks (prepare_for_abort()): a rank about to abort the job over a peer
+  lost on another host (its excepthook; or watch_for_the_watchdog(), just before the heartbeat's
+  C++ watchdog does) leaves a small detached process behind which, if the launcher process that
+  started the rank (orted, or mpirun itself) is still there a few seconds later, kills it. Where
+  mpirun runs on a host with ranks (their parent), the job then ends, non-zero.
 """
 from __future__ import annotations
 
@@ -106,12 +107,7 @@ def launcher_process(pid: int | None = None) -> int | None:
     """The OpenMPI launcher process that started this rank (its parent: orted, or mpirun on
     mpirun's own host); None under any other parent (a batch system's step daemon, a shell)."""
     pid = os.getppid() if pid is None else pid
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            name = f.read().strip()
-    except OSError:
-        return None
-    return pid if name in _LAUNCHER_PROCESSES else None
+    return pid if _name(pid) in _LAUNCHER_PROCESSES else None
 
 
 def backstop_command(target: int, delay_s: float) -> list[str]:
@@ -176,6 +172,7 @@ def prepare_for_abort(lost_host: str, my_host: str, peer_timeout_s: float, advis
 
 
 def _name(pid: int) -> str:
+    """The process's name (its executable's, as ps shows it); '?' when there is no such process."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()
