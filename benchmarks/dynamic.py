@@ -227,7 +227,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--capacity", type=int, default=2_000_000)
     p.add_argument("--a", type=float, default=1.05)
-    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--every", type=int, default=1, help="steps between timeline samples (1: no aliasing of the eviction sawtooth)")
     p.add_argument("--out", default="", help="(rank runs) where each rank writes its result")
     p.add_argument("--init", choices=sorted(INITIALIZERS), default="normal", help="the dynamic rows' initializer")
     args = p.parse_args()

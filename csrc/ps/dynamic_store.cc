@@ -95,6 +95,7 @@ int64_t IdMap::bytes() const {
 namespace {
 
 constexpr int64_t kFirstArenaRows = 1024;  // an unbounded shard's arena doubles from here
+constexpr int64_t kFreshRowsMax = 1 << 20;   // initial rows cached between rounds, at most
 
 uint32_t bumped(uint32_t count) { return count == UINT32_MAX ? count : count + 1; }
 
@@ -144,7 +145,12 @@ int64_t DynamicStore::add_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_
   if (pos >= arena->rows()) grow(arena, std::max<int64_t>(kFirstArenaRows, arena->rows() * 2));
   counts_.push_back(count);
   last_.push_back(last);
-  initial_row(id, arena->row(pos));
+  const int64_t cached = fresh_ids_.find(id);
+  if (cached >= 0) {
+    std::memcpy(arena->row(pos), fresh_rows_.data() + cached * dim_, dim_ * sizeof(float));
+  } else {
+    initial_row(id, arena->row(pos));
+  }
   for (int k = 0; k < arena->num_slots(); ++k) {
     std::fill(arena->row_of(k, pos), arena->row_of(k, pos) + dim_, arena->rule().slot_init(k));
   }
@@ -334,6 +340,8 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
     ++applied;
   }
   counters_.rejected += n - applied;
+  fresh_ids_.clear();  // the next round's pulls start a new cache
+  fresh_rows_.clear();
   counters_.admitted += counters_.last_admitted;
   counters_.evicted += counters_.last_evicted;
   counters_.expired += counters_.last_expired;
@@ -346,7 +354,16 @@ void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float
     if (pos >= 0) {
       std::memcpy(dst, arena.row_of(slot, pos), dim_ * sizeof(float));
     } else if (slot < 0) {
+      const int64_t cached = fresh_ids_.find(ids[i]);
+      if (cached >= 0) {
+        std::memcpy(dst, fresh_rows_.data() + cached * dim_, dim_ * sizeof(float));
+        continue;
+      }
       initial_row(ids[i], dst);
+      if (fresh_ids_.size() < kFreshRowsMax) {
+        fresh_ids_.insert(ids[i]);
+        fresh_rows_.insert(fresh_rows_.end(), dst, dst + dim_);
+      }
     } else {
       std::fill(dst, dst + dim_, arena.rule().slot_init(slot));
     }

@@ -19,6 +19,7 @@
 //     updates every stored touched row.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -44,6 +45,11 @@ class IdMap {
   // Removes the entry at `pos`; the position whose entry moved into `pos` (-1: none moved).
   int64_t erase_at(int64_t pos);
   int64_t size() const { return static_cast<int64_t>(ids_.size()); }
+  // Empties it, keeping its buckets.
+  void clear() {
+    if (!ids_.empty()) std::fill(buckets_.begin(), buckets_.end(), -1);
+    ids_.clear();
+  }
   int64_t id(int64_t pos) const { return ids_[pos]; }
   const std::vector<int64_t>& ids() const { return ids_; }
   int64_t bytes() const;
@@ -107,6 +113,10 @@ class DynamicStore {
   std::deque<std::vector<int64_t>> touched_;  // ttl: the ids of the newest rounds, oldest first
   int64_t touched_first_ = 0;                 // the round of touched_.front()
   DynamicStats counters_;
+  // Initial rows the pulls since the last round computed for ids not stored: the push that
+  // follows a pull admits the same ids, and copies them instead of computing them again.
+  mutable IdMap fresh_ids_;
+  mutable std::vector<float> fresh_rows_;
 };
 
 template <class Mine>
