@@ -202,7 +202,7 @@ int Client::add_table(const TableSpec& given, const std::string& given_error) {
     if (c.rank() < spec.num_shards) {
       shard = std::make_unique<Shard>(spec.name, part.shard_rows(c.rank()), spec.dim, std::move(rule));
     }
-    c.adding = std::make_unique<Table>(Table{spec, part, std::move(shard), RowAggregator(), false, RoundStats{}});
+    c.adding = std::make_unique<Table>(Table{spec, part, std::move(shard), RowAggregator(), false, RoundStats{}, BoundedState{}});
   }
   for (int d = 0; d < c.size(); ++d) {
     if (!error.empty()) {
