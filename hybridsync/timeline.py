@@ -58,6 +58,11 @@ class Timeline:
             event["args"] = args
         self._add(event)
 
+    def counter(self, name: str, value, series: str = "value") -> None:
+        """A counter sample now (a line chart in the trace viewer), e.g. a table's staleness lag."""
+        self._add({"name": name, "ph": "C", "pid": self.rank, "ts": time.perf_counter_ns() / 1e3,
+                   "args": {series: value}})
+
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "phase", **args):
         start = time.perf_counter_ns()
