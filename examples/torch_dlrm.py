@@ -86,6 +86,9 @@ def main():
                              "restart, at any number of ranks")
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slow-ms", type=float, default=0.0,
+                        help="a straggler: the last rank sleeps this long every step (a slow data loader; see "
+                             "docs/staleness.md)")
     args = parser.parse_args()
 
     import hybridsync
@@ -123,6 +126,8 @@ def main():
     losses, start = [], time.perf_counter()
     for step in range(first, args.steps + 1):
         dense, sparse, label = data.batch()
+        if args.slow_ms and rank == size - 1:
+            time.sleep(args.slow_ms / 1000)
         optimizer.zero_grad()
         loss = F.binary_cross_entropy_with_logits(model(dense, sparse), label)
         loss.backward()
@@ -141,6 +146,11 @@ def main():
     if rank == 0:
         rate = (args.steps - first + 1) * args.batch_size * size / elapsed
         print(f"{args.steps} steps on {size} rank(s): {rate:,.0f} samples/s\n", end="", flush=True)
+        from hybridsync.plan import describe_staleness
+
+        for v in optimizer.plan.variables:
+            if v.staleness:
+                print(f"staleness: {describe_staleness(v)}\n", end="", flush=True)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,14 @@ class SkipGramBatches:
         return torch.from_numpy(centre[part]), torch.from_numpy(words[part])
 
 
+def staleness_lines(optimizer) -> list:
+    """What this rank's pulls of each table with bounded staleness missed (docs/staleness.md)."""
+    from hybridsync.plan import describe_staleness
+
+    plan = getattr(optimizer, "plan", None)
+    return ["staleness: " + describe_staleness(v) for v in (plan.variables if plan else []) if v.staleness]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=1000)
@@ -93,6 +101,9 @@ def main():
     parser.add_argument("--config", default=None, help="YAML config with per-variable overrides")
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slow-ms", type=float, default=0.0,
+                        help="a straggler: the last rank sleeps this long every step (a slow data loader; see "
+                             "docs/staleness.md)")
     parser.add_argument("--plain-torch", action="store_true",
                         help="train in this one process with plain torch, no hybridsync: the reference "
                              "that N ranks x --batch-size b must match with --batch-size N*b")
@@ -151,6 +162,8 @@ def main():
     losses, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         centre, words = data.batch(step, args.batch_size * size, rank, args.batch_size)
+        if args.slow_ms and rank == size - 1:
+            time.sleep(args.slow_ms / 1000)
         optimizer.zero_grad()
         loss = negative_sampling_loss(model(centre, words))
         loss.backward()
@@ -174,6 +187,8 @@ def main():
         # Before training every score is 0 (zero output vectors): the loss is (1 + K) log 2.
         say(f"held-out loss after training {after:.4f} (untrained: {(1 + args.negatives) * np.log(2):.4f})")
         say(f"{args.steps} steps on {size} rank(s): {rate:,.0f} pairs/s")
+        for line in staleness_lines(optimizer):
+            say(line)
     if args.dump:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # collective: tables gathered
         step_losses = torch.tensor(losses)  # each step's loss over the global batch:

@@ -90,7 +90,8 @@ class RouteResolver:
             raise ConfigError(f"{where}: {key}: variable '{v.name}': {problem}")
 
         sparse = v.kind is GradKind.SPARSE
-        sync = s.sync or ("auto" if sparse else "allreduce")
+        # A staleness bound is a parameter-server setting: without a sync of its own, it means ps.
+        sync = s.sync or ("allreduce" if not sparse else "ps" if s.staleness else "auto")
         v.reason = why
         sync = self._auto(v, sync, ps_module, explicit=s.sync == "auto")
         if ps_module and sync != "ps":
