@@ -78,10 +78,13 @@ class SkipGramBatches:
 
 def staleness_lines(optimizer) -> list:
     """What this rank's pulls of each table with bounded staleness missed (docs/staleness.md)."""
+    plan = getattr(optimizer, "plan", None)
+    bounded = [v for v in (plan.variables if plan else []) if getattr(v, "staleness", 0)]
+    if not bounded:
+        return []
     from hybridsync.plan import describe_staleness
 
-    plan = getattr(optimizer, "plan", None)
-    return ["staleness: " + describe_staleness(v) for v in (plan.variables if plan else []) if v.staleness]
+    return ["staleness: " + describe_staleness(v) for v in bounded]
 
 
 def main():
@@ -107,6 +110,8 @@ def main():
     parser.add_argument("--plain-torch", action="store_true",
                         help="train in this one process with plain torch, no hybridsync: the reference "
                              "that N ranks x --batch-size b must match with --batch-size N*b")
+    parser.add_argument("--horovod", action="store_true",
+                        help="train with horovod.torch itself (sparse gradients all-gathered), for comparisons")
     parser.add_argument("--dump", metavar="PATH", default=None,
                         help="save the final tables and the per-step losses here (torch.save)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -119,7 +124,10 @@ def main():
     if args.plain_torch:
         hvd, rank, size = None, 0, 1
     else:
-        import hybridsync.torch as hvd
+        if args.horovod:
+            import horovod.torch as hvd
+        else:
+            import hybridsync.torch as hvd
 
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
@@ -132,9 +140,9 @@ def main():
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         # model=model: both tables are sharded on the parameter server (each rank holds 1/N);
         # without it (--placement replicated) every rank keeps a replica, as with Horovod.
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                             model=model if args.placement == "sharded" else None,
-                                             config=args.config)
+        placed = {} if args.horovod else {"model": model if args.placement == "sharded" else None,
+                                          "config": args.config}
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **placed)
 
     def average(value: float) -> float:
         return value if hvd is None else hvd.allreduce(torch.tensor(value), name="loss").item()
@@ -169,7 +177,7 @@ def main():
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        if step == 1 and rank == 0 and hvd is not None:
+        if step == 1 and rank == 0 and hvd is not None and not args.horovod:
             hvd.explain()
         if bar is not None:
             bar.update()
