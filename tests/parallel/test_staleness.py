@@ -201,7 +201,15 @@ def test_staleness_zero_is_bit_identical_to_the_synchronous_default():
 
 @pytest.mark.parametrize("np_,k", [(2, 2), (3, 1)])
 def test_fast_ranks_run_exactly_k_steps_ahead_of_a_stalled_rank(np_, k, tmp_path):
-    run_ranks(__file__, "rank_fast_ranks_run_k_steps_ahead_then_wait", np_, str(k), str(tmp_path))
+    trace = tmp_path / "trace.json"
+    run_ranks(__file__, "rank_fast_ranks_run_k_steps_ahead_then_wait", np_, str(k), str(tmp_path),
+              env={"HYBRIDSYNC_TIMELINE": str(trace)})
+    import json
+
+    lags = [e for e in json.loads(trace.read_text())["traceEvents"]
+            if e.get("ph") == "C" and e["name"].startswith("staleness lag ")]
+    assert {e["pid"] for e in lags} == set(range(np_)), lags[:4]  # every rank's counter
+    assert max(e["args"]["value"] for e in lags) == k, lags  # the timeline shows the lag, up to the bound
 
 
 def test_a_save_waits_for_every_bounded_push_in_flight(tmp_path):
