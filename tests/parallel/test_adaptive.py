@@ -1,0 +1,161 @@
+"""hybridsync.adaptive under real MPI ranks.
+
+- The gradient statistics of a dense layer and of a PS table (both placements) against the
+  truth, computed here from every sample's own gradient: with the learning rate at zero the
+  model stays put, so |G|^2 and tr(Sigma) of the sampling distribution are fixed and known.
+- Adaptation off (statistics only) trains bit-identically to plain training; the linear rule at
+  twice the base batch trains bit-identically to plain training at twice the learning rate --
+  the dense update and the server rule on the shards alike.
+"""
+import pytest
+
+from tests.parallel.harness import rank_main, run_ranks
+
+ROWS, DIM, FEATURES, DATA = 12, 3, 5, 96
+
+
+def _model():
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(ROWS, DIM, sparse=True)
+            self.lin = torch.nn.Linear(FEATURES, DIM)
+
+        def forward(self, ids, x):
+            return (self.emb(ids) * self.lin(x)).sum(1)
+
+    torch.manual_seed(3)
+    return Net()
+
+
+def _data():
+    import torch
+
+    g = torch.Generator().manual_seed(11)
+    ids = (torch.rand(DATA, generator=g) ** 2 * ROWS).long()  # skewed: some rows hot
+    x = torch.randn(DATA, FEATURES, generator=g)
+    y = 2.0 + torch.randn(DATA, generator=g)  # an offset the untrained model misses: |G| > 0
+    return ids, x, y
+
+
+def _truth():
+    """Per variable: (|G|^2, tr(Sigma)) over the data set, from each sample's own gradient."""
+    import torch
+
+    model, (ids, x, y) = _model(), _data()
+    grads = {n: [] for n, _ in model.named_parameters()}
+    for i in range(DATA):
+        model.zero_grad()
+        ((model(ids[i:i + 1], x[i:i + 1]) - y[i:i + 1]) ** 2).mean().backward()
+        for n, p in model.named_parameters():
+            grads[n].append(p.grad.to_dense().flatten().clone())
+    out = {}
+    for n, gs in grads.items():
+        g = torch.stack(gs).double()
+        mean = g.mean(0)
+        out[n] = (float(mean @ mean), float(((g - mean) ** 2).sum(1).mean()))
+    return out
+
+
+def _estimated(placement, rank, size, batch, steps):
+    import torch
+
+    import hybridsync.torch as hvd
+
+    model, (ids, x, y) = _model(), _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the model stays put: fixed |G| and Sigma
+    cfg = {"local_batch_size": batch, "smoothing": 0.98}
+    if placement == "sharded":
+        opt = hvd.DistributedOptimizer(opt, model=model, adaptive=cfg)
+    else:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), adaptive=cfg)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own i.i.d. draws, with replacement
+    for _ in range(steps):
+        pick = torch.randint(0, DATA, (batch,), generator=g)
+        opt.zero_grad()
+        ((model(ids[pick], x[pick]) - y[pick]) ** 2).mean().backward()
+        opt.step()
+    return opt.gradient_stats()
+
+
+def rank_noise_scale():
+    import hybridsync.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    truth = _truth()
+    dense_sqr = truth["lin.weight"][0] + truth["lin.bias"][0]
+    dense_var = truth["lin.weight"][1] + truth["lin.bias"][1]
+    for placement in ("sharded", "replicated"):
+        stats = _estimated(placement, rank, size, batch=8, steps=300)
+        per = stats["by_variable"]
+        assert set(per) == {"emb.weight", "lin.weight", "lin.bias"}, per
+        got = {"dense": (per["lin.weight"]["sqr"] + per["lin.bias"]["sqr"],
+                         per["lin.weight"]["var"] + per["lin.bias"]["var"]),
+               "table": (per["emb.weight"]["sqr"], per["emb.weight"]["var"])}
+        want = {"dense": (dense_sqr, dense_var), "table": truth["emb.weight"]}
+        for what in ("dense", "table"):
+            for k, label in enumerate(("|G|^2", "tr(Sigma)")):
+                err = abs(got[what][k] - want[what][k]) / want[what][k]
+                print(f"rank {rank} np {size} {placement} {what} {label}: estimated {got[what][k]:.4g}, "
+                      f"true {want[what][k]:.4g} ({err:.1%})", flush=True)
+                assert err < 0.2, (placement, what, label, got[what][k], want[what][k])
+        total_sqr = sum(v[0] for v in truth.values())
+        total_var = sum(v[1] for v in truth.values())
+        assert stats["noise_scale"] == pytest.approx(total_var / total_sqr, rel=0.35)
+
+
+def _train(adaptive, lr, local_batch, rank, size, steps=6):
+    import torch
+
+    import hybridsync.torch as hvd
+
+    model, (ids, x, y) = _model(), _data()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model=model, adaptive=adaptive)
+    if adaptive is not None:
+        opt.adaptive.base_batch = 4 * size  # the LR was written for 4 samples per rank
+    for step in range(steps):
+        start = (step * size + rank) * local_batch % (DATA - local_batch)
+        part = slice(start, start + local_batch)
+        opt.zero_grad()
+        ((model(ids[part], x[part]) - y[part]) ** 2).mean().backward()
+        opt.step()
+    rows = model.emb.table.read()
+    return torch.from_numpy(rows.copy()), model.lin.weight.detach().clone(), opt
+
+
+def rank_rules_reach_both_paths():
+    import torch
+
+    import hybridsync.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    plain = _train(None, 0.05, 4, rank, size)
+    off = _train({"scaling_rule": None, "local_batch_size": 4}, 0.05, 4, rank, size)
+    for a, b in zip(plain[:2], off[:2]):
+        assert torch.equal(a, b), "statistics alone changed the training"
+    assert off[2].gradient_stats()["by_variable"]  # while they were being gathered
+    # Twice the base batch under the linear rule = plain training at twice the learning rate.
+    doubled = _train(None, 0.05 * 2.0, 8, rank, size)
+    linear = _train({"scaling_rule": "linear", "local_batch_size": 8}, 0.05, 8, rank, size)
+    for a, b in zip(doubled[:2], linear[:2]):
+        assert torch.equal(a, b), "the linear rule's LR did not reach both the dense update and the shards"
+    assert linear[2].adaptive.last_factor == 2.0 and linear[2].progress > 0
+    assert linear[2].param_groups[0]["lr"] == 0.05  # the schedule still sees the base LR
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_noise_scale_of_dense_layer_and_ps_table(np_):
+    run_ranks(__file__, "rank_noise_scale", np_, timeout=240)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_adaptation_off_is_bit_identical_and_rules_reach_the_shards(np_):
+    run_ranks(__file__, "rank_rules_reach_both_paths", np_, timeout=180)
+
+
+if __name__ == "__main__":
+    rank_main(globals())
