@@ -150,7 +150,7 @@ class Adaptive:
         saved_world = int(state.get("world", self.world))
         if saved_world == self.world and state.get("local_batch"):
             self.set_batch(int(state["local_batch"]), int(state.get("accumulation", 1)))
-        elif state.get("local_batch"):  # another world size: keep the global batch until re-chosen
-            per_rank = max(1, round(int(state["local_batch"]) * int(state.get("accumulation", 1)) * saved_world
-                                    / self.world))
-            self.set_batch(per_rank, 1)
+        elif state.get("local_batch"):  # another world size: the nearest global batch until re-chosen
+            k = int(state.get("accumulation", 1))
+            per_rank = int(state["local_batch"]) * k * saved_world / self.world
+            self.set_batch(max(1, round(per_rank / k)), k)

@@ -7,9 +7,9 @@ with k accumulation micro-steps on N ranks takes
                                     t_sync(b)  = a_s + b_s * b   (dense all-reduce: constant in b;
                                                                   PS push: grows with the rows)
 
-each line fitted by least squares to this world size's measurements (with one batch size seen
-so far, the intercept is taken as 0: time proportional to the batch, an optimistic guess that
-makes the choice explore). Statistical efficiency of a global batch M against the base M0 is the
+each line fitted by least squares to this world size's measurements. With one batch size seen so
+far, compute is taken as proportional to the batch and synchronisation as constant: the guess
+that favours a bigger batch, so the choice explores one, and the next fit corrects it. Statistical efficiency of a global batch M against the base M0 is the
 AdaScale gain per unit of scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale.
 """
 from __future__ import annotations
@@ -28,10 +28,13 @@ def efficiency(batch: float, base_batch: float, noise_scale: float) -> float:
     return (phi + base_batch) / (phi + batch)
 
 
-def _line(xs, ys) -> tuple[float, float]:
-    """(intercept, slope) >= 0 of y against x; through the origin when x never varied."""
+def _line(xs, ys, constant_if_unknown: bool = False) -> tuple[float, float]:
+    """(intercept, slope) >= 0 of y against x; when x never varied, through the origin (or, with
+    constant_if_unknown, flat)."""
     xs, ys = np.asarray(xs, float), np.asarray(ys, float)
     if len(set(xs.tolist())) < 2:
+        if constant_if_unknown:
+            return float(np.median(ys)), 0.0
         return 0.0, float(np.median(ys / np.maximum(xs, 1e-9)))
     slope, intercept = np.polyfit(xs, ys, 1)
     if slope < 0:  # noise: time cannot fall as the batch grows
@@ -61,7 +64,7 @@ class ThroughputModel:
         if not rows:
             raise ValueError(f"no step times measured at world size {world} yet")
         b, micro, sync = zip(*rows)
-        return (*_line(b, micro), *_line(b, sync))
+        return (*_line(b, micro), *_line(b, sync, constant_if_unknown=True))
 
     def step_time(self, world: int, local_batch: float, accumulation: int = 1) -> float:
         ac, bc, as_, bs = self.params(world)

@@ -173,13 +173,14 @@ class AdaptiveDataLoader:
     def _rechoose(self, step: AdaptiveStep) -> None:
         """Collective: rank 0's choice, the same on every rank."""
         c = step.controller
-        choice = c.choose(*self._autoscale) if self.rank == 0 else None
-        sizes = (choice.local_batch, choice.accumulation) if choice is not None else None
+        change = c.choose(*self._autoscale) if self.rank == 0 else None
+        decision = (change, c.choice)
         if self.world > 1:
-            sizes = comm.objects().broadcast_object(sizes, 0, name="hybridsync.adaptive.batch")
-        if sizes is not None and tuple(sizes) != c.sizes():
-            step.set_batch(*sizes)
-            self.changes.append((c.steps, *sizes))
+            decision = comm.objects().broadcast_object(decision, 0, name="hybridsync.adaptive.batch")
+        change, c.choice = decision
+        if change is not None and (change.local_batch, change.accumulation) != c.sizes():
+            step.set_batch(change.local_batch, change.accumulation)
+            self.changes.append((c.steps, change.local_batch, change.accumulation))
 
     # -- iteration -----------------------------------------------------------------------------
     def _indices(self) -> torch.Tensor:

@@ -236,6 +236,8 @@ class _DistributedOptimizer:
     # -- Horovod's optimizer API --------------------------------------------------------------
     @property
     def plan(self):
+        if self._hs_adaptive.enabled:  # explain() shows the adaptive state as of now
+            self._hs_plan.adaptive = self._hs_adaptive.controller.summary()
         return self._hs_plan
 
     @property

@@ -131,7 +131,6 @@ def rank_rules_reach_both_paths():
 
     import hybridsync.torch as hvd
 
-    hvd.init()
     rank, size = hvd.rank(), hvd.size()
     plain = _train(None, 0.05, 4, rank, size)
     off = _train({"scaling_rule": None, "local_batch_size": 4}, 0.05, 4, rank, size)
@@ -147,14 +146,100 @@ def rank_rules_reach_both_paths():
     assert linear[2].param_groups[0]["lr"] == 0.05  # the schedule still sees the base LR
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_noise_scale_of_dense_layer_and_ps_table(np_):
-    run_ranks(__file__, "rank_noise_scale", np_, timeout=240)
+def rank_accumulation_is_the_mean():
+    """Two micro-steps of 4 under the adaptive batch = one step of 8 (same LR: the mean)."""
+    import torch
+
+    import hybridsync.torch as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    whole = _train(None, 0.05, 8, rank, size)
+    model, (ids, x, y) = _model(), _data()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                                   adaptive={"scaling_rule": None, "local_batch_size": 8})
+    opt._hs_adaptive.set_batch(4, 2)
+    for step in range(6):
+        start = (step * size + rank) * 8 % (DATA - 8)
+        for micro in range(2):
+            part = slice(start + 4 * micro, start + 4 * micro + 4)
+            opt.zero_grad()  # a no-op between micro-steps
+            ((model(ids[part], x[part]) - y[part]) ** 2).mean().backward()
+            opt.step()
+    assert opt.adaptive.steps == 6
+    torch.testing.assert_close(torch.from_numpy(model.emb.table.read().copy()), whole[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.lin.weight.detach(), whole[1], rtol=1e-5, atol=1e-6)
+
+
+def rank_stats_and_rules():
+    rank_noise_scale()
+    rank_rules_reach_both_paths()
+    rank_accumulation_is_the_mean()
+
+
+def rank_loader(mode, path):
+    """AdaptiveDataLoader on noise-dominated data (a big batch is nearly free of statistical
+    cost): the batch grows past the base, by accumulation beyond local_bsz_bounds, the same on
+    every rank; saved with a checkpoint ('save'), and restored at another world size ('load')."""
+    import io
+
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    n = 4096
+    data = torch.utils.data.TensorDataset(torch.randint(0, ROWS, (n,), generator=g), torch.randn(n, FEATURES, generator=g),
+                                          20.0 * torch.randn(n, generator=g))  # noise far above the signal
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.001), model=model, adaptive=True)
+    loader = hvd.AdaptiveDataLoader(data, batch_size=12, interval=4, warmup=4)
+    loader.autoscale_batch_size(96, local_bsz_bounds=(2, 12), gradient_accumulation=True)
+    if mode == "load":
+        hybridsync.load_checkpoint(path, model, opt)
+        kept = abs(opt.adaptive.global_batch() - int(open(f"{path}.batch").read()))
+        assert kept <= size * opt.adaptive.accumulation, ("the global batch was not kept", opt.adaptive.sizes())
+        assert opt.progress == pytest.approx(float(open(f"{path}.progress").read()))
+        assert opt.adaptive.world == size
+    history = []
+    for ids, x, y in loader:
+        opt.zero_grad()
+        ((model(ids, x) - y) ** 2).mean().backward()
+        opt.step()
+        history.append(opt.adaptive.sizes())
+        if len(history) >= 40:
+            break
+    everyone = hvd.allgather_object(history)
+    assert all(h == everyone[0] for h in everyone), "ranks disagree on the batch size"
+    local, accumulation = opt.adaptive.sizes()
+    assert 2 <= local <= 12 and opt.adaptive.global_batch() <= 96
+    assert opt.adaptive.global_batch() > 12, (loader.changes, opt.adaptive.summary())
+    if mode == "load":  # chosen again from this world size's own step times
+        assert opt.adaptive.choice is not None and opt.adaptive.choice.world == size, opt.adaptive.choice
+    text = io.StringIO()
+    hybridsync.explain(file=text)
+    assert "noise scale" in text.getvalue() and f"batch {opt.adaptive.global_batch()}" in text.getvalue()
+    if mode == "save":
+        hybridsync.save_checkpoint(path, model, opt)
+        if rank == 0:
+            open(f"{path}.batch", "w").write(str(opt.adaptive.global_batch()))
+            open(f"{path}.progress", "w").write(repr(opt.progress))
+    print(f"rank {rank} np {size} {mode}: batch changes {loader.changes}", flush=True)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_adaptation_off_is_bit_identical_and_rules_reach_the_shards(np_):
-    run_ranks(__file__, "rank_rules_reach_both_paths", np_, timeout=180)
+def test_noise_scale_rules_and_accumulation(np_):
+    """The statistics of a dense layer and a PS table within 20% of the truth; adaptation off is
+    bit-identical to plain training; the linear rule reaches the shards; accumulation averages."""
+    run_ranks(__file__, "rank_stats_and_rules", np_, timeout=300)
+
+
+def test_loader_chooses_the_same_batch_everywhere_and_restarts_at_another_size(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(__file__, "rank_loader", 2, "save", path, timeout=240)
+    run_ranks(__file__, "rank_loader", 3, "load", path, timeout=240)
 
 
 if __name__ == "__main__":

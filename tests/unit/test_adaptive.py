@@ -130,3 +130,7 @@ def test_restart_at_another_world_size_keeps_the_global_batch():
     b = Adaptive(AdaptiveConfig(), "SGD", world_size=4)
     b.load_state_dict(state)
     assert b.global_batch() == 64 and b.local_batch == 16 and b.progress == 12.5 and b.base_batch == 64
+    a.set_batch(12, 4)  # 96 on 2 ranks -> 8 x 4 on 3
+    c = Adaptive(AdaptiveConfig(), "SGD", world_size=3)
+    c.load_state_dict(a.state_dict())
+    assert c.sizes() == (8, 4) and c.global_batch() == 96
