@@ -36,6 +36,7 @@ class StepRecorder:
         self._rounds: dict[str, int] = {}  # table -> newest round seen
         self._sizes_pushed = None  # (samples per rank, accumulation) of the previous push
         self._sync_start = None
+        self.loss_scale = 1.0  # gradients arrive multiplied by this (Keras loss scaling)
         self.last_times = (0.0, 0.0, 0)  # this rank's (micro-step s, sync s, local batch) of the previous step
 
     # -- fed by the synchronizers ---------------------------------------------------------------
@@ -70,17 +71,19 @@ class StepRecorder:
         gathered = allgather_object(mine) if self.world > 1 else [mine]
         adaptive = self.adaptive
         per_rank, accum = adaptive.local_batch, adaptive.accumulation
+        unscale = self.loss_scale ** 2
         if len(gathered) > 1 and per_rank:
             if any(len(g[0]) != len(names) for g in gathered):
                 raise RuntimeError("hybridsync.adaptive: ranks all-reduced different dense variables this step")
-            mean_local = np.mean([g[0] for g in gathered], axis=0) / accum ** 2
+            mean_local = np.mean([g[0] for g in gathered], axis=0) / accum ** 2 / unscale
             small, big = per_rank * accum, per_rank * accum * self.world
             for name, local in zip(names, mean_local):
                 if name in self._dense_out:
-                    adaptive.stats.observe(name, float(local), small, self._dense_out[name], big)
+                    adaptive.stats.observe(name, float(local), small, self._dense_out[name] / unscale, big)
             for name, local_sq, combined_sq, (b, k) in self._ps:
                 n = self.world
-                adaptive.stats.observe(name, local_sq / n / k ** 2, b * k, combined_sq / (n * k) ** 2, b * k * n)
+                adaptive.stats.observe(name, local_sq / n / k ** 2 / unscale, b * k,
+                                       combined_sq / (n * k) ** 2 / unscale, b * k * n)
         micro_s = max(t[0] for _, t in gathered)  # a step lasts as long as its slowest rank's
         sync_s_all = max(t[1] for _, t in gathered)
         measured_at = gathered[0][1][2]
