@@ -119,10 +119,10 @@ class Adaptive:
         best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, local_bounds,
                             max_accumulation)
         current = goodput(self.throughput, self.world, self.local_batch, self.accumulation, self.base_batch, phi)
-        if (best.local_batch, best.accumulation) == (self.local_batch, self.accumulation):
-            self.choice = best
-            return None
-        if best.goodput < current * self.config.min_gain:
+        if (best.local_batch, best.accumulation) == (self.local_batch, self.accumulation) or \
+                best.goodput < current * self.config.min_gain:  # keep the batch in force
+            self.choice = BatchChoice(self.local_batch, self.accumulation, self.world, current,
+                                      efficiency(self.global_batch(), self.base_batch, phi))
             return None
         self.choice = best
         return best

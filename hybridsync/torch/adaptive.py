@@ -11,6 +11,7 @@ import torch
 
 from .. import comm, runtime, timeline
 from ..adaptive import Adaptive, AdaptiveConfig
+from ..adaptive.batches import AdaptiveBatches
 from ..adaptive.collect import StepRecorder
 
 _current = None  # weakref to the newest adaptive optimizer's AdaptiveStep (a loader finds it)
@@ -126,31 +127,29 @@ class AdaptiveDataLoader:
     def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0, collate_fn=None,
                  optimizer=None, interval: int = 20, warmup: int = 10):
         world = runtime.world()
-        if batch_size < world.size:
-            raise ValueError(f"batch_size={batch_size} is smaller than the number of ranks ({world.size})")
-        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, int(batch_size), shuffle, int(seed)
+        self.dataset = dataset
+        self.batches = AdaptiveBatches(len(dataset), batch_size, world.rank, world.size, shuffle, seed, interval,
+                                       warmup)
+        self.batch_size = int(batch_size)
         self.collate_fn = collate_fn or torch.utils.data.default_collate
-        self.rank, self.world = world.rank, world.size
         self._optimizer = optimizer
-        self.interval, self.warmup = int(interval), int(warmup)
-        self.epoch = 0
-        self._autoscale = None  # (max_batch, (lo, hi), max accumulation)
-        self.changes: list = []  # (step, local batch, accumulation) each time the batch changed
 
     def autoscale_batch_size(self, max_batch_size: int, local_bsz_bounds=None, gradient_accumulation: bool = False,
                              max_accumulation: int = 8) -> None:
         """Lets the batch size change, within max_batch_size (global) and local_bsz_bounds (per
         rank), to whatever maximises predicted goodput; with gradient_accumulation, a step may
-        also be several backward passes."""
-        base_local = self.batch_size // self.world
-        lo, hi = local_bsz_bounds if local_bsz_bounds is not None else (1, max(base_local, max_batch_size // self.world))
-        if max_batch_size < self.batch_size:
-            raise ValueError(f"max_batch_size={max_batch_size} is below batch_size={self.batch_size}")
-        if not 1 <= int(lo) <= int(hi):
-            raise ValueError(f"local_bsz_bounds must be (lo, hi) with 1 <= lo <= hi, got {local_bsz_bounds}")
-        self._autoscale = (int(max_batch_size), (int(lo), int(hi)), int(max_accumulation) if gradient_accumulation else 1)
+        also be several backward passes (up to max_accumulation)."""
+        self.batches.set_autoscale(max_batch_size, local_bsz_bounds, max_accumulation if gradient_accumulation else 1)
 
-    # -- the optimizer's choice ----------------------------------------------------------------
+    @property
+    def changes(self) -> list:
+        """(step, local batch, accumulation) each time the batch size changed."""
+        return self.batches.changes
+
+    @property
+    def epoch(self) -> int:
+        return self.batches.epoch
+
     def _step(self) -> AdaptiveStep:
         step = self._optimizer._hs_adaptive if self._optimizer is not None else current()
         if step is None or not step.enabled:
@@ -170,56 +169,22 @@ class AdaptiveDataLoader:
     def current_batch_size(self) -> int:
         return self._step().controller.global_batch()
 
-    def _rechoose(self, step: AdaptiveStep) -> None:
-        """Collective: rank 0's choice, the same on every rank."""
-        c = step.controller
-        change = c.choose(*self._autoscale) if self.rank == 0 else None
-        decision = (change, c.choice)
-        if self.world > 1:
-            decision = comm.objects().broadcast_object(decision, 0, name="hybridsync.adaptive.batch")
-        change, c.choice = decision
-        if change is not None and (change.local_batch, change.accumulation) != c.sizes():
-            step.set_batch(change.local_batch, change.accumulation)
-            self.changes.append((c.steps, change.local_batch, change.accumulation))
-
-    # -- iteration -----------------------------------------------------------------------------
-    def _indices(self) -> torch.Tensor:
-        n = len(self.dataset)
-        if self.shuffle:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        else:
-            order = torch.arange(n)
-        usable = (n // self.world) * self.world  # every rank the same count: the same steps
-        return order[self.rank:usable:self.world]
-
-    def _batch(self, idx: torch.Tensor):
+    def _batch(self, idx):
         tensors = getattr(self.dataset, "tensors", None)
         if isinstance(self.dataset, torch.utils.data.TensorDataset) and tensors is not None:
-            return tuple(t[idx] for t in tensors)
+            index = torch.from_numpy(idx)
+            return tuple(t[index] for t in tensors)
         return self.collate_fn([self.dataset[int(i)] for i in idx])
 
     def __iter__(self):
         step = self._step()
-        c = step.controller
-        if not c.local_batch:
-            step.set_batch(max(1, self.batch_size // self.world), 1)
-        if not c.base_batch:
-            c.base_batch = self.batch_size
-        mine, pos = self._indices(), 0
-        while True:
-            if self._autoscale is not None and c.steps >= self.warmup and c.steps % self.interval == 0:
-                self._rechoose(step)
-            b, k = c.sizes()
-            if pos + b * k > len(mine):
-                break
-            for _ in range(k):
-                yield self._batch(mine[pos:pos + b])
-                pos += b
-        self.epoch += 1
+        self.batches.start(step.controller, step.set_batch)
+        broadcast = lambda obj: comm.objects().broadcast_object(obj, 0, name="hybridsync.adaptive.batch")
+        for idx in self.batches.epoch_batches(step.controller, step.set_batch, broadcast):
+            yield self._batch(idx)
 
     def __len__(self) -> int:
         """Micro-batches in an epoch at the current batch size."""
-        b = self.batch_size // self.world
-        if self._optimizer is not None or current() is not None:
-            b = self.current_local_bsz or b
-        return (len(self.dataset) // self.world) // b
+        step = self._optimizer._hs_adaptive if self._optimizer is not None else current()
+        b = (step.controller.local_batch if step is not None and step.enabled else 0) or self.batch_size // self.batches.world
+        return (len(self.dataset) // self.batches.world) // b

@@ -193,8 +193,8 @@ def rank_loader(mode, path):
     g = torch.Generator().manual_seed(5)
     n = 4096
     data = torch.utils.data.TensorDataset(torch.randint(0, ROWS, (n,), generator=g), torch.randn(n, FEATURES, generator=g),
-                                          20.0 * torch.randn(n, generator=g))  # noise far above the signal
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.001), model=model, adaptive=True)
+                                          200.0 * torch.randn(n, generator=g))  # noise far above the signal
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5), model=model, adaptive=True)
     loader = hvd.AdaptiveDataLoader(data, batch_size=12, interval=4, warmup=4)
     loader.autoscale_batch_size(96, local_bsz_bounds=(2, 12), gradient_accumulation=True)
     if mode == "load":

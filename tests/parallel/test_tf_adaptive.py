@@ -113,6 +113,27 @@ def rank_keras_adaptive():
     assert opt.adaptive.last_factor == 2.0
     assert all(np.array_equal(a, b) for a, b in zip(doubled, linear)), "the linear rule's LR did not reach both paths"
 
+    # AdaptiveDataset: on noise-dominated data the batch grows, the same on every rank.
+    rng = np.random.default_rng(5)
+    n = 2048
+    data = (rng.integers(0, ROWS, n), rng.standard_normal((n, FEATURES)).astype("float32"),
+            (200.0 * rng.standard_normal(n)).astype("float32"))
+    model = _model(False)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1e-6), adaptive=True)
+    dataset = hvd.AdaptiveDataset(data, batch_size=4 * size, optimizer=opt, interval=4, warmup=4)
+    dataset.autoscale_batch_size(32 * size, local_bsz_bounds=(2, 32))
+    history = []
+    for batch in dataset:
+        _step(model, opt, *batch)
+        history.append(opt.adaptive.sizes())
+        if len(history) >= 30:
+            break
+    from hybridsync import allgather_object
+
+    everyone = allgather_object(history)
+    assert all(h == everyone[0] for h in everyone), "ranks disagree on the batch size"
+    assert opt.adaptive.global_batch() > 4 * size, (dataset.changes, opt.adaptive.summary())
+
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_keras_noise_scale_and_rules(np_):
