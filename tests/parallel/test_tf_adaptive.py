@@ -58,12 +58,17 @@ def _truth(trained, sharded):
     return out
 
 
-def _step(model, opt, ids, x, y):
+def _stepper(model, opt):
+    """One training step, traced once per batch shape (eager Keras steps are slow)."""
     import tensorflow as tf
 
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model([ids, x]) - y))
-    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    @tf.function(reduce_retracing=True)
+    def step(ids, x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model([ids, x]) - y))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    return step
 
 
 def rank_keras_adaptive():
@@ -82,9 +87,10 @@ def rank_keras_adaptive():
         opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.0),
                                        adaptive={"local_batch_size": batch, "smoothing": 0.98})
         rng = np.random.default_rng(100 + rank)
+        step = _stepper(model, opt)
         for _ in range(300):
             pick = rng.integers(0, DATA, batch)
-            _step(model, opt, ids[pick], x[pick], y[pick])
+            step(ids[pick], x[pick], y[pick])
         per = opt.gradient_stats()["by_variable"]
         got = {"emb": [(v["sqr"], v["var"]) for n, v in per.items() if "emb" in n][0],
                "lin": tuple(sum(v[k] for n, v in per.items() if n.startswith("lin")) for k in ("sqr", "var"))}
@@ -100,9 +106,10 @@ def rank_keras_adaptive():
         opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), adaptive=adaptive)
         if adaptive:
             opt.adaptive.base_batch = 4 * size
-        for step in range(5):
-            start = (step * size + rank) * local % (DATA - local)
-            _step(model, opt, ids[start:start + local], x[start:start + local], y[start:start + local])
+        step = _stepper(model, opt)
+        for s in range(5):
+            start = (s * size + rank) * local % (DATA - local)
+            step(ids[start:start + local], x[start:start + local], y[start:start + local])
         return model.get_weights(), opt
 
     plain, _ = train(0.05, 4, None)
@@ -123,8 +130,9 @@ def rank_keras_adaptive():
     dataset = hvd.AdaptiveDataset(data, batch_size=4 * size, optimizer=opt, interval=4, warmup=4)
     dataset.autoscale_batch_size(32 * size, local_bsz_bounds=(2, 32))
     history = []
+    step = _stepper(model, opt)
     for batch in dataset:
-        _step(model, opt, *batch)
+        step(*batch)
         history.append(opt.adaptive.sizes())
         if len(history) >= 30:
             break
