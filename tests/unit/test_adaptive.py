@@ -134,3 +134,28 @@ def test_restart_at_another_world_size_keeps_the_global_batch():
     c = Adaptive(AdaptiveConfig(), "SGD", world_size=3)
     c.load_state_dict(a.state_dict())
     assert c.sizes() == (8, 4) and c.global_batch() == 96
+
+
+def test_batches_split_one_permutation_and_follow_the_choice():
+    from hybridsync.adaptive.batches import AdaptiveBatches
+
+    shares = [AdaptiveBatches(103, 12, rank, 3, seed=4).my_indices() for rank in range(3)]
+    together = np.concatenate(shares)
+    assert all(len(s) == 34 for s in shares) and len(set(together.tolist())) == 102  # disjoint, equal
+    a = Adaptive(AdaptiveConfig(), "SGD", world_size=3)
+    batches = AdaptiveBatches(103, 12, 0, 3, interval=2, warmup=2)
+    batches.set_autoscale(48, (2, 16))
+    batches.start(a, a.set_batch)
+    assert a.sizes() == (4, 1) and a.base_batch == 12
+    for b in (4, 8):
+        a.throughput.record(3, b, 0.0001 * b, 0.01)
+    a.stats.observe("w", 1.0 + 1e6 / 4, 4, 1.0 + 1e6 / 12, 12)  # all noise: the biggest batch allowed
+    sent = []
+    sizes = []
+    for idx in batches.epoch_batches(a, a.set_batch, lambda obj: sent.append(obj) or obj):
+        sizes.append(len(idx))
+        a.step_done()
+    assert sizes[:2] == [4, 4] and sizes[2] == 16 and batches.changes == [(2, 16, 1)]
+    assert sent and a.choice.global_batch == 48
+    with pytest.raises(ValueError, match="max_batch_size=8 is below batch_size=12"):
+        batches.set_autoscale(8)
