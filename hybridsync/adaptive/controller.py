@@ -104,6 +104,13 @@ class Adaptive:
         self.progress += self.last_gain
         self.steps += 1
 
+    def gradient_stats(self) -> dict:
+        """The smoothed statistics (GradientStats.summary); they need the local batch size."""
+        if not self.local_batch:
+            raise RuntimeError("gradient statistics need the local batch size: iterate an AdaptiveDataLoader / "
+                               "AdaptiveDataset, or give adaptive={'local_batch_size': samples per rank}")
+        return self.stats.summary()
+
     def noise_scale(self) -> float:
         return self.stats.summary()["noise_scale"]
 
@@ -114,7 +121,7 @@ class Adaptive:
         if not self.throughput.fitted(self.world) or not self.base_batch:
             return None
         phi = self.noise_scale()
-        if not math.isfinite(phi):
+        if math.isnan(phi):  # no statistics yet (inf is fine: all noise)
             return None
         best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, local_bounds,
                             max_accumulation)

@@ -68,15 +68,17 @@ class GradientStats:
         return {name: {"sqr": s.value(), "var": v.value()} for name, (s, v) in sorted(self._by_variable.items())}
 
     def summary(self) -> dict:
-        """{"sqr", "var", "noise_scale", "by_variable"}; NaN before the first observation. The sums
-        are floored at tiny positive values: a smoothed estimate can dip below zero early on."""
+        """{"sqr", "var", "noise_scale", "by_variable"}; NaN before the first observation. A smoothed
+        estimate can dip below zero early on: tr(Sigma) counts as 0 then, and |G|^2 <= 0 gives an
+        infinite noise scale (all noise, as far as can be told)."""
         per = self.by_variable()
         if not per:
             return {"sqr": math.nan, "var": math.nan, "noise_scale": math.nan, "by_variable": {}}
         sqr = sum(v["sqr"] for v in per.values())
         var = sum(v["var"] for v in per.values())
-        sqr_pos, var_pos = max(sqr, 1e-30), max(var, 0.0)
-        return {"sqr": sqr, "var": var, "noise_scale": var_pos / sqr_pos, "by_variable": per}
+        var_pos = max(var, 0.0)
+        noise = var_pos / sqr if sqr > 0 else (math.inf if var_pos > 0 else math.nan)
+        return {"sqr": sqr, "var": var, "noise_scale": noise, "by_variable": per}
 
     def ready(self) -> bool:
         return bool(self._by_variable)

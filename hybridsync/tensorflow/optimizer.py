@@ -76,7 +76,7 @@ class _DistributedKerasOptimizer:
         if self._hs_adaptive is None:
             raise RuntimeError("optimizer.gradient_stats() needs hybridsync.tensorflow.DistributedOptimizer(..., "
                                "adaptive=True)")
-        return self._hs_adaptive.stats.summary()
+        return self._hs_adaptive.gradient_stats()
 
     @property
     def progress(self) -> float:

@@ -258,7 +258,7 @@ class _DistributedOptimizer:
     def gradient_stats(self) -> dict:
         """{"sqr": |G|^2, "var": tr(Sigma) per sample, "noise_scale": var/sqr, "by_variable": {name:
         {"sqr", "var"}}}, smoothed over the steps so far (needs DistributedOptimizer(adaptive=...))."""
-        return self._hs_adaptive.require("gradient_stats()").stats.summary()
+        return self._hs_adaptive.require("gradient_stats()").gradient_stats()
 
     @property
     def progress(self) -> float:
@@ -480,6 +480,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         compression = Compression.by_name(compression)
     elif not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError("compression must be hybridsync.torch.Compression.none / .fp16 (or have compress/decompress)")
+    if adaptive not in (None, False) and (adasum or scope is not None):
+        raise NotImplementedError("DistributedOptimizer(adaptive=...) with op=Adasum or a process_set: the adaptive "
+                                  "batch size works with Average/Sum over the whole job only")
     named = _named_parameters(optimizer, named_parameters, model)
     check_groups(num_groups, groups, named)
     if scope is False:  # this rank is outside the process set
@@ -500,9 +503,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     # Share the wrapped optimizer's state; an LR scheduler's per-instance step wrapper on the
     # original must not be copied (it would call the unsynchronized step).
     dist.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
-    if adaptive not in (None, False) and scope is not None:
-        raise NotImplementedError("DistributedOptimizer(adaptive=..., process_set=...): the adaptive batch size "
-                                  "covers the whole job only")
     dist._hs_setup(named, model, config, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, backend, scope, adaptive)
     return dist

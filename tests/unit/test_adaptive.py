@@ -81,6 +81,11 @@ def test_controller_lr_factor_and_scale_invariant_progress():
     assert off.lr_factor() == 1.0
 
 
+def test_statistics_need_the_local_batch_size():
+    with pytest.raises(RuntimeError, match="local_batch_size"):
+        Adaptive(AdaptiveConfig(), "SGD", world_size=2).gradient_stats()
+
+
 def test_config_rejects_unknown_keys():
     with pytest.raises(ValueError, match="unknown key.*smoothness"):
         AdaptiveConfig.of({"smoothness": 0.9})
