@@ -237,9 +237,15 @@ def test_noise_scale_rules_and_accumulation(np_):
 
 
 def test_loader_chooses_the_same_batch_everywhere_and_restarts_at_another_size(tmp_path):
-    path = str(tmp_path / "ckpt")
-    run_ranks(__file__, "rank_loader", 2, "save", path, timeout=240)
+    import json
+
+    path, trace = str(tmp_path / "ckpt"), tmp_path / "trace.json"
+    run_ranks(__file__, "rank_loader", 2, "save", path, timeout=240, env={"HYBRIDSYNC_TIMELINE": str(trace)})
     run_ranks(__file__, "rank_loader", 3, "load", path, timeout=240)
+    counters = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "adaptive"]
+    assert {e["pid"] for e in counters} == {0, 1} and len(counters) >= 2 * 40
+    assert {"noise_scale", "global_batch", "gain", "lr_factor"} <= set(counters[-1]["args"])
+    assert max(e["args"]["global_batch"] for e in counters) > 12
 
 
 if __name__ == "__main__":
