@@ -188,6 +188,8 @@ def plot(results: list, path: Path) -> None:
             label = f"{r['config']} ({r['final_batch']})"
             ax.plot(t, v, marker=".", label=label, linewidth=2.5 if r["config"] == "adaptive" else 1.2)
         ax.axhline(r["target"], color="grey", linestyle="--", linewidth=0.8)
+        lowest = min(v for r in results if r["model"] == model for _, _, v in r["curve"])
+        ax.set_ylim(lowest - 0.05 * r["target"], r["target"] * 1.5)  # early spikes of the large batch go off the top
         ax.set_title(f"{model}, 2 ranks: held-out loss")
         ax.set_xlabel("training time (s)")
         ax.set_ylabel("held-out loss")
@@ -206,9 +208,15 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--budget", type=float, default=25.0, help="training seconds at most per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (the table shows medians)")
+    parser.add_argument("--rerender", action="store_true", help="table and plot again from results/adaptive.json")
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.rerender:
+        results = json.loads((RESULTS / "adaptive.json").read_text())
+        print(table(results))
+        (RESULTS / "adaptive.md").write_text(table(results) + "\n")
+        return plot(results, RESULTS / "adaptive.png")
     results = []
     for model in args.models:
         for config in args.configs:
