@@ -59,6 +59,7 @@ class Plan:
     backend: str = ""
     world_size: int = 1
     backend_reason: str = ""
+    adaptive: dict | None = None  # hybridsync.adaptive's summary (noise scale, batch, gain), if on
 
     def by_name(self) -> dict[str, VariablePlan]:
         return {v.name: v for v in self.variables}
@@ -94,11 +95,16 @@ class Plan:
         if bounded:
             lines += ["", "bounded staleness (lag: the other ranks' steps a pull's rows missed, this rank)"]
             lines += ["  " + describe_staleness(v) for v in bounded]
+        if self.adaptive:
+            from .adaptive.report import describe
+
+            lines += ["", *describe(self.adaptive)]
         return "\n".join(lines)
 
     def to_json(self) -> dict:
         return {"framework": self.framework, "backend": self.backend, "backend_reason": self.backend_reason,
-                "world_size": self.world_size, "variables": [v.to_json() for v in self.variables]}
+                "world_size": self.world_size, "variables": [v.to_json() for v in self.variables],
+                **({"adaptive": self.adaptive} if self.adaptive else {})}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)

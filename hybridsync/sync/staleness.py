@@ -19,4 +19,4 @@ def observe(variables: list) -> None:
                         "mean_lag": s["lag_sum"] / pulls if pulls else 0.0, "held": s["held"],
                         "wait_s": round(s["wait_s"], 4)}
         if tl is not None:
-            tl.counter(f"staleness lag {var.name}", s["last_lag"])
+            tl.counter(f"staleness lag {var.name}", {"value": s["last_lag"]}, cat="staleness")
