@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import ps, timeline
 from ..types import Placement, Route
-from . import accounting
+from . import accounting, staleness
 from .base import Synchronizer, Variable
 from .registry import register
 from .table import PSTable, push
@@ -32,9 +32,18 @@ class _PSRoute(Synchronizer):
     def _lr(self, var: Variable) -> float:
         """The learning rate this step: the wrapped optimizer's (LR schedules reach the server),
         unless the config fixed the server optimizer."""
-        if var.plan.optimizer_source == "config":
-            return float(var.plan.optimizer["lr"])
+        if var.plan.optimizer_source == "config":  # scaled like the wrapped optimizer's would be
+            return float(var.plan.optimizer["lr"]) * self.ctx.lr_factor
         return float(var.access.lr())
+
+    def _record_rounds(self, current: bool) -> None:
+        """Gradient statistics: each table's newest push round, as its shards computed it."""
+        stats = self.ctx.stats
+        if stats is None:
+            return
+        for var in self.variables:
+            if var.table is not None:
+                stats.ps_round(var.name, var.table.engine.round_stats(var.table.handle), current)
 
     def state_dict(self) -> dict:
         """The server optimizer state of every table, as views that read their rows from the
@@ -55,11 +64,15 @@ class ShardedPS(_PSRoute):
         for var in self.variables:  # tables made by the PS modules: name them, set their rules
             var.table.rename(var.name)
             var.table.set_rule(var.plan.optimizer)
+            var.table.set_staleness(var.plan.staleness)  # (a world of one has nothing to wait for: no effect)
 
     def synchronize(self) -> None:
+        self._record_rounds(current=False)  # the previous push's, back with this step's pull
         tables, ids, grads, lrs = [], [], [], []
         for var in self.variables:
             got = var.access.rows()
+            if got is None and var.plan.staleness:
+                got = _no_rows(var.dim)  # a bounded table's push is a step of this rank's clock: every step
             if got is None:
                 continue
             tables.append(var.table)
@@ -71,6 +84,7 @@ class ShardedPS(_PSRoute):
         # Collective even when nothing was staged, so every rank runs the same operations.
         with timeline.span(f"push ({len(tables)} tables)", "ps"):
             push(tables, ids, grads, self.ctx.row_scale(), lrs, return_updates=False)
+        staleness.observe([var for var in self.variables if var.plan.staleness])
 
     def in_flight(self) -> bool:
         return any(var.access.kind() is not None for var in self.variables)
@@ -143,6 +157,7 @@ class ReplicatedPS(_PSRoute):
         tl = timeline.get()
         if tl is not None:
             tl.engine_events()
+        self._record_rounds(current=True)
         for var, i, (changed, rows) in zip(self.variables, ids, updates):
             var.access.write_rows(changed, rows)
             accounting.ps_replicated(var.plan, len(i), len(changed), var.dim)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from .. import init, local_rank, local_size, rank, shutdown, size
 from ..plan import explain
 from ..types import Average, ReduceOp, Sum
+from .adaptive import AdaptiveDataset
 from .callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback
 from .dynamic_embedding import DynamicEmbedding
 from .embedding import Embedding
@@ -20,6 +21,7 @@ from .optimizer import DistributedOptimizer
 from .tape import DistributedGradientTape
 
 __all__ = [
+    "AdaptiveDataset",
     "init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedOptimizer", "DistributedGradientTape",
     "broadcast_variables", "allreduce", "allgather", "broadcast_object", "BroadcastGlobalVariablesCallback",
     "MetricAverageCallback", "Average", "Sum", "ReduceOp", "explain", "DynamicEmbedding", "Embedding",
