@@ -135,15 +135,15 @@ class TableShardsHandler(StateHandler):
         for table in self.value():
             shards, _ = table.layout
             mine = table.engine.rank < shards
-            self._saved[table.name] = (table, table.layout, table.local_state() if mine else None,
+            self._saved[table.handle] = (table, table.layout, table.local_state() if mine else None,
                                        table.engine.step(table.handle) if mine else None)
 
     def restore(self) -> None:
         for table in self.value():
-            saved = self._saved.get(table.name)
-            if saved is None or saved[0] is not table:
-                raise RuntimeError(f"elastic state: table '{table.name}' was not on the parameter server at the last "
-                                   "commit (did sync: auto move it?); commit again before restoring")
+            saved = self._saved.get(table.handle)
+            if saved is None or saved[0] is not table or saved[1] != table.layout:
+                raise RuntimeError(f"elastic state: table '{table.name}' is not on the parameter server as it was at "
+                                   "the last commit (did sync: auto move it?); commit again before restoring")
             _, layout, arrays, step = saved
             if arrays is None:
                 continue
