@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from ..types import Placement
 from .optimizer import variable_name
+from .table_weight import TableWeight
 
 
 def _dense_variables(model, optimizer, variables):
     """(key, variable) of the model's and the optimizer's variables that are not on the PS."""
     skip = {id(var.access.variable) for var in variables if var.plan.placement is Placement.REPLICATED}
-    for prefix, owner in (("model", model.weights), ("optimizer", optimizer.variables)):
+    weights = [w for w in model.weights if not isinstance(w, TableWeight)]  # tables: saved by the shards
+    for prefix, owner in (("model", weights), ("optimizer", optimizer.variables)):
         for i, v in enumerate(owner):
             if id(v) not in skip:
                 yield f"{prefix}.{i}.{variable_name(v)}", v

@@ -19,6 +19,13 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _reset_peak() -> float:
+    """Starts a new peak-RSS window (Linux: clear_refs 5); the resident MiB now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _peak_mib()
+
+
 def _model(rows, dim):
     import torch
 
@@ -155,13 +162,13 @@ def rank_elastic_memory():
     _step(model, opt, 0)
     shard_mib = model["emb"].table.engine.shard_rows(model["emb"].table.handle) * dim * 4 / 2**20
     gc.collect()
-    before = _peak_mib()
+    before = _reset_peak()
     state = hvd.elastic.TorchState(model, opt, epoch=0)
     grown = {"construct": _peak_mib() - before}
     for what in ("commit", "sync", "restore"):
         _step(model, opt, 1)
         gc.collect()
-        before = _peak_mib()
+        before = _reset_peak()
         getattr(state, what)()
         grown[what] = _peak_mib() - before
     print(f"ELASTIC-MEMORY rank={hvd.rank()} table={table_mib:.1f} MiB shard={shard_mib:.1f} MiB "
