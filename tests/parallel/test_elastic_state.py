@@ -142,12 +142,6 @@ def _restore_matches_commit():
     print(f"rank {hvd.rank()}: RESTORE-OK step={table.step}", flush=True)
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_torch_state_commit_restore_sync_with_a_ps_table(np_):
-    out = run_ranks(__file__, "rank_commit_restore_sync", np_, timeout=180, env={"HYBRIDSYNC_TIMEOUT_S": "30"})
-    assert out.count("ELASTIC-OK") == np_ and out.count("RESTORE-OK") == np_
-
-
 def rank_elastic_memory():
     import gc
 
@@ -179,10 +173,16 @@ def rank_elastic_memory():
     _step(model, opt, 2)
 
 
+def rank_elastic_state():
+    rank_commit_restore_sync()
+    rank_elastic_memory()
+
+
 @pytest.mark.parametrize("np_", [2, 3])
-def test_torch_state_holds_a_shard_per_rank_never_a_table(np_):
-    out = run_ranks(__file__, "rank_elastic_memory", np_, timeout=240)
-    assert out.count("ELASTIC-MEMORY") == np_
+def test_torch_state_with_a_ps_table_commits_restores_and_syncs_holding_a_shard_per_rank(np_):
+    # One job per world size for both checks: starting jobs is what costs.
+    out = run_ranks(__file__, "rank_elastic_state", np_, timeout=240, env={"HYBRIDSYNC_TIMEOUT_S": "30"})
+    assert out.count("ELASTIC-OK") == np_ and out.count("RESTORE-OK") == np_ and out.count("ELASTIC-MEMORY") == np_
 
 
 if __name__ == "__main__":
