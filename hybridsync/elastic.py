@@ -51,7 +51,21 @@ def _broadcast(value, name: str):
     return comm.objects().broadcast_object(value, 0, name=f"hybridsync.elastic.{name}")
 
 
-class State:
+class _Kept:
+    """What States and StateHandlers implement: keep the current state, go back to what was
+    kept, take rank 0's."""
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+
+class State(_Kept):
     """Horovod's elastic State: commit() keeps the state restore() goes back to; sync() makes
     every rank take rank 0's. Subclasses implement save / restore / sync."""
 
@@ -78,31 +92,13 @@ class State:
     def reset(self) -> None:
         """Called on a reset, before the callbacks."""
 
-    def save(self) -> None:
-        raise NotImplementedError
 
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        raise NotImplementedError
-
-
-class StateHandler:
+class StateHandler(_Kept):
     """How one attribute's value is saved, restored and synced from rank 0."""
 
     def __init__(self, value, name: str = "value"):
         self.value, self.name = value, name
         self.save()
-
-    def save(self) -> None:
-        raise NotImplementedError
-
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        raise NotImplementedError
 
     def set_value(self, value) -> None:
         """A new object for the attribute (a new optimizer, ...): it is what a restore returns to."""
