@@ -66,7 +66,7 @@ struct StatsCollector {
   void add(int table, int shards, const RoundStats& part);
 };
 
-struct Client::Impl {
+struct detail::ClientState {
   std::unique_ptr<Transport> transport;
   WaitPolicy policy;
   std::vector<std::unique_ptr<Table>> tables;
@@ -155,7 +155,7 @@ std::vector<char> error_request(RequestKind kind, int64_t seq, const std::string
 void check_rows(const Shard* shard, const std::string& table, const int64_t* local, int64_t n, const char* op);
 
 template <class Ready>
-void Client::Impl::drive_until(Ready ready, const std::string& what, int peer) {
+void detail::ClientState::drive_until(Ready ready, const std::string& what, int peer) {
   wait_until(
       [&] {
         check_usable();
@@ -166,7 +166,7 @@ void Client::Impl::drive_until(Ready ready, const std::string& what, int peer) {
 }
 
 template <class Handle>
-void Client::Impl::collect_replies(RequestKind kind, int64_t seq, const char* op, Handle handle) {
+void detail::ClientState::collect_replies(RequestKind kind, int64_t seq, const char* op, Handle handle) {
   const int P = size();
   std::vector<bool> got(P, false);
   int remaining = P;

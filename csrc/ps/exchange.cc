@@ -55,7 +55,7 @@ void copy_in_order(const Table& t, const TableBatch& b) {
 // Routes every batch of this worker's operation; bad input becomes `error` (announced to the
 // peers instead of thrown, so no rank is left waiting). For a push, duplicate ids' gradients
 // are added up, so each row crosses the wire once.
-std::vector<Routed> route_batches(const Client::Impl& c, const std::vector<TableBatch>& batches, bool with_grads,
+std::vector<Routed> route_batches(const detail::ClientState& c, const std::vector<TableBatch>& batches, bool with_grads,
                                   std::string* error, bool* index_error) {
   std::vector<Routed> routed;
   if (!error->empty()) return routed;
@@ -90,7 +90,7 @@ std::vector<Routed> route_batches(const Client::Impl& c, const std::vector<Table
 }
 
 // Sends every rank its part of the operation, or the notice of this rank's bad input.
-void send_requests(Client::Impl& c, RequestKind kind, int64_t seq, const std::vector<Routed>& routed,
+void send_requests(detail::ClientState& c, RequestKind kind, int64_t seq, const std::vector<Routed>& routed,
                    const std::string& error, bool index_error, float scale, const std::vector<double>& lrs) {
   for (int d = 0; d < c.size(); ++d) {
     c.send_request(d, error.empty() ? write_request(kind, seq, routed, d, scale, lrs)
@@ -99,7 +99,7 @@ void send_requests(Client::Impl& c, RequestKind kind, int64_t seq, const std::ve
 }
 
 // Reads the statistics a reply carries for the tables a server holds.
-void read_pull_stats(Client::Impl& c, Reader& r) {
+void read_pull_stats(detail::ClientState& c, Reader& r) {
   const int64_t n = r.i64();
   for (int64_t k = 0; k < n; ++k) {
     const int table = static_cast<int>(r.i64());
@@ -116,7 +116,7 @@ void read_pull_stats(Client::Impl& c, Reader& r) {
 
 std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, const std::string& given_error) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   std::string error = given_error;
   bool index_error = false;
@@ -171,7 +171,7 @@ std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, con
 std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, float scale, bool return_updates,
                                      const std::string& given_error) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   if (c.size() == 1 && !return_updates) {
     // A world of one has no wire to save and no peer to wait for: no deduplication, message or
@@ -218,7 +218,7 @@ std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, flo
   return out;
 }
 
-void Client::Impl::apply_local(const std::vector<TableBatch>& batches, float scale) {
+void detail::ClientState::apply_local(const std::vector<TableBatch>& batches, float scale) {
   // Every id is checked before any row changes (all-or-nothing, as for a round over the wire).
   std::vector<std::vector<int64_t>> local(batches.size());
   std::map<int, std::vector<GradientRows>> by_table;  // ordered: the apply order of a round
