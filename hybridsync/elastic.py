@@ -42,7 +42,7 @@ except ImportError:  # without Horovod: same name, same meaning
         """A collective failed; with Horovod's elastic mode this is the recoverable error."""
 
 __all__ = ["State", "ObjectState", "StateHandler", "ObjectHandler", "TableShardsHandler", "CheckpointState",
-           "run", "HorovodInternalError"]
+           "run", "ps_tables", "HorovodInternalError"]
 
 
 def _broadcast(value, name: str):
@@ -154,6 +154,18 @@ class TableShardsHandler(StateHandler):
     def saved_bytes(self) -> int:
         """Bytes this rank holds for the last commit (its shards)."""
         return sum(a.nbytes for _, _, arrays, _ in self._saved.values() if arrays for a in arrays.values())
+
+
+def ps_tables(objects) -> list:
+    """Each PS table among `objects` -- PS-backed modules or layers (their `table`) and hybridsync
+    DistributedOptimizers (the tables of their plan) -- once."""
+    from .sync.table import PSTable
+
+    found = {}
+    for obj in objects:
+        tables = [var.table for var in getattr(obj, "_hs_vars", None) or ()] or [getattr(obj, "table", None)]
+        found.update((id(t), t) for t in tables if isinstance(t, PSTable))
+    return list(found.values())
 
 
 class ObjectState(State):

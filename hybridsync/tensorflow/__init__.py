@@ -12,6 +12,7 @@ from __future__ import annotations
 from .. import init, local_rank, local_size, rank, shutdown, size
 from ..plan import explain
 from ..types import Average, ReduceOp, Sum
+from . import elastic
 from .callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback
 from .embedding import Embedding
 from .functions import allgather, allreduce, broadcast_object, broadcast_variables
@@ -21,5 +22,5 @@ from .tape import DistributedGradientTape
 __all__ = [
     "init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedOptimizer", "DistributedGradientTape",
     "broadcast_variables", "allreduce", "allgather", "broadcast_object", "BroadcastGlobalVariablesCallback",
-    "MetricAverageCallback", "Average", "Sum", "ReduceOp", "explain", "Embedding",
+    "MetricAverageCallback", "Average", "Sum", "ReduceOp", "explain", "Embedding", "elastic",
 ]

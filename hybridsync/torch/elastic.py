@@ -14,8 +14,7 @@ import random
 import torch
 
 from .. import runtime
-from ..elastic import ObjectState, StateHandler, TableShardsHandler, run
-from ..sync.table import PSTable
+from ..elastic import ObjectState, StateHandler, TableShardsHandler, ps_tables, run
 from .functions import _is_ps_backed, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["TorchState", "ElasticSampler", "run"]
@@ -132,14 +131,6 @@ class TorchState(ObjectState):
 
     def _ps_tables(self) -> list:
         """The tables of every module and DistributedOptimizer in this state, now."""
-        tables = {}
-        for name in self.attributes:
-            value = getattr(self, name)
-            if isinstance(value, torch.nn.Module):
-                found = [getattr(m, "table", None) for m in value.modules()]
-            elif isinstance(value, torch.optim.Optimizer):
-                found = [var.table for var in getattr(value, "_hs_vars", None) or ()]
-            else:
-                continue
-            tables.update((id(t), t) for t in found if isinstance(t, PSTable))
-        return list(tables.values())
+        values = [getattr(self, name) for name in self.attributes]
+        return ps_tables([m for v in values if isinstance(v, torch.nn.Module) for m in v.modules()]
+                         + [v for v in values if isinstance(v, torch.optim.Optimizer)])

@@ -5,6 +5,7 @@ layer's `weights` as a Keras embedding's would be, read and written one-sided.
   alone load_weights() then broadcast_variables(); set_weights() on one rank: every rank reads
   the table it wrote.
 - Memory: the rank that reads or writes the table holds it once; the others nothing.
+- hvd.elastic.KerasState commits and restores the table per shard, the rest by value.
 """
 import resource
 
@@ -98,6 +99,34 @@ def _one_sided_weights(tmp):
     np.testing.assert_array_equal(_shards_table(table), 0.25)
     _fit(model, rows, 99)
     print(f"rank {rank}: KERAS-WEIGHTS-OK", flush=True)
+    _keras_state(model, rows)
+
+
+def _keras_state(model, rows):
+    """hvd.elastic.KerasState: the table committed and restored per shard, the rest by value."""
+    import numpy as np
+
+    import hybridsync
+    import hybridsync.tensorflow as htf
+
+    table = model.get_layer("emb").table
+    state = htf.elastic.KerasState(model, epoch=hybridsync.rank())
+    state.sync()
+    assert state.epoch == 0
+    _fit(model, rows, 200 + hybridsync.rank())
+    state.epoch = 1
+    state.commit()
+    committed = (_shards_table(table), [np.array(v.numpy()) for v in model.variables + model.optimizer.variables])
+    _fit(model, rows, 300 + hybridsync.rank())
+    state.epoch = 2
+    assert not np.array_equal(_shards_table(table), committed[0])
+    state.restore()
+    assert state.epoch == 1
+    np.testing.assert_array_equal(_shards_table(table), committed[0])
+    for v, want in zip(model.variables + model.optimizer.variables, committed[1]):
+        np.testing.assert_array_equal(v.numpy(), want, err_msg=v.path)
+    _fit(model, rows, 400)
+    print(f"rank {hybridsync.rank()}: KERAS-STATE-OK", flush=True)
 
 
 def _memory(tmp):
@@ -143,7 +172,8 @@ def rank_keras_weights(tmp):
 def test_keras_weights_of_a_ps_table_are_one_sided(np_, tmp_path):
     out = run_ranks(__file__, "rank_keras_weights", np_, str(tmp_path), timeout=300,
                     env={"HYBRIDSYNC_TIMEOUT_S": "30"})
-    assert out.count("KERAS-WEIGHTS-OK") == np_ and out.count("KERAS-MEMORY") == np_
+    assert out.count("KERAS-WEIGHTS-OK") == np_ and out.count("KERAS-STATE-OK") == np_
+    assert out.count("KERAS-MEMORY") == np_
 
 
 if __name__ == "__main__":
