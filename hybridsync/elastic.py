@@ -41,7 +41,7 @@ except ImportError:  # without Horovod: same name, same meaning
     class HorovodInternalError(RuntimeError):
         """A collective failed; with Horovod's elastic mode this is the recoverable error."""
 
-__all__ = ["State", "ObjectState", "StateHandler", "ObjectHandler", "TableShardsHandler", "CheckpointState",
+__all__ = ["State", "ObjectState", "StateHandler", "ObjectHandler", "TableShardsHandler", "FrameworkState", "CheckpointState",
            "run", "ps_tables", "HorovodInternalError"]
 
 
@@ -218,6 +218,33 @@ class ObjectState(State):
         for handler in self._handlers.values():
             handler.sync()
         self.save()
+
+
+class FrameworkState(ObjectState):
+    """An ObjectState with a framework's model and optimizer: HANDLERS maps the framework's types
+    to their handlers, and the PS tables of its models and optimizers are committed per shard
+    (the framework adapters: hybridsync.torch.elastic.TorchState, hybridsync.tensorflow.elastic.KerasState)."""
+
+    HANDLERS: tuple = ()  # ((type, StateHandler subclass), ...)
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        objects = {k: v for k, v in dict(model=model, optimizer=optimizer).items() if v is not None}
+        super().__init__(**objects, **kwargs)
+        self.add_handler("_ps_tables", TableShardsHandler(self._ps_tables, "ps_tables"))
+
+    def handler_for(self, name, value):
+        for kind, handler in self.HANDLERS:
+            if isinstance(value, kind):
+                return handler(value, name)
+        return super().handler_for(name, value)
+
+    def parts(self, value) -> list:
+        """The objects of `value` that may hold PS tables: a model's modules or layers."""
+        return [value]
+
+    def _ps_tables(self) -> list:
+        """The tables of every model and DistributedOptimizer in this state, now."""
+        return ps_tables([part for name in self.attributes for part in self.parts(getattr(self, name))])
 
 
 class CheckpointState(ObjectState):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from ..elastic import ObjectState, StateHandler, TableShardsHandler, ps_tables, run
+from ..elastic import FrameworkState, StateHandler, run
 from .functions import broadcast_variables
 
 __all__ = ["KerasState", "run"]
@@ -38,23 +38,14 @@ class VariablesStateHandler(StateHandler):
         broadcast_variables(self._variables(), root_rank=0)
 
 
-class KerasState(ObjectState):
+class KerasState(FrameworkState):
     """Horovod's KerasState: a model, its optimizer (default: the model's) and plain attributes,
     committed (kept in memory), restored and synced from rank 0; PS tables per shard."""
 
+    HANDLERS = ((keras.Model, VariablesStateHandler), (keras.optimizers.Optimizer, VariablesStateHandler))
+
     def __init__(self, model, optimizer=None, **kwargs):
-        optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        objects = {k: v for k, v in dict(model=model, optimizer=optimizer).items() if v is not None}
-        super().__init__(**objects, **kwargs)
-        self.add_handler("_ps_tables", TableShardsHandler(self._ps_tables, "ps_tables"))
+        super().__init__(model, optimizer if optimizer is not None else getattr(model, "optimizer", None), **kwargs)
 
-    def handler_for(self, name, value):
-        if isinstance(value, (keras.Model, keras.optimizers.Optimizer)):
-            return VariablesStateHandler(value, name)
-        return super().handler_for(name, value)
-
-    def _ps_tables(self) -> list:
-        """The tables of every model's layers and every DistributedOptimizer in this state, now."""
-        values = [getattr(self, name) for name in self.attributes]
-        return ps_tables([layer for v in values if isinstance(v, keras.Model) for layer in v._flatten_layers()]
-                         + [v for v in values if isinstance(v, keras.optimizers.Optimizer)])
+    def parts(self, value) -> list:
+        return list(value._flatten_layers()) if isinstance(value, keras.Model) else [value]

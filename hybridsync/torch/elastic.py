@@ -14,7 +14,7 @@ import random
 import torch
 
 from .. import runtime
-from ..elastic import ObjectState, StateHandler, TableShardsHandler, ps_tables, run
+from ..elastic import FrameworkState, StateHandler, run
 from .functions import _is_ps_backed, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["TorchState", "ElasticSampler", "run"]
@@ -108,29 +108,14 @@ class SamplerStateHandler(StateHandler):
         self.value.load_state_dict(broadcast_object(self.value.state_dict(), 0, name=f"elastic.{self.name}"))
 
 
-HANDLERS = ((torch.nn.Module, ModelStateHandler), (torch.optim.Optimizer, OptimizerStateHandler),
-            (ElasticSampler, SamplerStateHandler))
-
-
-class TorchState(ObjectState):
+class TorchState(FrameworkState):
     """Horovod's TorchState: model, optimizer, ElasticSampler and plain attributes, committed
     (kept in memory), restored and synced from rank 0. The rows and server-optimizer state of
     the tables that the model and optimizer put on the parameter server are committed per shard:
     a commit costs each rank a copy of its own shard."""
 
-    def __init__(self, model=None, optimizer=None, **kwargs):
-        objects = {k: v for k, v in dict(model=model, optimizer=optimizer).items() if v is not None}
-        super().__init__(**objects, **kwargs)
-        self.add_handler("_ps_tables", TableShardsHandler(self._ps_tables, "ps_tables"))
+    HANDLERS = ((torch.nn.Module, ModelStateHandler), (torch.optim.Optimizer, OptimizerStateHandler),
+                (ElasticSampler, SamplerStateHandler))
 
-    def handler_for(self, name, value):
-        for kind, handler in HANDLERS:
-            if isinstance(value, kind):
-                return handler(value, name)
-        return super().handler_for(name, value)
-
-    def _ps_tables(self) -> list:
-        """The tables of every module and DistributedOptimizer in this state, now."""
-        values = [getattr(self, name) for name in self.attributes]
-        return ps_tables([m for v in values if isinstance(v, torch.nn.Module) for m in v.modules()]
-                         + [v for v in values if isinstance(v, torch.optim.Optimizer)])
+    def parts(self, value) -> list:
+        return list(value.modules()) if isinstance(value, torch.nn.Module) else [value]
