@@ -56,6 +56,7 @@ class Plan:
     backend: str = ""
     world_size: int = 1
     backend_reason: str = ""
+    adaptive: dict | None = None  # hybridsync.adaptive's summary (noise scale, batch, gain), if on
 
     def by_name(self) -> dict[str, VariablePlan]:
         return {v.name: v for v in self.variables}
@@ -87,11 +88,16 @@ class Plan:
             from .sync.cost_model import describe_auto
 
             lines += ["", "sync: auto"] + ["  " + describe_auto(v.name, v.auto, v.shape) for v in auto]
+        if self.adaptive:
+            from .adaptive.report import describe
+
+            lines += ["", *describe(self.adaptive)]
         return "\n".join(lines)
 
     def to_json(self) -> dict:
         return {"framework": self.framework, "backend": self.backend, "backend_reason": self.backend_reason,
-                "world_size": self.world_size, "variables": [v.to_json() for v in self.variables]}
+                "world_size": self.world_size, "variables": [v.to_json() for v in self.variables],
+                **({"adaptive": self.adaptive} if self.adaptive else {})}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)

@@ -167,8 +167,16 @@ def _start_heartbeat(comm) -> None:
     if timeout > 0:
         # The watchdog's limit leaves the waits that check the heartbeat time to raise their
         # own error first; it ends the job where nothing can raise (inside Horovod's collectives).
-        _ps.start_heartbeat(comm, min(1.0, max(0.05, timeout / 10)), abort_after_s=timeout + max(5.0, timeout / 4))
+        abort_after_s = timeout + max(5.0, timeout / 4)
+        _ps.start_heartbeat(comm, min(1.0, max(0.05, timeout / 10)), abort_after_s=abort_after_s)
         on_shutdown(_ps.stop_heartbeat)
+        from mpi4py import MPI
+
+        from . import lost_hosts
+
+        watch = lost_hosts.watch_for_the_watchdog(_ps.silent_peers, MPI.Get_processor_name(), timeout,
+                                                  abort_after_s, _prepare_for_abort)
+        on_shutdown(watch.set)
 
 
 def _abort_job_on_uncaught_exception(comm) -> None:
@@ -182,9 +190,44 @@ def _abort_job_on_uncaught_exception(comm) -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         if "heard from" in str(exc):
+            _on_lost_peer(exc)
             # A lost peer is seen by every rank at about the same moment: let the others say so
             # too before the job is torn down.
             time.sleep(1.0)
         comm.Abort(1)
 
     sys.excepthook = hook
+
+
+def _on_lost_peer(exc) -> None:
+    """The excepthook's error names a silent peer: _prepare_for_abort() if it is on another host."""
+    from . import lost_hosts
+
+    lost = lost_hosts.lost_peer(exc)
+    if lost is not None:
+        _prepare_for_abort(lost[1])
+
+
+_abort_prepared: list[bool] = []  # under _lock_abort: the excepthook and the watch may both get here
+_lock_abort = threading.Lock()
+
+
+def _prepare_for_abort(lost_host: str) -> None:
+    """A peer on another host went silent and the job is about to be aborted (by the excepthook,
+    or by the heartbeat's watchdog): mpirun may then wait ~15 minutes on that host's daemon. Say
+    what the launcher needs (one rank per host) and leave the backstop; once per process."""
+    with _lock_abort:
+        if _abort_prepared:
+            return
+        _abort_prepared.append(True)
+    from mpi4py import MPI
+
+    from . import lost_hosts
+    from .settings import settings
+
+    try:
+        lost_hosts.prepare_for_abort(lost_host, MPI.Get_processor_name(), settings().peer_timeout_s,
+                                     advise=_world is None or _world.local_rank == 0,
+                                     backstop=settings().lost_host_backstop)
+    except Exception as err:  # aborting anyway: the abort must not fail on this
+        sys.stderr.write(f"hybridsync: could not arm the lost-host backstop: {err}\n")

@@ -23,6 +23,9 @@ HYBRIDSYNC_CACHE_DIR     where link probes are cached (default ~/.cache/hybridsy
 HYBRIDSYNC_MAX_MESSAGE_BYTES the largest single PS network message; longer ones travel in fragments
                          and whole-table reads and writes go in chunks below it (default: 1 GiB;
                          the smallest value of any rank is used)
+HYBRIDSYNC_LOST_HOST_BACKSTOP 0: a rank that aborts the job over a peer lost on another host does not
+                         end its launcher process (orted / mpirun) if the job still runs 5 s later
+                         (default: on; docs/lost-hosts.md)
 
 Launch facts read from the launcher's variables (not set by users) are parsed here too:
 launched_by_mpi(), launched_by_gloo() and gloo_world().
@@ -53,6 +56,7 @@ class Settings:
     auto_steps: int = 20
     cache_dir: str = ""
     max_message_bytes: int = 1 << 30
+    lost_host_backstop: bool = True
 
 
 BACKENDS = ("horovod", "mpi")
@@ -92,6 +96,7 @@ def settings() -> Settings:
         auto_steps=_positive_int("HYBRIDSYNC_AUTO_STEPS", 20),
         cache_dir=os.environ.get("HYBRIDSYNC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hybridsync"),
         max_message_bytes=_positive_int("HYBRIDSYNC_MAX_MESSAGE_BYTES", 1 << 30),
+        lost_host_backstop=_switch("HYBRIDSYNC_LOST_HOST_BACKSTOP", True),
     )
 
 

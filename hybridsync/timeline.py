@@ -58,6 +58,11 @@ class Timeline:
             event["args"] = args
         self._add(event)
 
+    def counter(self, name: str, values: dict, cat: str = "adaptive") -> None:
+        """Values plotted over time (a Chrome-trace counter track), e.g. the noise scale."""
+        self._add({"name": name, "cat": cat, "ph": "C", "pid": self.rank, "tid": 0,
+                   "ts": time.perf_counter_ns() / 1e3, "args": values})
+
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "phase", **args):
         start = time.perf_counter_ns()

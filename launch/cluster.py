@@ -27,6 +27,7 @@ Needs root (namespaces, bridges and qdiscs are privileged); `Cluster.unavailable
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -79,6 +80,16 @@ def _rate_bits(rate: str) -> float:
         if low.endswith(unit):
             return float(low[: -len(unit)]) * scale
     raise ValueError(f"rate {rate!r}: give it as tc does, e.g. 1gbit, 10gbit, 500mbit")
+
+
+@dataclasses.dataclass
+class LostHostRun:
+    """A job that lost a host (Cluster.lose_host_during): its exit status and how long after the
+    link went down it ended (None for both: it was still running at the limit, and was killed)."""
+    returncode: int | None
+    seconds: float | None
+    dropped: bool  # the link went down (the job got as far as the marker line)
+    output: str
 
 
 class Cluster:
@@ -141,10 +152,7 @@ class Cluster:
 
     def down(self) -> None:
         for name in self._existing_hosts():
-            # Processes still inside (a killed job's ranks) would keep the namespace alive.
-            pids = _sh("ip", "netns", "pids", name, check=False).stdout.split()
-            for pid in pids:
-                subprocess.run(["kill", "-9", pid], capture_output=True)
+            self.kill_processes(name)  # they would keep the namespace alive
             subprocess.run(["ip", "link", "del", self._veth(name)], capture_output=True)
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
@@ -179,6 +187,11 @@ class Cluster:
                    HOROVOD_GLOO_IFACE="eth0")
         return env
 
+    def command_on(self, host: str, cmd: list[str]) -> list[str]:
+        """`cmd` run on `host` (as `ssh host cmd` would): e.g. mpirun started on the first host,
+        as on a real cluster, rather than on this machine, outside every host."""
+        return [str(self.bin_dir / "ssh"), host, shlex.join(cmd)]
+
     def hosts_arg(self, slots: int) -> str:
         """-H value with `slots` ranks on each host: 'hs0:2,hs1:2'."""
         return ",".join(f"{name}:{slots}" for name in self.names)
@@ -202,6 +215,57 @@ class Cluster:
     def set_link(self, host: str, up: bool) -> None:
         """Takes the host's link down (it drops off the network) or back up."""
         _sh("ip", "link", "set", self._veth(host), "up" if up else "down")
+
+    def lose_host_during(self, cmd: list[str], host: str, when: str, limit_s: float, env: dict | None = None,
+                         cwd: str | None = None) -> "LostHostRun":
+        """Runs a launcher command; the first time its output has a line containing `when`, takes
+        `host`'s link down. Waits up to limit_s for the job to end after that (then kills its
+        process group), brings the link back up and says how long the job outlived its host."""
+        import threading
+        import time
+
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                                env=self.env() if env is None else env, start_new_session=True)
+        lines: list[str] = []
+        dropped_at: list[float] = []
+
+        def read():
+            for line in proc.stdout:
+                lines.append(line)
+                if not dropped_at and when in line:
+                    self.set_link(host, up=False)
+                    dropped_at.append(time.monotonic())
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            deadline = time.monotonic() + limit_s + 300  # the time to start training, at most 5 minutes
+            while proc.poll() is None and not dropped_at and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if dropped_at:
+                try:
+                    proc.wait(timeout=max(0.0, dropped_at[0] + limit_s - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            ended = proc.poll() is not None
+            seconds = time.monotonic() - dropped_at[0] if dropped_at else None
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+            self.set_link(host, up=True)
+            reader.join(5)
+        return LostHostRun(returncode=proc.returncode if ended else None, seconds=seconds if ended else None,
+                           dropped=bool(dropped_at), output="".join(lines))
+
+    def pids(self, host: str) -> list[int]:
+        """The processes running on the host (in its namespace)."""
+        return [int(p) for p in _sh("ip", "netns", "pids", host, check=False).stdout.split()]
+
+    def kill_processes(self, host: str) -> None:
+        """Kills whatever still runs on the host (a killed job's ranks, a lost host's daemon)."""
+        for pid in self.pids(host):
+            subprocess.run(["kill", "-9", str(pid)], capture_output=True)
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Bytes and packets each host sent (tx) and received (rx) on its link so far."""

@@ -64,14 +64,12 @@ def _daemon_keepalive(env) -> dict:
 
     Ranks name a silent peer within HYBRIDSYNC_PEER_TIMEOUT_S and abort, but mpirun then waits
     on the lost host's daemon for as long as TCP retransmits (about 15 minutes). TCP keepalives
-    on the daemons' connections end the job within about the peer timeout instead. A value the
-    user set wins."""
+    that fire before the peer timeout end the job within it instead (hybridsync/lost_hosts.py).
+    A value the user set wins."""
+    from hybridsync.lost_hosts import keepalive_mca
     from hybridsync.settings import settings
 
-    timeout = settings().peer_timeout_s
-    wanted = {"oob_tcp_keepalive_time": max(1, int(timeout / 2)),
-              "oob_tcp_keepalive_intvl": max(1, int(timeout / 10)),
-              "oob_tcp_keepalive_probes": 3}
+    wanted = keepalive_mca(settings().peer_timeout_s)
     return {k: str(v) for k, v in wanted.items() if f"OMPI_MCA_{k}" not in env}
 
 

@@ -101,19 +101,24 @@ class SyncContext:
     gradient_predivide_factor: float = 1.0
     loss_scale: float = 1.0  # gradients arrive multiplied by this (Keras loss scaling)
     tensor_buffers: bool = False  # the frontend's buffers are the backend's own tensors
+    # Adaptive batch size (hybridsync.adaptive): gradients are multiplied by this (1/accumulation
+    # steps: the summed micro-steps become their mean), and the step's statistics recorder.
+    grad_scale: float = 1.0
+    stats: object = None
+    lr_factor: float = 1.0  # the scaling rule's factor, for server rules whose LR the config fixed
 
     def allreduce_scales(self) -> tuple[float, float]:
         """(prescale, postscale) of an all-reduce: with Average, the division is split across
         both sides to limit overflow (as Horovod does)."""
         if self.op is ReduceOp.AVERAGE:
             f = self.gradient_predivide_factor
-            return 1.0 / f, f
-        return 1.0, 1.0
+            return 1.0 / f, f * self.grad_scale
+        return 1.0, self.grad_scale
 
     def row_scale(self) -> float:
         """Factor the sum of rows over ranks gets (PS and allgather routes)."""
         scale = 1.0 / self.world_size if self.op is ReduceOp.AVERAGE else 1.0
-        return scale / self.loss_scale
+        return scale * self.grad_scale / self.loss_scale
 
 
 class RouteError(RuntimeError):

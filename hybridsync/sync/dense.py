@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .. import timeline
 from ..settings import settings
-from ..types import Route
+from ..types import ReduceOp, Route
 from . import accounting
 from .base import RouteError, Synchronizer, Variable
 from .registry import register
@@ -37,7 +37,15 @@ class DenseAllreduce(Synchronizer):
                              "give the model (DistributedOptimizer(..., model=model)) or a config rule for it")
         buffer = var.access.dense(var.codec)
         accounting.dense(var.plan, buffer, self.ctx.world_size)
+        if self.ctx.stats is not None:
+            self.ctx.stats.dense_in(var.name, buffer)
         return buffer
+
+    def _reduced(self, var: Variable, buffer) -> None:
+        """The all-reduced buffer becomes var's gradient (and feeds the gradient statistics)."""
+        var.access.set_dense(buffer)
+        if self.ctx.stats is not None:
+            self.ctx.stats.dense_out(var.name, buffer, summed=self.ctx.op is not ReduceOp.AVERAGE)
 
     def _launch(self, var: Variable) -> None:
         pre, post = self.ctx.allreduce_scales()
@@ -82,7 +90,7 @@ class DenseAllreduce(Synchronizer):
             with timeline.span(f"all-reduce wait ({len(buffers)} tensors fused, {backend.name})", "dense"):
                 backend.finish_allreduce_arrays(started)
                 for var, buffer in zip(self.variables, buffers):
-                    var.access.set_dense(buffer)
+                    self._reduced(var, buffer)
             return
         if self._fused:
             with timeline.span(f"all-reduce ({len(self.variables)} tensors fused, {backend.name})", "dense"):
@@ -91,14 +99,14 @@ class DenseAllreduce(Synchronizer):
                 backend.allreduce_arrays(buffers, op=self.ctx.op, prescale_factor=pre, postscale_factor=post,
                                          verified_layout=self.verified, name="hybridsync.fused")
                 for var, buffer in zip(self.variables, buffers):
-                    var.access.set_dense(buffer)
+                    self._reduced(var, buffer)
             return
         for var in self.variables:
             if var not in self._handles:
                 self._launch(var)
         with timeline.span(f"all-reduce wait ({len(self._handles)} tensors, {backend.name})", "dense"):
             for var, handle in self._handles.items():
-                var.access.set_dense(backend.synchronize(handle))
+                self._reduced(var, backend.synchronize(handle))
             self._handles.clear()
 
     def in_flight(self) -> bool:

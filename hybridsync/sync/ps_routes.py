@@ -32,9 +32,18 @@ class _PSRoute(Synchronizer):
     def _lr(self, var: Variable) -> float:
         """The learning rate this step: the wrapped optimizer's (LR schedules reach the server),
         unless the config fixed the server optimizer."""
-        if var.plan.optimizer_source == "config":
-            return float(var.plan.optimizer["lr"])
+        if var.plan.optimizer_source == "config":  # scaled like the wrapped optimizer's would be
+            return float(var.plan.optimizer["lr"]) * self.ctx.lr_factor
         return float(var.access.lr())
+
+    def _record_rounds(self, current: bool) -> None:
+        """Gradient statistics: each table's newest push round, as its shards computed it."""
+        stats = self.ctx.stats
+        if stats is None:
+            return
+        for var in self.variables:
+            if var.table is not None:
+                stats.ps_round(var.name, var.table.engine.round_stats(var.table.handle), current)
 
     def state_dict(self) -> dict:
         """The server optimizer state of every table, as views that read their rows from the
@@ -57,6 +66,7 @@ class ShardedPS(_PSRoute):
             var.table.set_rule(var.plan.optimizer)
 
     def synchronize(self) -> None:
+        self._record_rounds(current=False)  # the previous push's, back with this step's pull
         tables, ids, grads, lrs = [], [], [], []
         for var in self.variables:
             got = var.access.rows()
@@ -143,6 +153,7 @@ class ReplicatedPS(_PSRoute):
         tl = timeline.get()
         if tl is not None:
             tl.engine_events()
+        self._record_rounds(current=True)
         for var, i, (changed, rows) in zip(self.variables, ids, updates):
             var.access.write_rows(changed, rows)
             accounting.ps_replicated(var.plan, len(i), len(changed), var.dim)

@@ -100,8 +100,15 @@ class SyncSet:
         auto = self.auto
         if auto is not None:
             auto.before_sync()
+        stats = self.ctx.stats
+        if stats is not None:
+            stats.begin_sync()
         for sync in self._order:
             sync.synchronize()
+        if stats is not None:
+            from .. import comm
+
+            stats.end_step(lambda obj: comm.objects().allgather_object(obj, name="hybridsync.adaptive"))
         if auto is not None and auto.after_sync():
             self.auto = None  # decided: from now on no auto work at all
 

@@ -13,6 +13,7 @@ from .. import init, local_rank, local_size, rank, shutdown, size
 from ..plan import explain
 from ..types import Average, ReduceOp, Sum
 from . import elastic
+from .adaptive import AdaptiveDataset
 from .callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback
 from .embedding import Embedding
 from .functions import allgather, allreduce, broadcast_object, broadcast_variables
@@ -20,6 +21,7 @@ from .optimizer import DistributedOptimizer
 from .tape import DistributedGradientTape
 
 __all__ = [
+    "AdaptiveDataset",
     "init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedOptimizer", "DistributedGradientTape",
     "broadcast_variables", "allreduce", "allgather", "broadcast_object", "BroadcastGlobalVariablesCallback",
     "MetricAverageCallback", "Average", "Sum", "ReduceOp", "explain", "Embedding", "elastic",

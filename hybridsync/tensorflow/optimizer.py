@@ -14,12 +14,16 @@ are known (tf.IndexedSlices from Embedding / tf.gather are sparse):
 """
 from __future__ import annotations
 
+import time
+
 import keras
 import numpy as np
 import tensorflow as tf
 
 from .. import plan as plan_mod, runtime
 from .. import config as config_mod
+from ..adaptive import Adaptive, AdaptiveConfig
+from ..adaptive.collect import StepRecorder
 from ..plan import Plan, VariablePlan
 from ..sync.agreement import agree
 from ..sync.base import SyncContext, Variable, check_options
@@ -47,8 +51,12 @@ def _table_shape(shape) -> tuple[int, int]:
 class _DistributedKerasOptimizer:
     """Put in front of the wrapped optimizer's class. Attributes are prefixed `_hs_`."""
 
-    def _hs_setup(self, config, op, compression, gradient_predivide_factor):
+    def _hs_setup(self, config, op, compression, gradient_predivide_factor, adaptive=None):
         runtime.init()
+        cfg = AdaptiveConfig.of(adaptive)
+        self._hs_adaptive = Adaptive(cfg, type(self).__name__, runtime.world().size) if cfg else None
+        self._hs_lr_factor = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="hybridsync_lr_factor")
+        self._hs_last_end = None
         self._hs_predivide = gradient_predivide_factor
         self._hs_config = config_mod.load(config if config is not None else runtime.default_config())
         self._hs_op = op
@@ -56,8 +64,59 @@ class _DistributedKerasOptimizer:
         self._hs_plan = None
         plan_mod.register(self)
 
+    # -- adaptive batch size and learning rate (hybridsync.adaptive) -----------------------------
+    @property
+    def adaptive(self):
+        """The adaptive controller (hybridsync.adaptive.Adaptive), or None when not enabled."""
+        return self._hs_adaptive
+
+    def gradient_stats(self) -> dict:
+        """{"sqr", "var", "noise_scale", "by_variable"}: see hybridsync.torch's optimizer."""
+        if self._hs_adaptive is None:
+            raise RuntimeError("optimizer.gradient_stats() needs hybridsync.tensorflow.DistributedOptimizer(..., "
+                               "adaptive=True)")
+        return self._hs_adaptive.gradient_stats()
+
+    @property
+    def progress(self) -> float:
+        """Scale-invariant steps (base-batch steps' worth of progress)."""
+        if self._hs_adaptive is None:
+            raise RuntimeError("optimizer.progress needs DistributedOptimizer(..., adaptive=True)")
+        return self._hs_adaptive.progress
+
+    def _get_current_learning_rate(self):
+        base = super()._get_current_learning_rate()
+        if self._hs_adaptive is None or self._hs_adaptive.rule is None:
+            return base
+        return base * tf.cast(self._hs_lr_factor, tf.as_dtype(getattr(base, "dtype", tf.float32)))
+
+    def _hs_base_lr(self):
+        return super()._get_current_learning_rate()
+
+    def _hs_begin_adaptive(self) -> float:
+        """In the exchange, before the pushes: the rule's factor this step."""
+        ad = self._hs_adaptive
+        if ad is None:
+            return 1.0
+        factor = ad.lr_factor()
+        ad.last_factor = factor
+        self._hs_sync.ctx.lr_factor = factor
+        return factor
+
+    def _hs_end_adaptive(self) -> None:
+        ad = self._hs_adaptive
+        if ad is None:
+            return
+        ad.step_done()
+        now = time.perf_counter()
+        if self._hs_last_end is not None:
+            self._hs_sync.ctx.stats.step_times(now - self._hs_last_end)
+        self._hs_last_end = now
+
     @property
     def plan(self) -> Plan:
+        if self._hs_plan is not None and self._hs_adaptive is not None:
+            self._hs_plan.adaptive = self._hs_adaptive.summary()
         return self._hs_plan if self._hs_plan is not None else Plan([], framework="tensorflow", backend="mpi",
                                                                      world_size=runtime.world().size)
 
@@ -113,6 +172,9 @@ class _DistributedKerasOptimizer:
                 self._hs_auto.add(self._hs_vars[-1])
         self._hs_sync = SyncSet(SyncContext(backend, self._hs_op, world.size, self._hs_predivide,
                                             loss_scale=float(self.loss_scale_factor or 1.0)))
+        if self._hs_adaptive is not None:
+            recorder = self._hs_sync.ctx.stats = StepRecorder(self._hs_adaptive, world.size)
+            recorder.loss_scale = float(self.loss_scale_factor or 1.0)
         for var in self._hs_vars:
             self._hs_sync.assign(var)
         with tf.init_scope():  # eager, also while tf.function traces: replicated tables start from rank 0
@@ -143,10 +205,10 @@ class _DistributedKerasOptimizer:
         """Exchanges every gradient in one op running the sync core; returns what the Keras
         optimizer should still apply."""
         routes = [var.plan.route for var in self._hs_vars]
-        if runtime.world().size == 1 and all(r is Route.ALLREDUCE for r in routes):
+        if runtime.world().size == 1 and all(r is Route.ALLREDUCE for r in routes) and self._hs_adaptive is None:
             return grads, variables
         collectives.check_not_xla("gradient exchange")
-        inputs, layout = [tf.cast(self.learning_rate, tf.float64)], []
+        inputs, layout = [tf.cast(self._hs_base_lr(), tf.float64)], []
         for g, v, var in zip(grads, variables, self._hs_vars):
             if var in self._hs_auto:
                 kind, parts = "sparse", self._hs_rows(g, v, var)
@@ -159,15 +221,17 @@ class _DistributedKerasOptimizer:
         out_types = [self._hs_output_types(var, var in self._hs_auto) for var in self._hs_vars]
 
         def exchange(lr, *arrays):
+            factor = self._hs_begin_adaptive()
             for var, (kind, at, n) in zip(self._hs_vars, layout):
-                var.access.begin(kind, arrays[at - 1:at - 1 + n], float(lr))
+                var.access.begin(kind, arrays[at - 1:at - 1 + n], float(lr) * factor)
             self._hs_sync.synchronize()
-            return [np.int64(0)] + [a for var, types in zip(self._hs_vars, out_types) for a in var.access.out[:len(types)]]
+            self._hs_end_adaptive()
+            return [np.float32(factor)] + [a for var, types in zip(self._hs_vars, out_types) for a in var.access.out[:len(types)]]
 
-        results = tf.numpy_function(exchange, inputs, Tout=[tf.int64] + [t for types in out_types for t in types],
+        results = tf.numpy_function(exchange, inputs, Tout=[tf.float32] + [t for types in out_types for t in types],
                                     stateful=True, name="hybridsync_exchange")
-        done, results = results[0], iter(results[1:])
-        keep_g, keep_v, updates = [], [], [done]
+        factor, results = results[0], iter(results[1:])
+        keep_g, keep_v, updates = [], [], [self._hs_lr_factor.assign(factor)]  # the Keras update's LR follows
         for i, (v, var) in enumerate(zip(variables, self._hs_vars)):
             route, placement = var.plan.route, var.plan.placement
             if var in self._hs_auto:
@@ -260,13 +324,14 @@ class _KerasAuto:
 
 def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=None, compression=None,
                          backward_passes_per_step=1, op=ReduceOp.AVERAGE, gradient_predivide_factor=1.0,
-                         backend=None):
+                         backend=None, adaptive=None):
     """Wraps a Keras 3 optimizer (the same object is returned, now synchronizing gradients).
 
     config: YAML path or dict (or hybridsync.init(config=...) / HYBRIDSYNC_CONFIG), the same file
     as for PyTorch. compression: 'none' | 'fp16' for the dense all-reduce. op: Average or Sum;
     gradient_predivide_factor as in PyTorch. named_parameters, model and backward_passes_per_step
-    are PyTorch's and must keep their defaults.
+    are PyTorch's and must keep their defaults. adaptive: gradient statistics and LR scaling
+    (hybridsync.adaptive; docs/adaptive.md), as in PyTorch.
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"expected a Keras optimizer, got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
@@ -286,5 +351,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=No
         raise ValueError(f"compression must be 'none' or 'fp16' for the TensorFlow frontend, got {compression!r}")
     base = type(optimizer)
     optimizer.__class__ = type(base.__name__, (_DistributedKerasOptimizer, base), {"__module__": __name__})
-    optimizer._hs_setup(config, op, name, gradient_predivide_factor)
+    optimizer._hs_setup(config, op, name, gradient_predivide_factor, adaptive)
     return optimizer

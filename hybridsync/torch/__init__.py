@@ -20,6 +20,7 @@ from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgat
                       grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
                       grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async,
                       sparse_allreduce_async, synchronize)
+from .adaptive import AdaptiveDataLoader
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
@@ -40,6 +41,7 @@ __all__ = [
     # training
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "allgather_object", "SyncBatchNorm", "elastic", "Embedding", "EmbeddingBag", "explain",
+    "AdaptiveDataLoader",
     # modules, as in horovod.torch
     "compression", "functions", "mpi_ops", "optimizer", "sync_batch_norm",
 ]

@@ -40,7 +40,11 @@ def dense_state(model, optimizer, variables) -> tuple[dict, dict]:
             else:
                 scalars[f"{index}.{key}"] = [_json(value), isinstance(value, torch.Tensor)]
     groups = [{k: _json(v) for k, v in group.items()} for group in state["param_groups"]]
-    return arrays, {"optimizer_scalars": scalars, "param_groups": groups}
+    meta = {"optimizer_scalars": scalars, "param_groups": groups}
+    adaptive = getattr(optimizer, "_hs_adaptive", None)
+    if adaptive is not None and adaptive.enabled:  # statistics, batch, scale-invariant progress
+        meta["adaptive"] = adaptive.controller.state_dict()
+    return arrays, meta
 
 
 def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> None:
@@ -59,3 +63,6 @@ def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> N
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = torch.tensor(value) if was_tensor else value
     torch.optim.Optimizer.load_state_dict(optimizer, {"state": state, "param_groups": meta["param_groups"]})
+    adaptive = getattr(optimizer, "_hs_adaptive", None)
+    if "adaptive" in meta and adaptive is not None and adaptive.enabled:
+        adaptive.load_state_dict(meta["adaptive"])  # at another world size: the global batch, re-chosen later

@@ -26,6 +26,7 @@ from ..sync.registry import SyncSet
 from ..types import GradKind, Placement, ReduceOp
 from .access import ParamAccess, StagedRowsAccess
 from .adasum_optimizer import adasum_optimizer
+from .adaptive import AdaptiveStep
 from .batching import BatchedLookups
 from .compression import Compression, NoneCompressor
 from .embedding import Embedding, EmbeddingBag
@@ -80,7 +81,7 @@ class _DistributedOptimizer:
     """Mixed in front of the wrapped optimizer's class. Attributes are prefixed `_hs_`."""
 
     def _hs_setup(self, named, model, config, compression, backward_passes_per_step, op,
-                  gradient_predivide_factor, backend, scope=None):
+                  gradient_predivide_factor, backend, scope=None, adaptive=None):
         """scope: a process set's SetScope (hybridsync.torch.process_set_optimizer), or None."""
         world = runtime.init()
         self._parameter_names = parameter_names(named)
@@ -110,6 +111,7 @@ class _DistributedOptimizer:
             self._hs_vars.append(self._hs_table_variable(name, module, by_name[name]))
         self._hs_sync = SyncSet(SyncContext(dense_backend, op, size, gradient_predivide_factor,
                                             tensor_buffers=tensor_buffers))
+        self._hs_adaptive = AdaptiveStep(self, adaptive, size, self._hs_sync.ctx)
         self._hs_model = model
         self._hs_swapped: dict = {}  # Variable -> ([(PS module, the nn module it replaced)], its parameter)
         self._hs_custom_compression = custom
@@ -234,6 +236,8 @@ class _DistributedOptimizer:
     # -- Horovod's optimizer API --------------------------------------------------------------
     @property
     def plan(self):
+        if self._hs_adaptive.enabled:  # explain() shows the adaptive state as of now
+            self._hs_plan.adaptive = self._hs_adaptive.controller.summary()
         return self._hs_plan
 
     @property
@@ -245,6 +249,22 @@ class _DistributedOptimizer:
             raise ValueError("backward_passes_per_step must be >= 1")
         self._hs_bpps = passes
 
+    # -- adaptive batch size and learning rate (hybridsync.adaptive) ----------------------------
+    @property
+    def adaptive(self):
+        """The adaptive controller (hybridsync.adaptive.Adaptive), or None when not enabled."""
+        return self._hs_adaptive.controller
+
+    def gradient_stats(self) -> dict:
+        """{"sqr": |G|^2, "var": tr(Sigma) per sample, "noise_scale": var/sqr, "by_variable": {name:
+        {"sqr", "var"}}}, smoothed over the steps so far (needs DistributedOptimizer(adaptive=...))."""
+        return self._hs_adaptive.require("gradient_stats()").gradient_stats()
+
+    @property
+    def progress(self) -> float:
+        """Scale-invariant steps: optimizer steps weighted by their gain (base-batch steps' worth)."""
+        return self._hs_adaptive.require("progress").progress
+
     def synchronize(self):
         """Completes gradient exchange for every variable (called by step())."""
         tl = timeline.get()
@@ -255,6 +275,7 @@ class _DistributedOptimizer:
             self._hs_synchronize()
 
     def _hs_synchronize(self):
+        self._hs_adaptive.scale_lr()  # before the pushes: the server rules take the scaled LR too
         if not self._hs_plan_confirmed:
             self._hs_confirm_plan()
         self._hs_sync.synchronize()
@@ -273,6 +294,13 @@ class _DistributedOptimizer:
             self._hs_should_sync = True
 
     def step(self, closure=None):
+        if self._hs_adaptive.accumulating():  # a micro-step of the adaptive batch: gradients add up
+            return None
+        result = self._hs_step(closure)
+        self._hs_adaptive.step_done()
+        return result
+
+    def _hs_step(self, closure):
         if self._hs_should_sync:
             if self._hs_synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
@@ -288,6 +316,8 @@ class _DistributedOptimizer:
             return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
+        if self._hs_adaptive.mid_accumulation():
+            return None  # the adaptive batch's micro-steps keep adding into .grad
         if self._hs_sync.in_flight():
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
                                "or optimizer.synchronize(): gradients are still being exchanged")
@@ -301,12 +331,17 @@ class _DistributedOptimizer:
         extra = _map_arrays(self._hs_sync.state_dict(), ShardedTableTensor, TableView)
         if extra or self._hs_pending_state:
             state["hybridsync"] = {**self._hs_pending_state, **extra}
+        if self._hs_adaptive.enabled:
+            state["hybridsync_adaptive"] = self._hs_adaptive.controller.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         extra = state_dict.pop("hybridsync", {})
+        adaptive = state_dict.pop("hybridsync_adaptive", None)
         super().load_state_dict(state_dict)
+        if adaptive is not None and self._hs_adaptive.enabled:
+            self._hs_adaptive.load_state_dict(adaptive)
         self._hs_synchronized = False
         if self._hs_plan_confirmed:
             self._hs_load_route_state(extra)
@@ -398,7 +433,7 @@ class _ModuleRows(StagedRowsAccess):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
                          op=ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, process_set=None, *, model=None, config=None,
-                         backend: str | None = None):
+                         backend: str | None = None, adaptive=None):
     """Wraps a torch optimizer so that step() applies gradients synchronized across ranks.
 
     Horovod's arguments, in Horovod's order:
@@ -425,6 +460,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         routes, placements, partitions, compression and server optimizers (see hybridsync.config).
     backend: 'horovod' | 'mpi' for dense all-reduce (default: the config's `backend`, then
         hybridsync.init(backend=...), HYBRIDSYNC_BACKEND, then chosen by resources: comm.choose).
+    adaptive: True, a dict or hybridsync.adaptive.AdaptiveConfig: gradient statistics every step
+        (gradient_stats()), the learning rate scaled with the batch size, and the batch chosen by
+        an AdaptiveDataLoader (docs/adaptive.md). None (default): none of it, not one extra op.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
@@ -442,6 +480,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         compression = Compression.by_name(compression)
     elif not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError("compression must be hybridsync.torch.Compression.none / .fp16 (or have compress/decompress)")
+    if adaptive not in (None, False) and (adasum or scope is not None):
+        raise NotImplementedError("DistributedOptimizer(adaptive=...) with op=Adasum or a process_set: the adaptive "
+                                  "batch size works with Average/Sum over the whole job only")
     named = _named_parameters(optimizer, named_parameters, model)
     check_groups(num_groups, groups, named)
     if scope is False:  # this rank is outside the process set
@@ -463,5 +504,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     # original must not be copied (it would call the unsynchronized step).
     dist.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     dist._hs_setup(named, model, config, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, backend, scope)
+                   gradient_predivide_factor, backend, scope, adaptive)
     return dist

@@ -138,9 +138,9 @@ def test_parity_of_every_route_across_hosts(cluster, scenario, backend):
 # kill message to the lost daemon stays unacknowledged, and TCP retransmits for about 15 minutes.
 @pytest.mark.parametrize("keepalive", ["on", "off"])
 def test_a_host_whose_link_goes_down_ends_the_job_naming_it(cluster, keepalive):
-    """The ranks left name the silent rank and its host within the peer timeout, and the job ends
-    instead of waiting on the lost host: mpirun's keepalives notice it, or hybridsync-run ends mpirun
-    once the ranks have aborted."""
+    """The job ends, naming the lost host, instead of waiting on it: mpirun's keepalives notice it
+    (within 0.8 x the peer timeout, so mpirun may name it before the ranks do), or, keepalives off,
+    the ranks name it and hybridsync-run ends mpirun once they have aborted."""
     lost = f"{PREFIX}1"
     env = cluster.env({**os.environ, "HYBRIDSYNC_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)})
     if keepalive == "off":
@@ -176,9 +176,11 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(cluster, keepalive):
         reader.join(5)
     out = "".join(lines)
     assert proc.returncode != 0, out
-    assert f"on host {lost} has not been heard from" in out, out
     if keepalive == "off":
+        assert f"on host {lost} has not been heard from" in out, out
         assert "hybridsync-run: the job was aborted" in out, out
+    else:  # the keepalives fire within 0.8 x the peer timeout: mpirun may name the host first
+        assert f"on host {lost} has not been heard from" in out or f"on node {lost}" in out, out
 
 
 if __name__ == "__main__":

@@ -82,12 +82,12 @@ def test_launcher_adds_the_flags_a_run_needs(project):
     assert "-H a:2,b:2" in hosts.stdout and "--oversubscribe" not in hosts.stdout
     assert "--mca oob_tcp_keepalive_time" not in line  # one host: no remote daemons to watch
     # Across hosts: every HYBRIDSYNC_* setting is forwarded, and mpirun watches its remote daemons
-    # (keepalives well inside the peer timeout).
+    # (keepalives that notice a lost daemon within 0.8 x the peer timeout: 2 + 2 x 7 = 16 s of 20).
     timed = subprocess.run([_launcher(), "--dry-run", "-np", "4", "--hostfile", "hosts", "python", "t.py"],
                            cwd=project, capture_output=True, text=True, timeout=60,
                            env=dict(os.environ, HYBRIDSYNC_PEER_TIMEOUT_S="20", HYBRIDSYNC_FUSION_MB="8"))
     assert "-x HYBRIDSYNC_PEER_TIMEOUT_S" in timed.stdout and "-x HYBRIDSYNC_FUSION_MB" in timed.stdout
-    assert ("--mca oob_tcp_keepalive_time 10 --mca oob_tcp_keepalive_intvl 2 --mca oob_tcp_keepalive_probes 3"
+    assert ("--mca oob_tcp_keepalive_time 2 --mca oob_tcp_keepalive_intvl 2 --mca oob_tcp_keepalive_probes 7"
             in timed.stdout), timed.stdout
     horovod = subprocess.run([_launcher(), "--dry-run", "--launcher", "horovodrun", "-np", "2", "python", "t.py"],
                              cwd=project, capture_output=True, text=True, timeout=60)

@@ -1,0 +1,70 @@
+"""The batches an adaptive loader hands out, whatever the framework: each rank's share of a
+permutation every rank draws the same, cut at the batch size in force, and the periodic
+re-choice of that size (rank 0's choice, broadcast, so every rank switches at the same step)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class AdaptiveBatches:
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world: int, shuffle: bool = True,
+                 seed: int = 0, interval: int = 20, warmup: int = 10):
+        if batch_size < world:
+            raise ValueError(f"batch_size={batch_size} is smaller than the number of ranks ({world})")
+        if num_samples < world:
+            raise ValueError(f"the dataset has {num_samples} samples, fewer than the {world} ranks")
+        self.num_samples, self.batch_size = int(num_samples), int(batch_size)
+        self.rank, self.world, self.shuffle, self.seed = rank, world, shuffle, int(seed)
+        self.interval, self.warmup = int(interval), int(warmup)
+        self.epoch = 0
+        self.autoscale = None  # (max_batch, (lo, hi), max accumulation)
+        self.changes: list = []  # (step, local batch, accumulation) each time the batch changed
+
+    def set_autoscale(self, max_batch_size: int, local_bsz_bounds=None, max_accumulation: int = 1) -> None:
+        if max_batch_size < self.batch_size:
+            raise ValueError(f"max_batch_size={max_batch_size} is below batch_size={self.batch_size}")
+        base_local = self.batch_size // self.world
+        lo, hi = local_bsz_bounds if local_bsz_bounds is not None else (1, max(base_local, max_batch_size // self.world))
+        if not 1 <= int(lo) <= int(hi):
+            raise ValueError(f"local_bsz_bounds must be (lo, hi) with 1 <= lo <= hi, got {local_bsz_bounds}")
+        self.autoscale = (int(max_batch_size), (int(lo), int(hi)), max(1, int(max_accumulation)))
+
+    def start(self, controller, set_batch) -> None:
+        """Before the first batch: the base batch size, unless a checkpoint restored one."""
+        if not controller.local_batch:
+            set_batch(max(1, self.batch_size // self.world), 1)
+        if not controller.base_batch:
+            controller.base_batch = self.batch_size
+
+    def rechoose(self, controller, set_batch, broadcast) -> None:
+        """Collective, at the same step on every rank: rank 0's choice (or none) everywhere."""
+        if self.autoscale is None or controller.steps < self.warmup or controller.steps % self.interval:
+            return
+        change = controller.choose(*self.autoscale) if self.rank == 0 else None
+        decision = (change, controller.choice)
+        if self.world > 1:
+            decision = broadcast(decision)
+        change, controller.choice = decision
+        if change is not None and (change.local_batch, change.accumulation) != controller.sizes():
+            set_batch(change.local_batch, change.accumulation)
+            self.changes.append((controller.steps, change.local_batch, change.accumulation))
+
+    def my_indices(self) -> np.ndarray:
+        """This rank's samples of this epoch, in order (every rank the same count)."""
+        order = (np.random.default_rng(self.seed + self.epoch).permutation(self.num_samples) if self.shuffle
+                 else np.arange(self.num_samples))
+        usable = (self.num_samples // self.world) * self.world
+        return order[self.rank:usable:self.world]
+
+    def epoch_batches(self, controller, set_batch, broadcast):
+        """Index arrays of one epoch's micro-batches; the size may change between steps."""
+        mine, pos = self.my_indices(), 0
+        while True:
+            self.rechoose(controller, set_batch, broadcast)
+            b, k = controller.sizes()
+            if pos + b * k > len(mine):
+                break
+            for _ in range(k):
+                yield mine[pos:pos + b]
+                pos += b
+        self.epoch += 1

@@ -1,0 +1,103 @@
+"""What the sync core records for the gradient statistics each step -- no extra pass over the
+model: the squared norms of the dense all-reduce's input and output, and each PS table's two
+scalars of a push round, computed by its shards where the rows are.
+
+Every rank needs the same statistics (the learning rate and the batch size follow them), so the
+dense inputs' norms (each rank has only its own) travel in one small collective per step, with
+the step times the throughput model fits; everything else is the same on every rank already.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def squared_norm(buffer) -> float:
+    """|buffer|^2 in float64, for NumPy arrays and tensors (torch/TF) alike."""
+    if isinstance(buffer, np.ndarray):
+        flat = buffer.reshape(-1).astype(np.float64, copy=False)
+        return float(np.dot(flat, flat))
+    if hasattr(buffer, "double"):  # a torch tensor (any device)
+        return float(buffer.detach().double().square().sum())
+    flat = np.asarray(buffer, dtype=np.float64).reshape(-1)
+    return float(np.dot(flat, flat))
+
+
+class StepRecorder:
+    """Fed by the synchronizers during synchronize(); end_step() turns the step into statistics."""
+
+    def __init__(self, adaptive, world_size: int):
+        self.adaptive = adaptive
+        self.world = world_size
+        self._dense_in: dict[str, float] = {}
+        self._dense_out: dict[str, float] = {}
+        self._ps: list = []  # (name, local_sq, combined_sq, sizes) of rounds completed
+        self._rounds: dict[str, int] = {}  # table -> newest round seen
+        self._sizes_pushed = None  # (samples per rank, accumulation) of the previous push
+        self._sync_start = None
+        self.loss_scale = 1.0  # gradients arrive multiplied by this (Keras loss scaling)
+        self.last_times = (0.0, 0.0, 0)  # this rank's (micro-step s, sync s, local batch) of the previous step
+
+    # -- fed by the synchronizers ---------------------------------------------------------------
+    def begin_sync(self) -> None:
+        self._sync_start = time.perf_counter()
+
+    def dense_in(self, name: str, buffer) -> None:
+        self._dense_in[name] = squared_norm(buffer)
+
+    def dense_out(self, name: str, buffer, summed: bool) -> None:
+        sq = squared_norm(buffer)
+        self._dense_out[name] = sq / self.world ** 2 if summed else sq  # the mean over ranks
+
+    def ps_round(self, name: str, stats: dict, current: bool) -> None:
+        """A table's newest round statistics (engine.round_stats): `current` when they are of
+        this step's push (replicated placement), else of the previous one (sharded: they come
+        back with the next pull)."""
+        if stats["round"] < 0 or stats["round"] == self._rounds.get(name):
+            return
+        self._rounds[name] = stats["round"]
+        sizes = self.adaptive.sizes() if current else self._sizes_pushed
+        if sizes is not None:
+            self._ps.append((name, stats["local_sq"], stats["combined_sq"], sizes))
+
+    # -- once per step ----------------------------------------------------------------------------
+    def end_step(self, allgather_object) -> None:
+        """Collective (every rank, every step): combines this step's numbers into the statistics
+        and the throughput model, identically on every rank."""
+        sync_s = time.perf_counter() - self._sync_start if self._sync_start is not None else 0.0
+        names = sorted(self._dense_in)
+        mine = ([self._dense_in[n] for n in names], self.last_times)
+        gathered = allgather_object(mine) if self.world > 1 else [mine]
+        adaptive = self.adaptive
+        per_rank, accum = adaptive.local_batch, adaptive.accumulation
+        unscale = self.loss_scale ** 2
+        if len(gathered) > 1 and per_rank:
+            if any(len(g[0]) != len(names) for g in gathered):
+                raise RuntimeError("hybridsync.adaptive: ranks all-reduced different dense variables this step")
+            mean_local = np.mean([g[0] for g in gathered], axis=0) / accum ** 2 / unscale
+            small, big = per_rank * accum, per_rank * accum * self.world
+            for name, local in zip(names, mean_local):
+                if name in self._dense_out:
+                    adaptive.stats.observe(name, float(local), small, self._dense_out[name] / unscale, big)
+            for name, local_sq, combined_sq, (b, k) in self._ps:
+                n = self.world
+                adaptive.stats.observe(name, local_sq / n / k ** 2 / unscale, b * k,
+                                       combined_sq / (n * k) ** 2 / unscale, b * k * n)
+        micro_s = max(t[0] for _, t in gathered)  # a step lasts as long as its slowest rank's
+        sync_s_all = max(t[1] for _, t in gathered)
+        measured_at = gathered[0][1][2]
+        if micro_s > 0 and measured_at:
+            adaptive.throughput.record(self.world, measured_at, micro_s, sync_s_all)
+        self._dense_in.clear()
+        self._dense_out.clear()
+        self._ps.clear()
+        self._sizes_pushed = adaptive.sizes() if per_rank else None
+        self._pending_sync_s = sync_s
+
+    def step_times(self, step_s: float) -> None:
+        """This rank's wall time of the whole step just finished (from the previous step's end):
+        the part outside synchronize, per micro-step, and synchronize's."""
+        sync_s = getattr(self, "_pending_sync_s", 0.0)
+        accum = max(1, self.adaptive.accumulation)
+        self.last_times = (max(step_s - sync_s, 0.0) / accum, sync_s, self.adaptive.local_batch)

@@ -1,0 +1,163 @@
+"""One distributed optimizer's adaptive state: its gradient statistics, scaling rule, throughput
+model, batch size and scale-invariant progress. Framework-neutral; the frontends call it."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import scaling
+from .gns import GradientStats
+from .goodput import BatchChoice, ThroughputModel, choose_batch, efficiency, goodput
+
+
+@dataclasses.dataclass
+class AdaptiveConfig:
+    """DistributedOptimizer(..., adaptive=AdaptiveConfig(...)) (or True for the defaults).
+
+    scaling_rule: 'auto' (adascale for SGD-like optimizers, sqrt for adaptive ones), 'adascale',
+        'sqrt', 'linear', or None (statistics only: the learning rate is left alone).
+    local_batch_size: samples per rank per backward pass (an AdaptiveDataLoader sets it).
+    base_batch_size: the global batch the learning rate (and its schedule) was written for
+        (default: the first global batch seen).
+    smoothing: the statistics' moving-average factor (closer to 1: smoother, slower).
+    min_gain: a new batch size is taken only if its predicted goodput beats the current one's
+        by this factor.
+    """
+
+    scaling_rule: str | None = "auto"
+    local_batch_size: int | None = None
+    base_batch_size: int | None = None
+    smoothing: float = 0.95
+    min_gain: float = 1.05
+
+    @classmethod
+    def of(cls, value) -> "AdaptiveConfig | None":
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"adaptive: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            return cls(**value)
+        raise TypeError(f"adaptive must be True, a dict or hybridsync.adaptive.AdaptiveConfig, got {type(value).__name__}")
+
+
+class Adaptive:
+    def __init__(self, config: AdaptiveConfig, optimizer_class_name: str, world_size: int):
+        self.config = config
+        self.rule = None if config.scaling_rule is None else scaling.rule_for(config.scaling_rule, optimizer_class_name)
+        self.stats = GradientStats(config.smoothing)
+        self.throughput = ThroughputModel()
+        self.world = world_size
+        self.local_batch = int(config.local_batch_size) if config.local_batch_size else 0
+        self.accumulation = 1
+        self.base_batch = int(config.base_batch_size) if config.base_batch_size else 0
+        self.progress = 0.0  # scale-invariant steps: base-batch steps' worth of progress
+        self.steps = 0
+        self.last_gain = 1.0
+        self.last_factor = 1.0
+        self.choice: BatchChoice | None = None
+        self._fix_base()
+
+    def _fix_base(self) -> None:
+        if not self.base_batch and self.local_batch:
+            self.base_batch = self.global_batch()
+
+    def sizes(self) -> tuple[int, int]:
+        return self.local_batch, self.accumulation
+
+    def global_batch(self) -> int:
+        return self.local_batch * self.accumulation * self.world
+
+    def set_batch(self, local_batch: int, accumulation: int = 1) -> None:
+        if local_batch < 1 or accumulation < 1:
+            raise ValueError(f"local batch and accumulation must be >= 1, got {local_batch}, {accumulation}")
+        self.local_batch, self.accumulation = int(local_batch), int(accumulation)
+        self._fix_base()
+
+    def scale(self) -> float:
+        return self.global_batch() / self.base_batch if self.base_batch and self.local_batch else 1.0
+
+    def gain(self, scale: float | None = None) -> float:
+        s = self.scale() if scale is None else scale
+        summary = self.stats.summary()
+        return scaling.gain(s, summary["sqr"], summary["var"], self.base_batch or 1)
+
+    def lr_factor(self) -> float:
+        """What the base learning rate is multiplied by this step (1 with no rule)."""
+        if self.rule is None:
+            return 1.0
+        s = self.scale()
+        if s == 1.0:
+            return 1.0
+        summary = self.stats.summary()
+        return scaling.RULES[self.rule](s, summary["sqr"], summary["var"], self.base_batch)
+
+    def step_done(self) -> None:
+        """After each optimizer step: progress advances by the step's gain."""
+        self.last_gain = self.gain()
+        self.progress += self.last_gain
+        self.steps += 1
+
+    def gradient_stats(self) -> dict:
+        """The smoothed statistics (GradientStats.summary); they need the local batch size."""
+        if not self.local_batch:
+            raise RuntimeError("gradient statistics need the local batch size: iterate an AdaptiveDataLoader / "
+                               "AdaptiveDataset, or give adaptive={'local_batch_size': samples per rank}")
+        return self.stats.summary()
+
+    def noise_scale(self) -> float:
+        return self.stats.summary()["noise_scale"]
+
+    def choose(self, max_batch: int, local_bounds: tuple[int, int], max_accumulation: int) -> BatchChoice | None:
+        """The batch to use from now on, or None to keep the current one: a new one only when
+        its predicted goodput beats the current one's by min_gain. Deterministic in the shared
+        statistics and step times, so every rank decides the same."""
+        if not self.throughput.fitted(self.world) or not self.base_batch:
+            return None
+        phi = self.noise_scale()
+        if math.isnan(phi):  # no statistics yet (inf is fine: all noise)
+            return None
+        best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, local_bounds,
+                            max_accumulation)
+        current = goodput(self.throughput, self.world, self.local_batch, self.accumulation, self.base_batch, phi)
+        if (best.local_batch, best.accumulation) == (self.local_batch, self.accumulation) or \
+                best.goodput < current * self.config.min_gain:  # keep the batch in force
+            self.choice = BatchChoice(self.local_batch, self.accumulation, self.world, current,
+                                      efficiency(self.global_batch(), self.base_batch, phi))
+            return None
+        self.choice = best
+        return best
+
+    def summary(self) -> dict:
+        """What explain() and the timeline show."""
+        s = self.stats.summary()
+        return {"noise_scale": s["noise_scale"], "sqr": s["sqr"], "var": s["var"], "local_batch": self.local_batch,
+                "accumulation": self.accumulation, "global_batch": self.global_batch(), "base_batch": self.base_batch,
+                "scale": self.scale(), "gain": self.last_gain, "lr_factor": self.last_factor, "rule": self.rule,
+                "progress": self.progress, "steps": self.steps,
+                "efficiency": efficiency(self.global_batch(), self.base_batch or 1, s["noise_scale"])}
+
+    def state_dict(self) -> dict:
+        return {"stats": self.stats.state_dict(), "throughput": self.throughput.state_dict(),
+                "local_batch": self.local_batch, "accumulation": self.accumulation, "base_batch": self.base_batch,
+                "progress": self.progress, "steps": self.steps, "world": self.world}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats.load_state_dict(state.get("stats", {}))
+        self.throughput.load_state_dict(state.get("throughput", {}))
+        self.base_batch = int(state.get("base_batch") or self.base_batch)
+        self.progress = float(state.get("progress", 0.0))
+        self.steps = int(state.get("steps", 0))
+        saved_world = int(state.get("world", self.world))
+        if saved_world == self.world and state.get("local_batch"):
+            self.set_batch(int(state["local_batch"]), int(state.get("accumulation", 1)))
+        elif state.get("local_batch"):  # another world size: the nearest global batch until re-chosen
+            k = int(state.get("accumulation", 1))
+            per_rank = int(state["local_batch"]) * k * saved_world / self.world
+            self.set_batch(max(1, round(per_rank / k)), k)

@@ -1,0 +1,97 @@
+"""Gradient statistics: the squared norm of the true gradient |G|^2 and the per-sample gradient
+variance tr(Sigma), from two gradients of the same step at two batch sizes.
+
+A gradient averaged over b samples has E|g_b|^2 = |G|^2 + tr(Sigma)/b. Each rank's local gradient
+(batch b) and the all-reduced one (batch N*b) give two such equations, solved for both unknowns
+(Pollux, OSDI'21, appendix). One step's solution is very noisy, so each is smoothed by an
+exponential moving average, bias-corrected like Adam's moments (the average starts at zero).
+"""
+from __future__ import annotations
+
+import math
+
+
+def estimate(small_sq: float, small_batch: float, big_sq: float, big_batch: float) -> tuple[float, float]:
+    """(|G|^2, tr(Sigma)) from the mean |g|^2 of gradients over `small_batch` samples and |g|^2 of
+    one over `big_batch` samples (unbiased; either may come out negative on a noisy step)."""
+    if not big_batch > small_batch > 0:
+        raise ValueError(f"need big_batch > small_batch > 0, got small_batch={small_batch}, big_batch={big_batch}")
+    sqr = (big_batch * big_sq - small_batch * small_sq) / (big_batch - small_batch)
+    var = (small_sq - big_sq) * small_batch * big_batch / (big_batch - small_batch)
+    return sqr, var
+
+
+class _Smoothed:
+    """A bias-corrected exponential moving average."""
+
+    __slots__ = ("theta", "biased", "weight")
+
+    def __init__(self, theta: float):
+        self.theta, self.biased, self.weight = theta, 0.0, 0.0
+
+    def add(self, x: float) -> None:
+        self.biased = self.theta * self.biased + (1.0 - self.theta) * x
+        self.weight = self.theta * self.weight + (1.0 - self.theta)
+
+    def value(self) -> float:
+        return self.biased / self.weight if self.weight > 0 else math.nan
+
+    def state(self) -> list:
+        return [self.biased, self.weight]
+
+    def load(self, state) -> None:
+        self.biased, self.weight = float(state[0]), float(state[1])
+
+
+class GradientStats:
+    """Smoothed |G|^2 and tr(Sigma) per variable; the model's are the sums over variables (the
+    gradient is the concatenation of theirs)."""
+
+    def __init__(self, smoothing: float = 0.95):
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+        self.smoothing = smoothing
+        self._by_variable: dict[str, tuple[_Smoothed, _Smoothed]] = {}
+        self.observations = 0
+
+    def observe(self, name: str, small_sq: float, small_batch: float, big_sq: float, big_batch: float) -> None:
+        """One step of variable `name`: mean |g|^2 at small_batch and |g|^2 at big_batch."""
+        sqr, var = estimate(small_sq, small_batch, big_sq, big_batch)
+        pair = self._by_variable.get(name)
+        if pair is None:
+            pair = self._by_variable[name] = (_Smoothed(self.smoothing), _Smoothed(self.smoothing))
+        pair[0].add(sqr)
+        pair[1].add(var)
+        self.observations += 1
+
+    def by_variable(self) -> dict:
+        return {name: {"sqr": s.value(), "var": v.value()} for name, (s, v) in sorted(self._by_variable.items())}
+
+    def summary(self) -> dict:
+        """{"sqr", "var", "noise_scale", "by_variable"}; NaN before the first observation. A smoothed
+        estimate can dip below zero early on: tr(Sigma) counts as 0 then, and |G|^2 <= 0 gives an
+        infinite noise scale (all noise, as far as can be told)."""
+        per = self.by_variable()
+        if not per:
+            return {"sqr": math.nan, "var": math.nan, "noise_scale": math.nan, "by_variable": {}}
+        sqr = sum(v["sqr"] for v in per.values())
+        var = sum(v["var"] for v in per.values())
+        var_pos = max(var, 0.0)
+        noise = var_pos / sqr if sqr > 0 else (math.inf if var_pos > 0 else math.nan)
+        return {"sqr": sqr, "var": var, "noise_scale": noise, "by_variable": per}
+
+    def ready(self) -> bool:
+        return bool(self._by_variable)
+
+    def state_dict(self) -> dict:
+        return {"smoothing": self.smoothing, "observations": self.observations,
+                "by_variable": {n: [s.state(), v.state()] for n, (s, v) in self._by_variable.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.observations = int(state.get("observations", 0))
+        self._by_variable = {}
+        for name, (s, v) in state.get("by_variable", {}).items():
+            pair = (_Smoothed(self.smoothing), _Smoothed(self.smoothing))
+            pair[0].load(s)
+            pair[1].load(v)
+            self._by_variable[name] = pair

@@ -1,0 +1,22 @@
+"""The adaptive state as explain() prints it."""
+from __future__ import annotations
+
+import math
+
+
+def _num(x, fmt: str = ".4g") -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) and math.isfinite(x) else "-"
+
+
+def describe(s: dict) -> list[str]:
+    """Lines for an Adaptive.summary()."""
+    accumulation = f" x {s['accumulation']} accumulation steps" if s.get("accumulation", 1) > 1 else ""
+    return [
+        "adaptive batch size and learning rate (hybridsync.adaptive)",
+        f"  noise scale {_num(s['noise_scale'])} samples  (|G|^2 {_num(s['sqr'])}, tr(Sigma) {_num(s['var'])} per sample)",
+        f"  batch {s['global_batch']} = {s['local_batch']} per rank{accumulation}; base batch {s['base_batch']}, "
+        f"scale {_num(s['scale'], '.3g')}",
+        f"  gain {_num(s['gain'], '.3f')} base steps per step (statistical efficiency {_num(s['efficiency'], '.1%')}); "
+        f"rule {s['rule'] or 'none'}, LR x {_num(s['lr_factor'], '.3f')}; progress {_num(s['progress'], '.1f')} "
+        f"base steps in {s['steps']} steps",
+    ]

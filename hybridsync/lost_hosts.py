@@ -1,0 +1,180 @@
+"""A host that drops off the network: what the MPI launchers need to end the job in time.
+
+The ranks still up name the lost peer within HYBRIDSYNC_PEER_TIMEOUT_S and abort the job. The
+abort reaches mpirun, which sends every daemon (orted) a kill message and waits for each to
+confirm. The lost host's daemon never answers, and TCP retransmits the unacknowledged kill
+message for about 15 minutes before mpirun gives up: the job outlives its error by that long.
+
+Two things end it sooner, both framework-neutral (docs/lost-hosts.md):
+
+- OpenMPI's TCP keepalives on mpirun's links to its daemons (the oob_tcp_keepalive_* MCA
+  parameters) set to fire before the peer timeout: mpirun notices the lost daemon while its link
+  is still idle and ends the job itself. Linux probes only idle links, so they must fire before
+  the abort puts the kill message on the link. keepalive_mca() computes them from the peer
+  timeout; launcher_advice() says how to pass them to mpirun and horovodrun when a rank finds
+  them missing (mpirun hands its MCA parameters to the ranks as OMPI_MCA_* variables).
+- A backstop on the ranks (prepare_for_abort()): a rank about to abort the job over a peer
+  lost on another host (its excepthook; or watch_for_the_watchdog(), just before the heartbeat's
+  C++ watchdog does) leaves a small detached process behind which, if the launcher process that
+  started the rank (orted, or mpirun itself) is still there a few seconds later, kills it. Where
+  mpirun runs on a host with ranks (their parent), the job then ends, non-zero.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+# OpenMPI 4's own values (ompi_info --param oob tcp --level 9): the first probe after 5 idle
+# minutes, a lost daemon noticed after 8.
+OPENMPI_DEFAULTS = {"oob_tcp_keepalive_time": 300, "oob_tcp_keepalive_intvl": 20, "oob_tcp_keepalive_probes": 9}
+
+# The share of the peer timeout within which mpirun's keepalives notice a lost daemon: before the
+# ranks abort (at the peer timeout plus a second), while mpirun's links are still idle.
+_KEEPALIVE_SHARE = 0.8
+
+# Seconds after a rank aborted the job over a lost peer before its backstop ends the launcher
+# process that started it (mpirun with keepalives has ended the job long before).
+BACKSTOP_DELAY_S = 5.0
+
+# The launcher processes a backstop may end: OpenMPI's daemon and mpirun (4.x and 5.x names).
+_LAUNCHER_PROCESSES = ("orted", "mpirun", "orterun", "mpiexec", "prted", "prterun")
+
+_LOST_PEER = re.compile(r"rank (\d+) on host (\S+) has not been heard from")
+
+
+def keepalive_mca(peer_timeout_s: float) -> dict[str, int]:
+    """The oob_tcp_keepalive_* values that have mpirun notice a lost daemon within 0.8 x the
+    peer timeout (at least a few seconds): {} when the peer timeout is off (0).
+    60 s -> time 6, intvl 6, probes 7 (noticed within 48 s)."""
+    if peer_timeout_s <= 0:
+        return {}
+    step = max(1, int(peer_timeout_s / 10))
+    probes = max(1, int((_KEEPALIVE_SHARE * peer_timeout_s - step) / step))
+    return {"oob_tcp_keepalive_time": step, "oob_tcp_keepalive_intvl": step, "oob_tcp_keepalive_probes": probes}
+
+
+def keepalive_seconds(env) -> float | None:
+    """Seconds after which mpirun, launched with `env`, notices a daemon whose link went down
+    (idle time + interval x probes); None when its keepalives are off or a value is unreadable."""
+    values = {}
+    for name, default in OPENMPI_DEFAULTS.items():
+        raw = env.get(f"OMPI_MCA_{name}", default)
+        try:
+            values[name] = int(raw)
+        except (TypeError, ValueError):
+            return None
+    if values["oob_tcp_keepalive_time"] <= 0:
+        return None
+    return values["oob_tcp_keepalive_time"] + values["oob_tcp_keepalive_intvl"] * values["oob_tcp_keepalive_probes"]
+
+
+def mpirun_flags(peer_timeout_s: float) -> str:
+    """`--mca oob_tcp_keepalive_time 6 ...`, as typed on mpirun's command line."""
+    return " ".join(f"--mca {k} {v}" for k, v in keepalive_mca(peer_timeout_s).items())
+
+
+def exports(peer_timeout_s: float) -> str:
+    """`export OMPI_MCA_oob_tcp_keepalive_time=6 ...`, as typed before horovodrun (or mpirun)."""
+    return "export " + " ".join(f"OMPI_MCA_{k}={v}" for k, v in keepalive_mca(peer_timeout_s).items())
+
+
+def lost_peer(exc: BaseException) -> tuple[int, str] | None:
+    """(rank, host) of the peer an error says went silent; None for any other error."""
+    found = _LOST_PEER.search(str(exc))
+    return (int(found.group(1)), found.group(2)) if found else None
+
+
+def launcher_advice(peer_timeout_s: float, env) -> str | None:
+    """What to pass the launcher so that mpirun ends the job by itself after a host is lost;
+    None when the keepalives it was launched with already fire within the peer timeout."""
+    if peer_timeout_s <= 0:
+        return None
+    noticed = keepalive_seconds(env)
+    if noticed is not None and noticed <= peer_timeout_s:
+        return None
+    now = "are off" if noticed is None else f"notice a lost daemon only after {noticed:.0f} s"
+    return (f"hybridsync: mpirun's TCP keepalives (oob_tcp_keepalive_*) {now}, later than "
+            f"HYBRIDSYNC_PEER_TIMEOUT_S={peer_timeout_s:g}: it may wait ~15 minutes on the lost host's daemon. "
+            f"To have it end the job within the peer timeout, pass mpirun `{mpirun_flags(peer_timeout_s)}`, "
+            f"or before horovodrun `{exports(peer_timeout_s)}`, or launch with hybridsync-run "
+            "(docs/lost-hosts.md)")
+
+
+def launcher_process(pid: int | None = None) -> int | None:
+    """The OpenMPI launcher process that started this rank (its parent: orted, or mpirun on
+    mpirun's own host); None under any other parent (a batch system's step daemon, a shell)."""
+    pid = os.getppid() if pid is None else pid
+    return pid if _name(pid) in _LAUNCHER_PROCESSES else None
+
+
+def backstop_command(target: int, delay_s: float) -> list[str]:
+    """A shell that, after delay_s, kills `target` if it is still there. SIGKILL, not SIGTERM:
+    mpirun already aborting answers a TERM with "abort is already in progress" and keeps
+    waiting, and a second one (every rank of the host leaves a backstop) makes OpenMPI 4.1's
+    forced exit crash in PMIx_Finalize (a segfault and its stack trace)."""
+    script = f"sleep {delay_s:g}; kill -0 {target} 2>/dev/null || exit 0; kill -KILL {target} 2>/dev/null; exit 0"
+    return ["/bin/sh", "-c", script]
+
+
+def arm_backstop(delay_s: float = BACKSTOP_DELAY_S) -> int | None:
+    """Leaves the backstop behind, detached (its own session: the daemon's kill of this rank
+    does not reach it; stdio on /dev/null: it holds none of the launcher's pipes open). Returns
+    the launcher process it watches, or None where there is none to end."""
+    target = launcher_process()
+    if target is None:
+        return None
+    try:
+        subprocess.Popen(backstop_command(target, delay_s), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    except OSError:
+        return None
+    return target
+
+
+def watch_for_the_watchdog(silent_peers, my_host: str, peer_timeout_s: float, abort_after_s: float, on_lost):
+    """Where nothing can raise (a rank blocked in Horovod's own collectives), the heartbeat's C++
+    watchdog aborts the job at abort_after_s of silence, past any Python hook: this thread calls
+    on_lost(host) just before, for a peer silent that long on another host. silent_peers:
+    timeout -> [(rank, host, seconds)]. Returns the threading.Event that stops it."""
+    import threading
+
+    stop = threading.Event()
+
+    def watch():
+        while not stop.wait(0.5):
+            for _, host, seconds in silent_peers(peer_timeout_s):
+                if host != my_host and seconds >= abort_after_s - 0.6:
+                    on_lost(host)
+                    return
+
+    threading.Thread(target=watch, name="hybridsync-lost-host-watch", daemon=True).start()
+    return stop
+
+
+def prepare_for_abort(lost_host: str, my_host: str, peer_timeout_s: float, advise: bool = True,
+                      backstop: bool = True, env=None) -> None:
+    """A peer on another host went silent and this rank is about to abort the job: say what the
+    launcher needs when it lacks it (advise: one rank per host does) and arm the backstop
+    (unless HYBRIDSYNC_LOST_HOST_BACKSTOP=0)."""
+    if lost_host == my_host:
+        return  # a frozen peer on this host: its daemon is reachable and ends it
+    advice = launcher_advice(peer_timeout_s, os.environ if env is None else env) if advise else None
+    if advice:
+        sys.stderr.write(advice + "\n")
+    target = arm_backstop() if backstop else None
+    if target is not None and advise:
+        sys.stderr.write(f"hybridsync: if the job still runs {BACKSTOP_DELAY_S:g} s after this abort, this rank's "
+                         f"launcher process ({shlex.quote(_name(target))}, pid {target}) is killed\n")
+    sys.stderr.flush()
+
+
+def _name(pid: int) -> str:
+    """The process's name (its executable's, as ps shows it); '?' when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"

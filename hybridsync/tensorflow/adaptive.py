@@ -1,0 +1,53 @@
+"""Keras counterpart of hybridsync.torch.AdaptiveDataLoader: batches of NumPy arrays at the
+batch size the adaptive optimizer chose (hybridsync.adaptive.batches does the work), for a custom
+loop or model.fit (a Python generator; give steps_per_epoch)."""
+from __future__ import annotations
+
+from .. import comm, runtime
+from ..adaptive.batches import AdaptiveBatches
+
+
+class AdaptiveDataset:
+    """arrays: a NumPy array or a tuple of them (same first dimension), e.g. (x, y).
+    batch_size: the global batch the learning rate was written for. optimizer: a
+    hybridsync.tensorflow.DistributedOptimizer(..., adaptive=...)."""
+
+    def __init__(self, arrays, batch_size: int, optimizer, shuffle: bool = True, seed: int = 0,
+                 interval: int = 20, warmup: int = 10):
+        self.arrays = arrays if isinstance(arrays, tuple) else (arrays,)
+        n = len(self.arrays[0])
+        for i, a in enumerate(self.arrays):
+            if len(a) != n:
+                raise ValueError(f"arrays[{i}] has {len(a)} samples, arrays[0] has {n}")
+        if getattr(optimizer, "adaptive", None) is None:
+            raise ValueError("AdaptiveDataset needs hybridsync.tensorflow.DistributedOptimizer(..., adaptive=True)")
+        self.optimizer = optimizer
+        world = runtime.world()
+        self.batches = AdaptiveBatches(n, batch_size, world.rank, world.size, shuffle, seed, interval, warmup)
+
+    def autoscale_batch_size(self, max_batch_size: int, local_bsz_bounds=None, gradient_accumulation: bool = False):
+        """As AdaptiveDataLoader's; Keras applies once per batch, so no accumulation steps."""
+        if gradient_accumulation:
+            raise NotImplementedError("AdaptiveDataset: gradient_accumulation is PyTorch-only (Keras applies "
+                                      "once per batch)")
+        self.batches.set_autoscale(max_batch_size, local_bsz_bounds, 1)
+
+    @property
+    def changes(self) -> list:
+        return self.batches.changes
+
+    def _set_batch(self, local_batch: int, accumulation: int = 1) -> None:
+        self.optimizer.adaptive.set_batch(local_batch, accumulation)
+
+    def __iter__(self):
+        controller = self.optimizer.adaptive
+        self.batches.start(controller, self._set_batch)
+        broadcast = lambda obj: comm.objects().broadcast_object(obj, 0, name="hybridsync.adaptive.batch")
+        for idx in self.batches.epoch_batches(controller, self._set_batch, broadcast):
+            batch = tuple(a[idx] for a in self.arrays)
+            yield batch if len(batch) > 1 else batch[0]
+
+    def repeat(self):
+        """Epoch after epoch, endlessly (model.fit(..., steps_per_epoch=...))."""
+        while True:
+            yield from iter(self)

@@ -1,0 +1,190 @@
+"""PyTorch glue of hybridsync.adaptive: the optimizer's per-step part (learning-rate factor,
+accumulation micro-steps, step times) and AdaptiveDataLoader, whose batch size follows the
+goodput-maximising choice. The decisions themselves are in hybridsync/adaptive."""
+from __future__ import annotations
+
+import math
+import time
+import weakref
+
+import torch
+
+from .. import comm, runtime, timeline
+from ..adaptive import Adaptive, AdaptiveConfig
+from ..adaptive.batches import AdaptiveBatches
+from ..adaptive.collect import StepRecorder
+
+_current = None  # weakref to the newest adaptive optimizer's AdaptiveStep (a loader finds it)
+
+
+def current():
+    """The AdaptiveStep of the newest DistributedOptimizer(adaptive=...), or None."""
+    step = _current() if _current is not None else None
+    return step
+
+
+class AdaptiveStep:
+    """One optimizer's adaptive part; every method is a no-op when adaptation is off, so the
+    optimizer behaves (and computes) exactly as without it."""
+
+    def __init__(self, optimizer, config, world_size: int, ctx):
+        global _current
+        cfg = AdaptiveConfig.of(config)
+        self.enabled = cfg is not None
+        self.opt, self.ctx = optimizer, ctx
+        self.controller = Adaptive(cfg, type(optimizer).__name__, world_size) if self.enabled else None
+        self._micro = 0
+        self._saved_lrs = None
+        self._last_end = None
+        if self.enabled:
+            self.recorder = ctx.stats = StepRecorder(self.controller, world_size)
+            _current = weakref.ref(self)
+            if self.controller.local_batch:
+                self.set_batch(self.controller.local_batch, 1)
+
+    def require(self, what: str) -> Adaptive:
+        if not self.enabled:
+            raise RuntimeError(f"optimizer.{what} needs hybridsync.torch.DistributedOptimizer(..., adaptive=True)")
+        return self.controller
+
+    # -- batch -------------------------------------------------------------------------------------
+    def set_batch(self, local_batch: int, accumulation: int = 1) -> None:
+        """From now on each step is `accumulation` backward passes of `local_batch` samples."""
+        self.controller.set_batch(local_batch, accumulation)
+        self.opt._hs_bpps = accumulation
+        self.ctx.grad_scale = 1.0 / accumulation  # the micro-steps' sum becomes their mean
+        self._micro = 0
+
+    def accumulating(self) -> bool:
+        """step() of a micro-step that is not the last of its step: nothing to do yet."""
+        if not self.enabled or self.controller.accumulation == 1:
+            return False
+        self._micro += 1
+        if self._micro < self.controller.accumulation:
+            return True
+        self._micro = 0
+        return False
+
+    def mid_accumulation(self) -> bool:
+        return self.enabled and self._micro > 0
+
+    # -- each step -----------------------------------------------------------------------------------
+    def scale_lr(self) -> None:
+        """Before the exchange: the rule's factor applied to every group's learning rate (the
+        server rules read it from there, or from ctx.lr_factor when the config fixed theirs)."""
+        if not self.enabled:
+            return
+        k = self.controller.accumulation
+        if k > 1 and self.ctx.world_size == 1:  # no all-reduce to take the mean of the micro-steps
+            for p in self.opt._hs_param_of.values():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / k)
+        factor = self.controller.lr_factor()
+        self.controller.last_factor = factor
+        self.ctx.lr_factor = factor
+        if factor != 1.0 and self._saved_lrs is None:
+            self._saved_lrs = [group["lr"] for group in self.opt.param_groups]
+            for group in self.opt.param_groups:
+                group["lr"] = group["lr"] * factor
+
+    def step_done(self) -> None:
+        if not self.enabled:
+            return
+        if self._saved_lrs is not None:  # the schedule keeps seeing the base learning rate
+            for group, lr in zip(self.opt.param_groups, self._saved_lrs):
+                group["lr"] = lr
+            self._saved_lrs = None
+        self.controller.step_done()
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self.recorder.step_times(now - self._last_end)
+        self._last_end = now
+        tl = timeline.get()
+        if tl is not None:
+            s = self.controller.summary()
+            tl.counter("adaptive", {"noise_scale": _finite(s["noise_scale"]), "global_batch": s["global_batch"],
+                                    "gain": s["gain"], "lr_factor": s["lr_factor"]})
+
+    def load_state_dict(self, state: dict) -> None:
+        self.controller.load_state_dict(state)
+        if self.controller.local_batch:
+            self.set_batch(self.controller.local_batch, self.controller.accumulation)
+        self._last_end = None
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+class AdaptiveDataLoader:
+    """Batches of `dataset` for this rank, at the batch size the adaptive optimizer chose.
+
+    batch_size: the global batch the learning rate was written for (each rank takes
+    batch_size // world size per step until autoscale_batch_size() lets it change). Each rank
+    reads its own share of a permutation that every rank draws the same (seed + epoch).
+    """
+
+    def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0, collate_fn=None,
+                 optimizer=None, interval: int = 20, warmup: int = 10):
+        world = runtime.world()
+        self.dataset = dataset
+        self.batches = AdaptiveBatches(len(dataset), batch_size, world.rank, world.size, shuffle, seed, interval,
+                                       warmup)
+        self.batch_size = int(batch_size)
+        self.collate_fn = collate_fn or torch.utils.data.default_collate
+        self._optimizer = optimizer
+
+    def autoscale_batch_size(self, max_batch_size: int, local_bsz_bounds=None, gradient_accumulation: bool = False,
+                             max_accumulation: int = 8) -> None:
+        """Lets the batch size change, within max_batch_size (global) and local_bsz_bounds (per
+        rank), to whatever maximises predicted goodput; with gradient_accumulation, a step may
+        also be several backward passes (up to max_accumulation)."""
+        self.batches.set_autoscale(max_batch_size, local_bsz_bounds, max_accumulation if gradient_accumulation else 1)
+
+    @property
+    def changes(self) -> list:
+        """(step, local batch, accumulation) each time the batch size changed."""
+        return self.batches.changes
+
+    @property
+    def epoch(self) -> int:
+        return self.batches.epoch
+
+    def _step(self) -> AdaptiveStep:
+        step = self._optimizer._hs_adaptive if self._optimizer is not None else current()
+        if step is None or not step.enabled:
+            raise RuntimeError("AdaptiveDataLoader needs a hybridsync.torch.DistributedOptimizer(..., adaptive=True) "
+                               "(create it before iterating, or pass optimizer=)")
+        return step
+
+    @property
+    def current_local_bsz(self) -> int:
+        return self._step().controller.local_batch
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self._step().controller.accumulation
+
+    @property
+    def current_batch_size(self) -> int:
+        return self._step().controller.global_batch()
+
+    def _batch(self, idx):
+        tensors = getattr(self.dataset, "tensors", None)
+        if isinstance(self.dataset, torch.utils.data.TensorDataset) and tensors is not None:
+            index = torch.from_numpy(idx)
+            return tuple(t[index] for t in tensors)
+        return self.collate_fn([self.dataset[int(i)] for i in idx])
+
+    def __iter__(self):
+        step = self._step()
+        self.batches.start(step.controller, step.set_batch)
+        broadcast = lambda obj: comm.objects().broadcast_object(obj, 0, name="hybridsync.adaptive.batch")
+        for idx in self.batches.epoch_batches(step.controller, step.set_batch, broadcast):
+            yield self._batch(idx)
+
+    def __len__(self) -> int:
+        """Micro-batches in an epoch at the current batch size."""
+        step = self._optimizer._hs_adaptive if self._optimizer is not None else current()
+        b = (step.controller.local_batch if step is not None and step.enabled else 0) or self.batch_size // self.batches.world
+        return (len(self.dataset) // self.batches.world) // b

@@ -1,0 +1,166 @@
+"""hybridsync.adaptive without MPI: the estimator, the smoothing, each scaling rule's formula,
+the throughput model and the batch choice."""
+import math
+
+import numpy as np
+import pytest
+
+from hybridsync.adaptive import Adaptive, AdaptiveConfig, GradientStats, ThroughputModel, choose_batch, estimate
+from hybridsync.adaptive import efficiency, rule_for, scaling
+
+
+def test_estimate_solves_the_two_batch_equations_exactly():
+    sqr, var = 2.0, 30.0  # |G|^2 and tr(Sigma) per sample
+    small = sqr + var / 8
+    big = sqr + var / 32
+    assert estimate(small, 8, big, 32) == pytest.approx((sqr, var))
+    with pytest.raises(ValueError, match="big_batch > small_batch"):
+        estimate(small, 8, big, 8)
+
+
+def test_smoothed_estimates_converge_on_noisy_gradients():
+    rng = np.random.default_rng(0)
+    dim, b, n = 50, 4, 3
+    G = rng.normal(size=dim) * 0.3
+    stats = GradientStats(smoothing=0.99)
+    for _ in range(2000):  # per-sample gradients G + unit noise: tr(Sigma) = dim
+        local = [G + rng.normal(size=(b, dim)).mean(0) for _ in range(n)]
+        mean_local_sq = np.mean([g @ g for g in local])
+        big = np.mean(local, axis=0)
+        stats.observe("w", mean_local_sq, b, big @ big, b * n)
+    s = stats.summary()
+    assert s["sqr"] == pytest.approx(G @ G, rel=0.2)
+    assert s["var"] == pytest.approx(dim, rel=0.1)
+    assert s["noise_scale"] == pytest.approx(dim / (G @ G), rel=0.25)
+
+
+def test_bias_correction_gives_the_first_value_unshrunk():
+    stats = GradientStats(smoothing=0.9)
+    stats.observe("w", 3.0, 1, 2.0, 2)  # sqr = 1, var = 2
+    s = stats.summary()
+    assert s["sqr"] == pytest.approx(1.0) and s["var"] == pytest.approx(2.0)
+    assert s["by_variable"]["w"] == {"sqr": pytest.approx(1.0), "var": pytest.approx(2.0)}
+    restored = GradientStats(smoothing=0.9)
+    restored.load_state_dict(stats.state_dict())
+    assert restored.summary() == s
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0, 3.5, 8.0])
+def test_each_rule_gives_its_formula(scale):
+    sqr, var, m0 = 0.5, 40.0, 16
+    expected_gain = (var / m0 + sqr) / (var / (scale * m0) + sqr)
+    assert scaling.adascale(scale, sqr, var, m0) == pytest.approx(expected_gain, rel=1e-12)
+    assert scaling.sqrt(scale, sqr, var, m0) == math.sqrt(scale)
+    assert scaling.linear(scale, sqr, var, m0) == scale
+    assert 1.0 <= scaling.gain(scale, sqr, var, m0) <= scale
+
+
+def test_gain_limits_and_rule_choice():
+    assert scaling.gain(4.0, 1.0, 0.0, 8) == 1.0  # no noise: a bigger batch is worth one step
+    assert scaling.gain(4.0, 0.0, 1.0, 8) == 4.0  # all noise: worth `scale` steps
+    assert scaling.gain(4.0, math.nan, math.nan, 8) == 1.0  # no statistics yet
+    assert rule_for("auto", "SGD") == "adascale"
+    assert rule_for(None, "Adam") == "sqrt" and rule_for("auto", "Adagrad") == "sqrt"
+    assert rule_for("linear", "Adam") == "linear"
+    with pytest.raises(ValueError, match="scaling_rule: unknown rule 'cubic'"):
+        rule_for("cubic", "SGD")
+
+
+def test_controller_lr_factor_and_scale_invariant_progress():
+    a = Adaptive(AdaptiveConfig(scaling_rule="adascale", local_batch_size=8, smoothing=0.0), "SGD", world_size=2)
+    assert a.base_batch == 16 and a.lr_factor() == 1.0
+    a.stats.observe("w", 1.0 + 10.0 / 8, 8, 1.0 + 10.0 / 16, 16)  # sqr 1, var 10
+    a.set_batch(16, 2)  # global 64 = 4x the base
+    want = (10.0 / 16 + 1.0) / (10.0 / 64 + 1.0)
+    assert a.lr_factor() == pytest.approx(want, rel=1e-12)
+    a.step_done()
+    a.step_done()
+    assert a.progress == pytest.approx(2 * want)
+    off = Adaptive(AdaptiveConfig(scaling_rule=None, local_batch_size=8), "SGD", world_size=2)
+    off.set_batch(64)
+    assert off.lr_factor() == 1.0
+
+
+def test_statistics_need_the_local_batch_size():
+    with pytest.raises(RuntimeError, match="local_batch_size"):
+        Adaptive(AdaptiveConfig(), "SGD", world_size=2).gradient_stats()
+
+
+def test_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown key.*smoothness"):
+        AdaptiveConfig.of({"smoothness": 0.9})
+    assert AdaptiveConfig.of(True).scaling_rule == "auto" and AdaptiveConfig.of(None) is None
+
+
+def test_throughput_model_fits_lines_and_efficiency():
+    m = ThroughputModel()
+    for b in (8, 16, 32, 64):
+        m.record(2, b, 0.001 + 0.0001 * b, 0.004 + 0.00001 * b)
+    ac, bc, as_, bs = m.params(2)
+    assert (ac, bc, as_, bs) == pytest.approx((0.001, 0.0001, 0.004, 0.00001), rel=1e-6)
+    assert m.step_time(2, 10, 3) == pytest.approx(3 * (0.001 + 0.001) + 0.004 + 0.0001)
+    assert efficiency(64, 16, 0.0) == pytest.approx(0.25)  # no noise: 4x the samples for one step's worth
+    assert efficiency(64, 16, 1e12) == pytest.approx(1.0)
+
+
+def test_choice_grows_the_batch_with_the_noise_scale_and_respects_bounds():
+    m = ThroughputModel()
+    for b in (8, 16, 32):  # a fixed 10 ms sync per step: bigger batches amortise it
+        m.record(2, b, 0.0001 * b, 0.01)
+    small = choose_batch(m, 2, 16, noise_scale=4.0, max_batch=1024, local_bounds=(8, 512))
+    large = choose_batch(m, 2, 16, noise_scale=2000.0, max_batch=1024, local_bounds=(8, 512))
+    assert small.global_batch < large.global_batch <= 1024
+    bounded = choose_batch(m, 2, 16, noise_scale=2000.0, max_batch=1024, local_bounds=(8, 64), max_accumulation=4)
+    assert bounded.local_batch <= 64 and bounded.accumulation > 1
+    assert bounded.global_batch <= 1024
+    with pytest.raises(ValueError, match="local_bsz_bounds"):
+        choose_batch(m, 2, 16, 1.0, 1024, (0, 4))
+
+
+def test_choose_keeps_the_batch_unless_the_gain_is_worth_it():
+    a = Adaptive(AdaptiveConfig(local_batch_size=8, min_gain=1.05), "SGD", world_size=2)
+    for b in (8, 16):
+        a.throughput.record(2, b, 0.0001 * b, 0.01)
+    a.stats.observe("w", 1.0 + 5000.0 / 8, 8, 1.0 + 5000.0 / 16, 16)  # noise scale 5000: bigger is better
+    choice = a.choose(4096, (8, 1024), 1)
+    assert choice is not None and choice.global_batch > 16
+    a.set_batch(choice.local_batch, choice.accumulation)
+    assert a.choose(4096, (8, 1024), 1) is None  # already the best
+
+
+def test_restart_at_another_world_size_keeps_the_global_batch():
+    a = Adaptive(AdaptiveConfig(local_batch_size=32), "SGD", world_size=2)
+    a.progress = 12.5
+    state = a.state_dict()
+    b = Adaptive(AdaptiveConfig(), "SGD", world_size=4)
+    b.load_state_dict(state)
+    assert b.global_batch() == 64 and b.local_batch == 16 and b.progress == 12.5 and b.base_batch == 64
+    a.set_batch(12, 4)  # 96 on 2 ranks -> 8 x 4 on 3
+    c = Adaptive(AdaptiveConfig(), "SGD", world_size=3)
+    c.load_state_dict(a.state_dict())
+    assert c.sizes() == (8, 4) and c.global_batch() == 96
+
+
+def test_batches_split_one_permutation_and_follow_the_choice():
+    from hybridsync.adaptive.batches import AdaptiveBatches
+
+    shares = [AdaptiveBatches(103, 12, rank, 3, seed=4).my_indices() for rank in range(3)]
+    together = np.concatenate(shares)
+    assert all(len(s) == 34 for s in shares) and len(set(together.tolist())) == 102  # disjoint, equal
+    a = Adaptive(AdaptiveConfig(), "SGD", world_size=3)
+    batches = AdaptiveBatches(103, 12, 0, 3, interval=2, warmup=2)
+    batches.set_autoscale(48, (2, 16))
+    batches.start(a, a.set_batch)
+    assert a.sizes() == (4, 1) and a.base_batch == 12
+    for b in (4, 8):
+        a.throughput.record(3, b, 0.0001 * b, 0.01)
+    a.stats.observe("w", 1.0 + 1e6 / 4, 4, 1.0 + 1e6 / 12, 12)  # all noise: the biggest batch allowed
+    sent = []
+    sizes = []
+    for idx in batches.epoch_batches(a, a.set_batch, lambda obj: sent.append(obj) or obj):
+        sizes.append(len(idx))
+        a.step_done()
+    assert sizes[:2] == [4, 4] and sizes[2] == 16 and batches.changes == [(2, 16, 1)]
+    assert sent and a.choice.global_batch == 48
+    with pytest.raises(ValueError, match="max_batch_size=8 is below batch_size=12"):
+        batches.set_autoscale(8)

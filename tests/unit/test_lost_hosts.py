@@ -1,0 +1,126 @@
+"""hybridsync/lost_hosts.py: the keepalives mpirun needs to end a job whose host was lost, the
+advice a rank prints when they are missing, and the backstop that ends a launcher process.
+The whole story on real launchers: tests/parallel/test_cluster.py (the lost-host tests)."""
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from hybridsync import lost_hosts
+
+
+def test_keepalives_notice_a_lost_daemon_within_the_peer_timeout():
+    assert lost_hosts.keepalive_mca(60) == {"oob_tcp_keepalive_time": 6, "oob_tcp_keepalive_intvl": 6,
+                                            "oob_tcp_keepalive_probes": 7}
+    assert lost_hosts.keepalive_mca(15) == {"oob_tcp_keepalive_time": 1, "oob_tcp_keepalive_intvl": 1,
+                                            "oob_tcp_keepalive_probes": 11}
+    for timeout in (4, 5, 10, 15, 30, 60, 61, 120, 600, 3600):
+        values = lost_hosts.keepalive_mca(timeout)
+        env = {f"OMPI_MCA_{k}": str(v) for k, v in values.items()}
+        noticed = lost_hosts.keepalive_seconds(env)
+        # Before the ranks abort (then the kill message on the link stops the keepalives) ...
+        assert noticed <= 0.8 * timeout, (timeout, values)
+        # ... but not so eager that a busy daemon's short silence ends a healthy job.
+        assert noticed >= min(0.5 * timeout, timeout - 2), (timeout, values)
+        assert all(isinstance(v, int) and v >= 1 for v in values.values()), values
+    assert lost_hosts.keepalive_mca(0) == {}  # peer timeout off: nothing to be within
+
+
+def test_keepalive_seconds_reads_openmpis_defaults_and_the_users_values():
+    assert lost_hosts.keepalive_seconds({}) == 300 + 20 * 9  # OpenMPI 4's defaults: 8 minutes
+    assert lost_hosts.keepalive_seconds({"OMPI_MCA_oob_tcp_keepalive_time": "6", "OMPI_MCA_oob_tcp_keepalive_intvl": "6",
+                                         "OMPI_MCA_oob_tcp_keepalive_probes": "7"}) == 48
+    assert lost_hosts.keepalive_seconds({"OMPI_MCA_oob_tcp_keepalive_time": "0"}) is None  # turned off
+    assert lost_hosts.keepalive_seconds({"OMPI_MCA_oob_tcp_keepalive_intvl": "soon"}) is None
+
+
+def test_the_advice_names_the_exact_flags_and_exports_and_is_silent_when_they_are_set():
+    advice = lost_hosts.launcher_advice(60, {})
+    assert "only after 480 s" in advice and "HYBRIDSYNC_PEER_TIMEOUT_S=60" in advice, advice
+    assert ("`--mca oob_tcp_keepalive_time 6 --mca oob_tcp_keepalive_intvl 6 --mca oob_tcp_keepalive_probes 7`"
+            in advice), advice
+    assert ("`export OMPI_MCA_oob_tcp_keepalive_time=6 OMPI_MCA_oob_tcp_keepalive_intvl=6 "
+            "OMPI_MCA_oob_tcp_keepalive_probes=7`" in advice), advice
+    assert "hybridsync-run" in advice and "docs/lost-hosts.md" in advice
+    assert "are off" in lost_hosts.launcher_advice(60, {"OMPI_MCA_oob_tcp_keepalive_time": "0"})
+    given = {f"OMPI_MCA_{k}": str(v) for k, v in lost_hosts.keepalive_mca(60).items()}
+    assert lost_hosts.launcher_advice(60, given) is None
+    assert lost_hosts.launcher_advice(0, {}) is None
+
+
+def test_a_lost_peer_is_read_from_the_python_and_the_cpp_messages():
+    python = RuntimeError("hybridsync: rank 3 on host node-b.cluster has not been heard from for 60 s (frozen, ...)")
+    cpp = RuntimeError("hybridsync: rank 12 on host hs1 has not been heard from for 61 s (frozen, dead or unreachable;"
+                       " HYBRIDSYNC_PEER_TIMEOUT_S=60) while waiting for pull")
+    assert lost_hosts.lost_peer(python) == (3, "node-b.cluster")
+    assert lost_hosts.lost_peer(cpp) == (12, "hs1")
+    assert lost_hosts.lost_peer(RuntimeError("rank 1 (host a) has shut down")) is None
+
+
+def test_a_frozen_peer_on_this_host_arms_nothing_and_says_nothing(capsys):
+    lost_hosts.prepare_for_abort("here", "here", 60, env={})
+    assert capsys.readouterr().err == ""
+
+
+def test_a_peer_lost_on_another_host_gets_the_advice_from_one_rank_per_host(capsys):
+    lost_hosts.prepare_for_abort("node-b", "node-a", 60, advise=True, backstop=False, env={})
+    assert "pass mpirun `--mca oob_tcp_keepalive_time 6" in capsys.readouterr().err
+    lost_hosts.prepare_for_abort("node-b", "node-a", 60, advise=False, backstop=False, env={})  # another rank
+    assert capsys.readouterr().err == ""
+    given = {f"OMPI_MCA_{k}": str(v) for k, v in lost_hosts.keepalive_mca(60).items()}
+    lost_hosts.prepare_for_abort("node-b", "node-a", 60, advise=True, backstop=False, env=given)  # launched right
+    assert capsys.readouterr().err == ""
+
+
+def test_the_watch_calls_back_just_before_the_watchdog_for_a_peer_on_another_host():
+    import threading
+
+    silence = {"seconds": 0.0}
+    called = []
+    done = threading.Event()
+
+    def silent_peers(timeout):
+        rows = [(1, "here", 99.0)]  # a frozen peer on this host: its daemon ends it, not our business
+        if silence["seconds"] > timeout:
+            rows.append((3, "node-b", silence["seconds"]))
+        return rows
+
+    stop = lost_hosts.watch_for_the_watchdog(silent_peers, "here", 10, 15, lambda host: (called.append(host),
+                                                                                            done.set()))
+    try:
+        silence["seconds"] = 12.0  # past the peer timeout, but the watchdog is 3 s away
+        time.sleep(1.2)
+        assert called == []
+        silence["seconds"] = 14.5
+        assert done.wait(5), "the watch never called back"
+        assert called == ["node-b"]
+    finally:
+        stop.set()
+
+
+def test_only_an_openmpi_launcher_process_is_a_backstop_target():
+    assert lost_hosts.launcher_process(os.getpid()) is None  # python: not a launcher
+    assert lost_hosts.launcher_process(2**22 + 7) is None  # no such process
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/comm"), reason="needs /proc")
+def test_the_backstop_ends_a_launcher_process_that_outlives_the_abort(tmp_path):
+    # A stand-in daemon: `sleep` under the name orted (the kernel names a process by its file).
+    orted = tmp_path / "orted"
+    shutil.copy(shutil.which("sleep"), orted)
+    daemon = subprocess.Popen([str(orted), "60"])
+    try:
+        time.sleep(0.2)
+        assert lost_hosts.launcher_process(daemon.pid) == daemon.pid
+        backstop = subprocess.Popen(lost_hosts.backstop_command(daemon.pid, 0.5), start_new_session=True)
+        assert daemon.wait(timeout=10) == -9  # killed by the backstop
+        assert backstop.wait(timeout=10) == 0
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+    # A launcher that ended by itself is left alone (and its pid is not signalled again).
+    gone = subprocess.Popen(lost_hosts.backstop_command(daemon.pid, 0.1))
+    assert gone.wait(timeout=10) == 0
