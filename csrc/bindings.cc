@@ -383,6 +383,21 @@ PYBIND11_MODULE(_ps, m) {
         d["ranks"] = s.ranks;
         return d;
       }, py::arg("table"), "The newest complete push round's gradient statistics of the table (round -1: none).")
+      .def("set_staleness", [](PyEngine& e, int t, int k) { nogil([&] { e.client().set_staleness(t, k); }); },
+           py::arg("table"), py::arg("k"), "Local (every rank alike): the table's bounded staleness (0: synchronous).")
+      .def("staleness", [](PyEngine& e, int t) {
+        const StalenessStats s = nogil([&] { return e.client().staleness(t); });
+        py::dict d;
+        d["staleness"] = s.staleness;
+        d["clock"] = s.clock;
+        d["pulls"] = s.pulls;
+        d["last_lag"] = s.last_lag;
+        d["max_lag"] = s.max_lag;
+        d["lag_sum"] = s.lag_sum;
+        d["held"] = s.held;
+        d["wait_s"] = s.wait_s;
+        return d;
+      }, py::arg("table"), "The table's bounded staleness and the lag this rank's pulls saw.")
       .def("set_step", [](PyEngine& e, int t, int64_t step) { nogil([&] { e.client().set_step(t, step); }); })
       .def("step", [](PyEngine& e, int t) { return nogil([&] { return e.client().step(t); }); })
       .def("spec", [](PyEngine& e, int t) {

@@ -85,11 +85,19 @@ def main():
                         help="commit a checkpoint here every --checkpoint-every steps and resume from it on "
                              "restart, at any number of ranks")
     parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--horovod", action="store_true",
+                        help="train with horovod.torch itself (sparse gradients all-gathered), for comparisons")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slow-ms", type=float, default=0.0,
+                        help="a straggler: the last rank sleeps this long every step (a slow data loader; see "
+                             "docs/staleness.md)")
     args = parser.parse_args()
 
     import hybridsync
-    import hybridsync.torch as hvd
+    if args.horovod:
+        import horovod.torch as hvd
+    else:
+        import hybridsync.torch as hvd
 
     torch.set_num_threads(1)
     hvd.init()
@@ -102,7 +110,9 @@ def main():
     model = DLRM(args.tables, args.rows, args.dim, embedding=embedding)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=args.lr)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    if args.placement == "sharded":  # embedding rows live only on the PS shards
+    if args.horovod:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    elif args.placement == "sharded":  # embedding rows live only on the PS shards
         optimizer = hybridsync.DistributedOptimizer(optimizer, model=model, config=args.config)
     else:  # every rank keeps a replica of each table, Horovod-style
         optimizer = hybridsync.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
@@ -123,12 +133,14 @@ def main():
     losses, start = [], time.perf_counter()
     for step in range(first, args.steps + 1):
         dense, sparse, label = data.batch()
+        if args.slow_ms and rank == size - 1:
+            time.sleep(args.slow_ms / 1000)
         optimizer.zero_grad()
         loss = F.binary_cross_entropy_with_logits(model(dense, sparse), label)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        if step == 1 and rank == 0:
+        if step == 1 and rank == 0 and not args.horovod:
             hybridsync.explain()
         if step % args.log_every == 0 or step == args.steps:
             mean = hvd.allreduce(torch.tensor(np.mean(losses[-args.log_every:])), name="loss").item()
@@ -141,6 +153,11 @@ def main():
     if rank == 0:
         rate = (args.steps - first + 1) * args.batch_size * size / elapsed
         print(f"{args.steps} steps on {size} rank(s): {rate:,.0f} samples/s\n", end="", flush=True)
+        for v in [] if args.horovod else optimizer.plan.variables:
+            if getattr(v, "staleness", 0):
+                from hybridsync.plan import describe_staleness
+
+                print(f"staleness: {describe_staleness(v)}\n", end="", flush=True)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,17 @@ class SkipGramBatches:
         return torch.from_numpy(centre[part]), torch.from_numpy(words[part])
 
 
+def staleness_lines(optimizer) -> list:
+    """What this rank's pulls of each table with bounded staleness missed (docs/staleness.md)."""
+    plan = getattr(optimizer, "plan", None)
+    bounded = [v for v in (plan.variables if plan else []) if getattr(v, "staleness", 0)]
+    if not bounded:
+        return []
+    from hybridsync.plan import describe_staleness
+
+    return ["staleness: " + describe_staleness(v) for v in bounded]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=1000)
@@ -93,9 +104,14 @@ def main():
     parser.add_argument("--config", default=None, help="YAML config with per-variable overrides")
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slow-ms", type=float, default=0.0,
+                        help="a straggler: the last rank sleeps this long every step (a slow data loader; see "
+                             "docs/staleness.md)")
     parser.add_argument("--plain-torch", action="store_true",
                         help="train in this one process with plain torch, no hybridsync: the reference "
                              "that N ranks x --batch-size b must match with --batch-size N*b")
+    parser.add_argument("--horovod", action="store_true",
+                        help="train with horovod.torch itself (sparse gradients all-gathered), for comparisons")
     parser.add_argument("--dump", metavar="PATH", default=None,
                         help="save the final tables and the per-step losses here (torch.save)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -108,7 +124,10 @@ def main():
     if args.plain_torch:
         hvd, rank, size = None, 0, 1
     else:
-        import hybridsync.torch as hvd
+        if args.horovod:
+            import horovod.torch as hvd
+        else:
+            import hybridsync.torch as hvd
 
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
@@ -121,9 +140,9 @@ def main():
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         # model=model: both tables are sharded on the parameter server (each rank holds 1/N);
         # without it (--placement replicated) every rank keeps a replica, as with Horovod.
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                             model=model if args.placement == "sharded" else None,
-                                             config=args.config)
+        placed = {} if args.horovod else {"model": model if args.placement == "sharded" else None,
+                                          "config": args.config}
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **placed)
 
     def average(value: float) -> float:
         return value if hvd is None else hvd.allreduce(torch.tensor(value), name="loss").item()
@@ -151,12 +170,14 @@ def main():
     losses, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         centre, words = data.batch(step, args.batch_size * size, rank, args.batch_size)
+        if args.slow_ms and rank == size - 1:
+            time.sleep(args.slow_ms / 1000)
         optimizer.zero_grad()
         loss = negative_sampling_loss(model(centre, words))
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        if step == 1 and rank == 0 and hvd is not None:
+        if step == 1 and rank == 0 and hvd is not None and not args.horovod:
             hvd.explain()
         if bar is not None:
             bar.update()
@@ -174,6 +195,8 @@ def main():
         # Before training every score is 0 (zero output vectors): the loss is (1 + K) log 2.
         say(f"held-out loss after training {after:.4f} (untrained: {(1 + args.negatives) * np.log(2):.4f})")
         say(f"{args.steps} steps on {size} rank(s): {rate:,.0f} pairs/s")
+        for line in staleness_lines(optimizer):
+            say(line)
     if args.dump:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # collective: tables gathered
         step_losses = torch.tensor(losses)  # each step's loss over the global batch:

@@ -10,6 +10,8 @@
         optimizer: {name: adagrad, lr: 0.05, initial_accumulator_value: 0.1}
       - match: "mlp.0.*"
         compression: fp16
+      - match: "word_emb.*"
+        staleness: 4                                    # bounded staleness (sync: ps, sharded); 0: synchronous
     strict: true                                        # a rule that matches nothing is an error
     backend: mpi                                        # dense backend: horovod | mpi (optional)
     auto_steps: 20                                      # steps `sync: auto` measures before it decides
@@ -40,8 +42,8 @@ PARTITIONS = ("cyclic", "block")
 COMPRESSIONS = ("none", "fp16")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 BACKENDS = ("horovod", "mpi")
-RULE_KEYS = ("match", "sync", "placement", "partitions", "partition", "compression", "optimizer")
-DEFAULT_KEYS = ("sync", "placement", "partitions", "partition", "compression", "optimizer")
+RULE_KEYS = ("match", "sync", "placement", "partitions", "partition", "compression", "optimizer", "staleness")
+DEFAULT_KEYS = ("sync", "placement", "partitions", "partition", "compression", "optimizer", "staleness")
 
 
 @dataclasses.dataclass
@@ -54,6 +56,7 @@ class Settings:
     partition: str | None = None
     compression: str | None = None
     optimizer: dict | None = None
+    staleness: int | None = None  # bounded staleness of a PS table (docs/staleness.md)
 
 
 @dataclasses.dataclass
@@ -177,6 +180,11 @@ class _Checker:
             s.partitions = node.value
         if "optimizer" in fields:
             s.optimizer = self.optimizer(fields["optimizer"], f"{key}.optimizer")
+        if "staleness" in fields:
+            node, line = fields["staleness"]
+            if not isinstance(node.value, int) or isinstance(node.value, bool) or node.value < 0:
+                self.fail(line, f"{key}.staleness", f"expected an integer >= 0 (steps; 0: synchronous), got {node.value!r}")
+            s.staleness = node.value
         return s
 
     def optimizer(self, entry, key) -> dict:
@@ -213,6 +221,9 @@ def _parse(root: _Node, source: str) -> Config:
             if kind in defaults:
                 fields = c.mapping(defaults[kind][0], f"defaults.{kind}", DEFAULT_KEYS)
                 setattr(cfg, kind, c.settings(fields, f"defaults.{kind}", choices))
+                if kind == "dense" and cfg.dense.staleness:
+                    c.fail(fields["staleness"][1], "defaults.dense.staleness", "dense variables stay synchronous "
+                           "(bounded staleness applies to sparse tables on the parameter server)")
                 cfg.where[f"defaults.{kind}"] = c.at(defaults[kind][1])
     if "variables" in top:
         node, line = top["variables"]
@@ -255,6 +266,8 @@ def _plan_as_config(d: dict, source: str) -> dict:
                 rule.update(placement=v["placement"], partitions=v["shards"], partition=v["partition"])
                 if v.get("optimizer") and v.get("optimizer_source") == "config":
                     rule["optimizer"] = v["optimizer"]
+                if v.get("staleness"):
+                    rule["staleness"] = v["staleness"]
             elif v.get("compression") and v["route"] == "allreduce":
                 rule["compression"] = v["compression"]
             rules.append(rule)

@@ -29,6 +29,9 @@ class VariablePlan:
     # sync: auto -- {"status": "measuring" | "decided", "steps": K, then the measured density,
     # each candidate's predicted ms, "choice", "margin"} (hybridsync.sync.auto)
     auto: dict | None = None
+    staleness: int = 0  # bounded staleness of a PS table (0: synchronous; docs/staleness.md)
+    # what this rank's pulls of it missed: {"pulls", "last_lag", "max_lag", "mean_lag", "held", "wait_s"}
+    lag: dict | None = None
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -88,6 +91,10 @@ class Plan:
             from .sync.cost_model import describe_auto
 
             lines += ["", "sync: auto"] + ["  " + describe_auto(v.name, v.auto, v.shape) for v in auto]
+        bounded = [v for v in self.variables if v.staleness]
+        if bounded:
+            lines += ["", "bounded staleness (lag: the other ranks' steps a pull's rows missed, this rank)"]
+            lines += ["  " + describe_staleness(v) for v in bounded]
         if self.adaptive:
             from .adaptive.report import describe
 
@@ -135,6 +142,16 @@ def auto_decision_table(variables: list, step: int) -> str:
     title = (f"hybridsync sync: auto decided at step {step}: each table's route from now on "
              "(predicted: the table's exchange and update per step; explain() shows more)")
     return "\n".join([title] + format_table(headers, rows))
+
+
+def describe_staleness(v: VariablePlan) -> str:
+    """One line: a table's bound and the lag its pulls saw so far."""
+    lag = v.lag or {}
+    if not lag.get("pulls"):
+        return f"{v.name}: staleness {v.staleness}; no pull yet"
+    return (f"{v.name}: staleness {v.staleness}; lag last {lag['last_lag']}, max {lag['max_lag']}, "
+            f"mean {lag['mean_lag']:.2f} over {lag['pulls']} pulls; {lag['held']} held at the bound "
+            f"({lag['wait_s']:.2f} s in pulls)")
 
 
 def _short(x) -> str:

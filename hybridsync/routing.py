@@ -90,7 +90,8 @@ class RouteResolver:
             raise ConfigError(f"{where}: {key}: variable '{v.name}': {problem}")
 
         sparse = v.kind is GradKind.SPARSE
-        sync = s.sync or ("auto" if sparse else "allreduce")
+        # A staleness bound is a parameter-server setting: without a sync of its own, it means ps.
+        sync = s.sync or ("allreduce" if not sparse else "ps" if s.staleness else "auto")
         v.reason = why
         sync = self._auto(v, sync, ps_module, explicit=s.sync == "auto")
         if ps_module and sync != "ps":
@@ -142,6 +143,22 @@ class RouteResolver:
             fail("optimizer", "a server optimizer applies to variables on the parameter server (sync: ps)")
         if s.partitions is not None and v.route is not Route.PS:
             fail("partitions", "partitions apply to variables on the parameter server (sync: ps)")
+        v.staleness = self._staleness(v, s.staleness, fail)
+
+    @staticmethod
+    def _staleness(v: VariablePlan, k, fail) -> int:
+        """Bounded staleness applies to sharded PS tables only: dense variables stay synchronous,
+        and so do `sync: auto` (while it measures) and replicas (they must stay identical)."""
+        if not k:
+            return 0
+        if v.kind is not GradKind.SPARSE or v.route is not Route.PS:
+            fail("staleness", "bounded staleness applies to sparse tables on the parameter server (sync: ps); "
+                              "dense variables and other routes stay synchronous")
+        if v.auto:
+            fail("staleness", "sync: auto stays synchronous: give the table sync: ps to bound its staleness")
+        if v.placement is not Placement.SHARDED:
+            fail("staleness", "a replicated table's replicas are updated synchronously: use placement: sharded")
+        return int(k)
 
     def check_strict(self, variables) -> None:
         """Under strict: true, a rule that matches no variable is an error at its line."""

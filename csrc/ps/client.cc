@@ -2,6 +2,7 @@
 // collectives (load_from_root, drop_table, barrier) and the local operations on this rank's
 // shards. The per-step pull and push are in exchange.cc, one-sided reads and writes in access.cc,
 // the server side in server.cc.
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -136,7 +137,12 @@ Client::Client(std::unique_ptr<detail::ClientState> state, bool serve_in_backgro
   c.policy = c.transport->wait_policy();
   c.queues.resize(static_cast<size_t>(c.size()));
   c.deferred.resize(static_cast<size_t>(c.size()));
-  if (serve_in_background && c.size() > 1) c.serving = std::thread([&c] { c.serve_in_background(); });
+  if (serve_in_background && c.size() > 1) {
+    c.serving = std::thread([&c] {
+      pthread_setname_np(pthread_self(), "hybridsync-ps");  // findable in /proc/<pid>/task (its CPU time)
+      c.serve_in_background();
+    });
+  }
 }
 
 Client::~Client() { close(); }
@@ -202,7 +208,7 @@ int Client::add_table(const TableSpec& given, const std::string& given_error) {
     if (c.rank() < spec.num_shards) {
       shard = std::make_unique<Shard>(spec.name, part.shard_rows(c.rank()), spec.dim, std::move(rule));
     }
-    c.adding = std::make_unique<Table>(Table{spec, part, std::move(shard), RowAggregator(), false, RoundStats{}});
+    c.adding = std::make_unique<Table>(Table{spec, part, std::move(shard), RowAggregator(), false, RoundStats{}, BoundedState{}});
   }
   for (int d = 0; d < c.size(); ++d) {
     if (!error.empty()) {

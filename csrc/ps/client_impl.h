@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17,6 +18,7 @@
 
 #include "../transport/transport.h"
 #include "../transport/wait.h"
+#include "bounded.h"
 #include "dedup.h"
 #include "hybridsync/ps.h"
 #include "partitioner.h"
@@ -35,6 +37,7 @@ struct Table {
   RowAggregator sums;            // server side: a round's gradients summed over workers
   bool dropped = false;          // drop_table(): the handle stays taken, its use throws
   RoundStats last_round;         // server side: this shard's part of the newest round's statistics
+  BoundedState bounded;          // staleness k > 0: clocks and lag counters (bounded.cc)
 };
 
 // A request waiting in a server's queue: its head, parsed; the body is read when it is served.
@@ -42,7 +45,18 @@ struct Request {
   RequestKind kind = RequestKind::kError;
   int64_t seq = -1;
   std::vector<char> msg;
+  mutable bool held = false;  // a bounded pull the server held back (a peer's push was missing)
 };
+
+// One table's entry in a pull or push request: its rows (and, for a push, gradients and lr).
+struct Entry {
+  int table;
+  GradientRows rows;
+  double lr = -1.0;
+};
+
+// Parses a pull/push request body (after its head) into entries; grads follow all row indices.
+std::vector<Entry> read_entries(Reader& r, bool with_grads, float* scale, const std::function<int64_t(int)>& dim_of);
 
 // One batch of a worker's operation, routed; for a push, `rows` are its unique ids' gradients.
 struct Routed {
@@ -52,6 +66,7 @@ struct Routed {
   const float* rows = nullptr;
   std::vector<float> summed;  // gradients of duplicate ids added up (only when there are some)
   float* out = nullptr;       // a pull's rows in input order (TableBatch::out)
+  int64_t clock = 0, bound = -1;  // a bounded pull: this rank's pushes of the table so far, and k
 };
 
 // A worker's view of the statistics replies carry: partial sums per (table, round) until every
@@ -123,6 +138,19 @@ struct detail::ClientState {
   void serve_step(int source, const Request& request, Reader& r);
   void reply(int dest, Writer& w);
   void reply_head(Writer& w, int dest, RequestKind kind, int64_t seq, std::vector<ErrorNote> errors);
+
+  // Bounded staleness (bounded.cc). Whether `table`'s pulls and pushes go asynchronously.
+  bool is_bounded(int table) const;
+  // Server: whether `source`'s one-sided request can be served now (a bounded pull waits for
+  // the bound; it is marked held then).
+  bool ready_to_serve(int source, const Request& request) const;
+  void serve_bounded(int source, const Request& request);
+  // Worker: sends a bounded push (every table's shards count it as one step of this rank).
+  void push_bounded(const std::vector<TableBatch>& batches, float scale, std::string error);
+  // Worker: a bounded pull reply's part before its rows (each shard's lag).
+  void read_bounded_reply(Reader& r, const std::vector<Routed>& routed, std::vector<int64_t>* lag, bool* held);
+  // Both: every clock restarts from 0 (all ranks joined: no push is in flight anywhere).
+  void restart_bounded_clocks();
 
   // Worker: sends one request per rank and collects one reply from each (handle(source, reader)
   // reads each reply's body); throws the errors the replies name.

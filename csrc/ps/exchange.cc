@@ -3,6 +3,8 @@
 // data that will not come) and, where the caller needs an answer, collects one reply from each
 // while driving this rank's own server (server.cc). A plain push returns at once: the shards
 // apply it as soon as every rank's part is in, before any later operation's request.
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "client_impl.h"
@@ -13,11 +15,12 @@ namespace {
 // The request a worker sends rank `dest`: head, batches, row positions, then (push) gradient rows.
 std::vector<char> write_request(RequestKind kind, int64_t seq, const std::vector<Routed>& batches, int dest,
                                 float scale, const std::vector<double>& lrs) {
-  const bool push = kind != RequestKind::kPull;
+  const bool push = kind != RequestKind::kPull && kind != RequestKind::kBoundedPull;
+  const bool bounded_pull = kind == RequestKind::kBoundedPull;
   size_t bytes = 5 * sizeof(int64_t);
   for (const Routed& b : batches) {
     const int64_t count = b.routing.count(dest);
-    bytes += (3 + count) * sizeof(int64_t) + (push ? count * b.dim * sizeof(float) : 0);
+    bytes += (5 + count) * sizeof(int64_t) + (push ? count * b.dim * sizeof(float) : 0);
   }
   Writer w = request_writer(kind, seq);
   w.reserve(bytes);
@@ -27,6 +30,10 @@ std::vector<char> write_request(RequestKind kind, int64_t seq, const std::vector
     w.i64(batches[i].table);
     w.i64(batches[i].routing.count(dest));
     if (push) w.f64(lrs[i]);
+    if (bounded_pull) {
+      w.i64(batches[i].clock);
+      w.i64(batches[i].bound);
+    }
   }
   for (const Routed& b : batches) {
     w.i64s(b.routing.local.data() + b.routing.offset[dest], static_cast<size_t>(b.routing.count(dest)));
@@ -112,18 +119,31 @@ void read_pull_stats(detail::ClientState& c, Reader& r) {
   }
 }
 
-}  // namespace
+// Throws bad input of an operation that has no round to announce it in (bounded tables).
+void throw_local(const std::string& error, bool index_error) {
+  if (index_error) throw PSIndexError(error);
+  if (!error.empty()) throw PSError(error);
+}
 
-std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, const std::string& given_error) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  detail::ClientState& c = *impl_;
-  c.check_usable();
-  std::string error = given_error;
+// One pull: a collective round (kPull), or one-sided requests (kBoundedPull) that each shard
+// answers once the table's staleness bound allows (bounded.cc).
+std::vector<PullResult> pull_round(detail::ClientState& c, RequestKind kind, const std::vector<TableBatch>& batches,
+                                   std::string error) {
+  const bool bounded = kind == RequestKind::kBoundedPull;
   bool index_error = false;
   std::vector<Routed> routed = route_batches(c, batches, false, &error, &index_error);
+  if (bounded) {
+    throw_local(error, index_error);
+    for (Routed& r : routed) {
+      const BoundedState& b = c.tables[static_cast<size_t>(r.table)]->bounded;
+      r.clock = b.seen.clock;
+      r.bound = b.staleness;
+    }
+  }
+  const auto started = std::chrono::steady_clock::now();
   std::vector<PullResult> done(routed.size());
-  const int64_t seq = c.next_seq();
-  send_requests(c, RequestKind::kPull, seq, routed, error, index_error, 1.0f, {});
+  const int64_t seq = bounded ? ++c.one_sided_ids : c.next_seq();
+  send_requests(c, kind, seq, routed, error, index_error, 1.0f, {});
   // Rows arrive into each batch's unique order, or for a batch with `out`, straight at the
   // first input position of each unique id (copied to the others below), so they are copied once.
   std::vector<std::vector<int64_t>> first(routed.size());  // out: unique u's first input position
@@ -139,8 +159,14 @@ std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, con
       if (dd.inverse[i] == seen) first[b][seen++] = static_cast<int64_t>(i);
     }
   }
-  c.collect_replies(RequestKind::kPull, seq, "pull", [&](int d, Reader& r) {
-    read_pull_stats(c, r);
+  std::vector<int64_t> lag(routed.size(), -1);
+  bool held = false;
+  c.collect_replies(kind, seq, bounded ? "pull (bounded staleness)" : "pull", [&](int d, Reader& r) {
+    if (bounded) {
+      c.read_bounded_reply(r, routed, &lag, &held);
+    } else {
+      read_pull_stats(c, r);
+    }
     for (size_t b = 0; b < routed.size(); ++b) {
       const Routing& rt = routed[b].routing;
       const int64_t dim = routed[b].dim;
@@ -165,7 +191,68 @@ std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, con
     done[b].unique = std::move(dd.unique);
     done[b].inverse = std::move(dd.inverse);
   }
+  if (bounded) {  // what the rows missed: counters per table
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    for (size_t b = 0; b < routed.size(); ++b) {
+      StalenessStats& seen = c.tables[static_cast<size_t>(routed[b].table)]->bounded.seen;
+      const int64_t l = std::max<int64_t>(0, lag[b]);
+      ++seen.pulls;
+      seen.last_lag = l;
+      seen.max_lag = std::max(seen.max_lag, l);
+      seen.lag_sum += l;
+      seen.held += held ? 1 : 0;
+      seen.wait_s += waited;
+    }
+  }
   return done;
+}
+
+// Splits batches into those of synchronous tables and those of bounded ones (with positions).
+struct Split {
+  std::vector<TableBatch> sync, bounded;
+  std::vector<size_t> sync_at, bounded_at;
+};
+
+Split split_bounded(const detail::ClientState& c, const std::vector<TableBatch>& batches) {
+  Split s;
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const bool bounded = c.is_bounded(batches[i].table);
+    (bounded ? s.bounded : s.sync).push_back(batches[i]);
+    (bounded ? s.bounded_at : s.sync_at).push_back(i);
+  }
+  return s;
+}
+
+}  // namespace
+
+std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, const std::string& given_error) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  detail::ClientState& c = *impl_;
+  c.check_usable();
+  Split split = split_bounded(c, batches);
+  if (split.bounded.empty()) return pull_round(c, RequestKind::kPull, batches, given_error);
+  // Synchronous tables' round first (it carries this rank's bad input to every rank), then the
+  // bounded ones' requests; no collective at all when every table is bounded.
+  std::vector<PullResult> done(batches.size());
+  if (!split.sync.empty()) {
+    std::vector<PullResult> got = pull_round(c, RequestKind::kPull, split.sync, given_error);
+    for (size_t k = 0; k < got.size(); ++k) done[split.sync_at[k]] = std::move(got[k]);
+  }
+  std::vector<PullResult> got = pull_round(c, RequestKind::kBoundedPull, split.bounded, given_error);
+  for (size_t k = 0; k < got.size(); ++k) done[split.bounded_at[k]] = std::move(got[k]);
+  return done;
+}
+
+void detail::ClientState::push_bounded(const std::vector<TableBatch>& batches, float scale, std::string error) {
+  bool index_error = false;
+  std::vector<Routed> routed = route_batches(*this, batches, true, &error, &index_error);
+  throw_local(error, index_error);  // before anything is sent: no shard counts a step
+  std::vector<double> lrs;
+  for (const TableBatch& b : batches) lrs.push_back(b.lr);
+  const int64_t id = ++one_sided_ids;
+  // Every rank gets it, rows or not: each shard counts the step (the clock of the bound).
+  for (int d = 0; d < size(); ++d) send_request(d, write_request(RequestKind::kBoundedPush, id, routed, d, scale, lrs));
+  for (const Routed& r : routed) ++tables[static_cast<size_t>(r.table)]->bounded.seen.clock;
 }
 
 std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, float scale, bool return_updates,
@@ -180,11 +267,21 @@ std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, flo
     c.apply_local(batches, scale);
     return {};
   }
+  Split split = split_bounded(c, batches);
+  if (!split.bounded.empty() && (given_error.empty() || split.sync.empty())) {  // (else the round tells everyone)
+    if (return_updates) {
+      throw PSError("push(return_updates=True): table '" + c.table_at(split.bounded[0].table).spec.name +
+                    "' has bounded staleness, and replicas updated from its pushes would not agree");
+    }
+    c.push_bounded(split.bounded, scale, given_error);
+    if (split.sync.empty()) return {};  // no round: the shards apply it as it comes
+  }
+  const std::vector<TableBatch>& sync = split.bounded.empty() ? batches : split.sync;
   std::string error = given_error;
   bool index_error = false;
-  std::vector<Routed> routed = route_batches(c, batches, true, &error, &index_error);
+  std::vector<Routed> routed = route_batches(c, sync, true, &error, &index_error);
   std::vector<double> lrs;
-  for (const TableBatch& b : batches) lrs.push_back(b.lr);
+  for (const TableBatch& b : sync) lrs.push_back(b.lr);
   const RequestKind kind = return_updates ? RequestKind::kPushUpdates : RequestKind::kPush;
   const int64_t seq = c.next_seq();
   send_requests(c, kind, seq, routed, error, index_error, scale, lrs);
@@ -214,7 +311,7 @@ std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, flo
     }
   });
   std::vector<RowUpdates> out;
-  for (const TableBatch& b : batches) out.push_back(std::move(updates[b.table]));
+  for (const TableBatch& b : sync) out.push_back(std::move(updates[b.table]));
   return out;
 }
 

@@ -33,6 +33,9 @@ enum class RequestKind : int64_t {
   kWrite = 21,       // (table, slot, rows, values) -> acknowledgement
   kReadStep = 22,    // (table) -> the shard's server-optimizer step
   kWriteStep = 23,   // (table, step) -> acknowledgement
+  // Bounded staleness (tables with staleness k > 0, bounded.cc): asynchronous, one-sided.
+  kBoundedPush = 24,  // a push's body, applied on arrival; no reply. Counts a step of the sender
+  kBoundedPull = 25,  // a pull's body with (clock, k) per table: held until the bound allows it
   kAbort = 30,       // the sender's engine failed (text): this one must fail too; no reply
 };
 
@@ -51,6 +54,8 @@ inline const char* operation_name(RequestKind kind) {
     case RequestKind::kReadStep: return "read_step";
     case RequestKind::kWriteStep: return "write_step";
     case RequestKind::kWrite: return "write";
+    case RequestKind::kBoundedPush: return "push (bounded staleness)";
+    case RequestKind::kBoundedPull: return "pull (bounded staleness)";
     case RequestKind::kAbort: return "abort";
   }
   return "an unknown operation";

@@ -16,30 +16,6 @@
 namespace hybridsync {
 namespace {
 
-// One table's entry in a pull or push request: its rows (and, for a push, gradients and lr).
-struct Entry {
-  int table;
-  GradientRows rows;
-  double lr = -1.0;
-};
-
-// Parses a pull/push request body (after its head) into entries; grads follow all row indices.
-std::vector<Entry> read_entries(Reader& r, bool with_grads, float* scale, const std::function<int64_t(int)>& dim_of) {
-  const int64_t n = r.i64();
-  if (with_grads) *scale = static_cast<float>(r.f64());
-  std::vector<Entry> entries(static_cast<size_t>(n));
-  for (auto& e : entries) {
-    e.table = static_cast<int>(r.i64());
-    e.rows.n = r.i64();
-    if (with_grads) e.lr = r.f64();
-  }
-  for (auto& e : entries) e.rows.rows = r.i64_view(static_cast<size_t>(e.rows.n));
-  if (with_grads) {
-    for (auto& e : entries) e.rows.grads = r.f32s(static_cast<size_t>(e.rows.n * dim_of(e.table)));
-  }
-  return entries;
-}
-
 // The request body's kind of operation, a failed one counting as the one it stands for.
 RequestKind intended(const Request& q) {
   if (q.kind != RequestKind::kError) return q.kind;
@@ -89,6 +65,22 @@ std::vector<int64_t> read_rows_of(Reader& r) {
 }
 
 }  // namespace
+
+std::vector<Entry> read_entries(Reader& r, bool with_grads, float* scale, const std::function<int64_t(int)>& dim_of) {
+  const int64_t n = r.i64();
+  if (with_grads) *scale = static_cast<float>(r.f64());
+  std::vector<Entry> entries(static_cast<size_t>(n));
+  for (auto& e : entries) {
+    e.table = static_cast<int>(r.i64());
+    e.rows.n = r.i64();
+    if (with_grads) e.lr = r.f64();
+  }
+  for (auto& e : entries) e.rows.rows = r.i64_view(static_cast<size_t>(e.rows.n));
+  if (with_grads) {
+    for (auto& e : entries) e.rows.grads = r.f32s(static_cast<size_t>(e.rows.n * dim_of(e.table)));
+  }
+  return entries;
+}
 
 void StatsCollector::add(int table, int shards, const RoundStats& part) {
   auto& rounds = partial[table];
@@ -179,7 +171,7 @@ bool detail::ClientState::serve_ready() {
     again = false;
     for (int src = 0; src < P; ++src) {
       auto& queue = queues[src];
-      while (!queue.empty() && !is_collective(queue.front().kind)) {
+      while (!queue.empty() && !is_collective(queue.front().kind) && ready_to_serve(src, queue.front())) {
         serve_one_sided(src, queue.front());
         queue.pop_front();
         again = worked = true;
@@ -189,7 +181,7 @@ bool detail::ClientState::serve_ready() {
     // that joined (hvd.join()) takes no part until every rank has joined.
     bool all_in = true, any_active = false;
     for (int src = 0; src < P && all_in; ++src) {
-      all_in = !queues[src].empty();
+      all_in = !queues[src].empty() && is_collective(queues[src].front().kind);  // (not a held bounded pull)
       any_active = any_active || (all_in && queues[src].front().kind != RequestKind::kJoin);
     }
     if (!all_in) break;
@@ -278,6 +270,7 @@ void detail::ClientState::run_collective(std::vector<Request>& requests) {
 }
 
 void detail::ClientState::finish_join() {
+  restart_bounded_clocks();  // every push sent before the joins is applied here by now
   int64_t newest = 0;
   for (const auto& queue : queues) newest = std::max(newest, queue.front().seq);
   for (int dest = 0; dest < size(); ++dest) {
@@ -459,6 +452,10 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
   r.i64();
   if (request.kind == RequestKind::kReadStep || request.kind == RequestKind::kWriteStep) {
     serve_step(source, request, r);
+    return;
+  }
+  if (request.kind == RequestKind::kBoundedPush || request.kind == RequestKind::kBoundedPull) {
+    serve_bounded(source, request);
     return;
   }
   const int table = static_cast<int>(r.i64());

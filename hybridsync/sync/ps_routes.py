@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import ps, timeline
 from ..types import Placement, Route
-from . import accounting
+from . import accounting, staleness
 from .base import Synchronizer, Variable
 from .registry import register
 from .table import PSTable, push
@@ -64,12 +64,15 @@ class ShardedPS(_PSRoute):
         for var in self.variables:  # tables made by the PS modules: name them, set their rules
             var.table.rename(var.name)
             var.table.set_rule(var.plan.optimizer)
+            var.table.set_staleness(var.plan.staleness)  # (a world of one has nothing to wait for: no effect)
 
     def synchronize(self) -> None:
         self._record_rounds(current=False)  # the previous push's, back with this step's pull
         tables, ids, grads, lrs = [], [], [], []
         for var in self.variables:
             got = var.access.rows()
+            if got is None and var.plan.staleness:
+                got = _no_rows(var.dim)  # a bounded table's push is a step of this rank's clock: every step
             if got is None:
                 continue
             tables.append(var.table)
@@ -81,6 +84,7 @@ class ShardedPS(_PSRoute):
         # Collective even when nothing was staged, so every rank runs the same operations.
         with timeline.span(f"push ({len(tables)} tables)", "ps"):
             push(tables, ids, grads, self.ctx.row_scale(), lrs, return_updates=False)
+        staleness.observe([var for var in self.variables if var.plan.staleness])
 
     def in_flight(self) -> bool:
         return any(var.access.kind() is not None for var in self.variables)

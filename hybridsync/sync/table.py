@@ -131,6 +131,16 @@ class PSTable:
         self.engine.rename_table(self.handle, name)
         self.name = name
 
+    def set_staleness(self, k: int) -> None:
+        """Local, on every rank alike before the table's first step: pulls may miss at most the
+        other ranks' last k pushes (0: synchronous rounds). See docs/staleness.md."""
+        self.engine.set_staleness(self.handle, int(k))
+
+    def staleness(self) -> dict:
+        """Local: the bound and what this rank's pulls missed so far ({"staleness", "clock",
+        "pulls", "last_lag", "max_lag", "lag_sum", "held", "wait_s"})."""
+        return self.engine.staleness(self.handle)
+
     def set_rule(self, rule: dict) -> None:
         """Local: the server optimizer of this rank's shard (its state restarts)."""
         self.engine.set_rule(self.handle, *hyperparameters(rule))

@@ -52,6 +52,9 @@ def plan_rows(tmp_path, text, world=None, model=True, optimizer=torch.optim.Adag
     ("variables:\n  - sync: ps\n", 2, "variables[0]", "needs 'match'"),
     ("variables: emb\n", 1, "variables", "expected a list"),
     ("defaults:\n  sparse: {placement: everywhere}\n", 2, "defaults.sparse.placement", "is not one of sharded, replicated"),
+    ("variables:\n  - match: emb*\n    staleness: -1\n", 3, "variables[0].staleness", "expected an integer >= 0"),
+    ("variables:\n  - match: emb*\n    staleness: soon\n", 3, "variables[0].staleness", "expected an integer >= 0"),
+    ("defaults:\n  dense: {staleness: 2}\n", 2, "defaults.dense.staleness", "dense variables stay synchronous"),
 ])
 def test_each_validation_error_names_file_line_and_key(tmp_path, text, line, key, problem):
     path = write(tmp_path, text)
@@ -86,6 +89,10 @@ def test_strict_rule_matching_nothing_is_an_error(tmp_path):
     ("variables:\n  - match: mlp.0.weight\n    sync: ps\n    placement: sharded\n", "placement", "use placement: replicated"),
     ("variables:\n  - match: emb.weight\n    compression: fp16\n", "compression", "not to the parameter server"),
     ("variables:\n  - match: mlp.*\n    optimizer: sgd\n", "optimizer", "applies to variables on the parameter server"),
+    ("variables:\n  - match: mlp.0.weight\n    staleness: 2\n", "staleness", "dense variables and other routes stay"),
+    ("variables:\n  - match: emb.weight\n    sync: allgather\n    staleness: 2\n", "staleness", "other routes stay"),
+    ("variables:\n  - match: emb.weight\n    placement: replicated\n    staleness: 2\n", "staleness",
+     "use placement: sharded"),
 ])
 def test_impossible_combinations_name_rule_and_key(tmp_path, text, key, problem):
     with pytest.raises(ConfigError, match=rf"rule '.*' \(.*hs.yaml:2\): {key}: variable '.*': .*{problem}"):
@@ -203,6 +210,18 @@ def test_plan_json_loads_back_as_a_config(tmp_path):
     net = Net()
     with pytest.raises(ConfigError, match="rule 'gone.weight' matches no variable"):
         hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net, config=str(plan_file))
+
+
+def test_staleness_puts_a_table_on_the_ps_and_travels_with_the_plan(tmp_path):
+    rows, dist = plan_rows(tmp_path, "variables:\n  - match: emb.weight\n    staleness: 3\n", optimizer=torch.optim.SGD)
+    assert rows["emb.weight"].route.value == "ps" and rows["emb.weight"].staleness == 3
+    assert rows["bag.weight"].staleness == 0 and rows["mlp.0.weight"].staleness == 0
+    assert "emb.weight: staleness 3; no pull yet" in dist.plan.table()
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(dist.plan.dumps())
+    net = Net()
+    again = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net, config=str(plan_file))
+    assert {v.name: v.staleness for v in again.plan.variables}["emb.weight"] == 3
 
 
 def test_init_validates_the_config_before_anything_else(tmp_path):

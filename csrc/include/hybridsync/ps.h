@@ -74,6 +74,18 @@ struct RoundStats {
   int ranks = 0;  // ranks whose push reached the table in that round
 };
 
+// A table's bounded staleness as this rank saw it (csrc/ps/bounded.cc). Lag: how many of the
+// other ranks' newest steps (pushes) a pull's rows missed, the most over the ranks and the shards
+// that answered it; never more than `staleness`.
+struct StalenessStats {
+  int staleness = 0;      // k (0: synchronous)
+  int64_t clock = 0;      // this rank's pushes of the table so far
+  int64_t pulls = 0;      // bounded pulls so far
+  int64_t last_lag = 0, max_lag = 0, lag_sum = 0;
+  int64_t held = 0;       // pulls a shard held back until a slower rank's push came (the bound)
+  double wait_s = 0.0;    // time spent in bounded pulls
+};
+
 // This rank's PS traffic, payload bytes.
 struct TrafficStats {
   int64_t bytes_sent = 0, bytes_received = 0, messages_sent = 0;
@@ -203,6 +215,12 @@ class Client {
   int64_t state_bytes() const;
   // The newest complete push round's gradient statistics of `table` this rank has seen.
   RoundStats round_stats(int table) const;
+  // Bounded staleness: pulls of a table with k > 0 may miss at most the other ranks' last k
+  // pushes (a rank that would miss more waits), its pushes are applied by the shards as they
+  // come; this rank's own pushes are always in its pulls. Every rank sets the same k at the same
+  // point, and pushes every such table once per step (rows or not). k = 0: collective rounds.
+  void set_staleness(int table, int k);
+  StalenessStats staleness(int table) const;
   // Traffic counters; server-side work recorded for timelines while tracing is on.
   TrafficStats traffic() const;
   void reset_traffic();
