@@ -122,7 +122,7 @@ def main():
     if args.checkpoint:
         import hybridsync.elastic as elastic
 
-        state = elastic.State(args.checkpoint, model, optimizer, step=0)
+        state = elastic.CheckpointState(args.checkpoint, model, optimizer, step=0)
         if state.restore():
             first = state.step + 1
             for _ in range(state.step):  # the data position: this rank's stream, replayed

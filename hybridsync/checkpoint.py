@@ -39,6 +39,7 @@ import numpy as np
 
 from . import comm, runtime
 from .partition import Partition
+from .types import Placement
 
 FORMAT = "hybridsync-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -222,8 +223,29 @@ def load_checkpoint(path, model, optimizer):
         error = str(exc)
     _agree(error, "loaded")
     for var, table in tables:  # replicas (replicated placement) take the loaded rows whole
-        frontend.refresh_replica(var, table)
+        _refresh_replica(var, table)
     return manifest["extra"]
+
+
+def _refresh_replica(var, table) -> None:
+    """Replicated placement: the variable (every rank's whole copy) takes the loaded rows, and
+    so does the shard where it keeps a copy of its own instead of aliasing the variable."""
+    if var.plan.placement is not Placement.REPLICATED:
+        return
+    var.access.set_replica(table.read())
+    if table.attached is None:
+        table.scatter(var.access.replica_copy())
+
+
+def check_dense_match(model: dict, saved: dict, shown=lambda key: key) -> None:
+    """The frontends' dense state against a checkpoint's, both {key: shape}: the same keys and
+    shapes, else a ValueError naming the first variable (shown(key)) that differs."""
+    for key in sorted(set(model) ^ set(saved)):
+        where = "the model" if key in model else "the checkpoint"
+        raise ValueError(f"variable '{shown(key)}' is only in {where} (a checkpoint of another model?)")
+    for key, shape in model.items():
+        if tuple(saved[key]) != tuple(shape):
+            raise ValueError(f"variable '{shown(key)}': checkpoint has shape {tuple(saved[key])}, the model {tuple(shape)}")
 
 
 def _adopt_auto(optimizer, manifest: dict) -> None:

@@ -68,7 +68,7 @@ struct Chunk {
 
 // Sends the chunks, at most kWindow unanswered, driving this rank's server meanwhile; replies
 // come in order per destination. Throws the first error any of them met.
-static void exchange_chunks(Client::Impl& c, std::vector<Chunk>& chunks, RequestKind kind, const char* op) {
+static void exchange_chunks(detail::ClientState& c, std::vector<Chunk>& chunks, RequestKind kind, const char* op) {
   std::vector<std::deque<std::pair<int64_t, size_t>>> waiting(static_cast<size_t>(c.size()));
   size_t next = 0, outstanding = 0;
   std::vector<ErrorNote> errors;
@@ -100,12 +100,12 @@ static void exchange_chunks(Client::Impl& c, std::vector<Chunk>& chunks, Request
         return next == chunks.size() && outstanding == 0;
       },
       std::string(op) + " (the shards' owners answer)");
-  Client::Impl::throw_errors(errors, c.rank(), op);
+  detail::ClientState::throw_errors(errors, c.rank(), op);
 }
 
 // Chunks over a whole table, shard after shard in turns (so all shards work at once and, when
 // loading, the rows handed over form a growing prefix of each shard's local order).
-static std::vector<Chunk> table_chunks(Client::Impl& c, const Table& t, int table, int slot, RequestKind kind,
+static std::vector<Chunk> table_chunks(detail::ClientState& c, const Table& t, int table, int slot, RequestKind kind,
                                        const float* values, float* out, PageReleaser* release) {
   const int64_t dim = t.spec.dim;
   const int64_t step = chunk_rows(*c.transport, dim, kind);
@@ -155,7 +155,7 @@ static std::vector<Chunk> table_chunks(Client::Impl& c, const Table& t, int tabl
 }
 
 // Chunks over a list of ids, grouped by shard: positions[k] is where chunk rows come from / go.
-static std::vector<Chunk> row_chunks(Client::Impl& c, const Table& t, int table, int slot, RequestKind kind,
+static std::vector<Chunk> row_chunks(detail::ClientState& c, const Table& t, int table, int slot, RequestKind kind,
                                      const int64_t* ids, int64_t n, const float* values, float* out) {
   check_ids(t.spec.name, ids, n, t.spec.num_rows);
   const int64_t dim = t.spec.dim;
@@ -195,7 +195,7 @@ static std::vector<Chunk> row_chunks(Client::Impl& c, const Table& t, int table,
 
 void Client::read_table(int table, int slot, float* out) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
   check_fixed(t, "read_table");
@@ -205,7 +205,7 @@ void Client::read_table(int table, int slot, float* out) {
 
 void Client::read_rows(int table, int slot, const int64_t* ids, int64_t n, float* out) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
   std::vector<Chunk> chunks = row_chunks(c, t, table, slot, RequestKind::kRead, ids, n, nullptr, out);
@@ -214,7 +214,7 @@ void Client::read_rows(int table, int slot, const int64_t* ids, int64_t n, float
 
 void Client::write_table(int table, int slot, const float* values) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
   check_fixed(t, "write_table");
@@ -224,7 +224,7 @@ void Client::write_table(int table, int slot, const float* values) {
 
 void Client::write_rows(int table, int slot, const int64_t* ids, int64_t n, const float* rows) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
   std::vector<Chunk> chunks = row_chunks(c, t, table, slot, RequestKind::kWrite, ids, n, rows, nullptr);
@@ -233,7 +233,7 @@ void Client::write_rows(int table, int slot, const int64_t* ids, int64_t n, cons
 
 int64_t Client::table_step(int table) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
   if (t.shard) {
@@ -253,7 +253,7 @@ int64_t Client::table_step(int table) {
 
 void Client::set_table_step(int table, int64_t step) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
   std::vector<Chunk> tell;
@@ -271,7 +271,7 @@ void Client::set_table_step(int table, int64_t step) {
 
 void Client::load_from_root(int table, const float* values, int root, const std::string& given_error, bool consume) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
   check_fixed(t, "load_from_root");

@@ -52,14 +52,14 @@ int64_t applied_of(const Table& t, int source) {
 
 }  // namespace
 
-bool Client::Impl::is_bounded(int table) const {
+bool detail::ClientState::is_bounded(int table) const {
   if (size() == 1 || table < 0 || table >= static_cast<int>(tables.size())) return false;
   const Table& t = *tables[static_cast<size_t>(table)];
   return !t.dropped && t.bounded.staleness > 0;
 }
 
 // Steps of the other ranks that rows of `t` read here now would miss, for a puller at `clock`.
-static int64_t lag_here(const Client::Impl& c, const Table& t, int source, int64_t clock) {
+static int64_t lag_here(const detail::ClientState& c, const Table& t, int source, int64_t clock) {
   int64_t lag = 0;
   for (int s = 0; s < c.size(); ++s) {
     if (s == source) continue;
@@ -70,7 +70,7 @@ static int64_t lag_here(const Client::Impl& c, const Table& t, int source, int64
   return lag;
 }
 
-bool Client::Impl::ready_to_serve(int source, const Request& request) const {
+bool detail::ClientState::ready_to_serve(int source, const Request& request) const {
   if (request.kind != RequestKind::kBoundedPull) return true;
   Reader r = body_of(request);
   for (const BoundedPullEntry& e : read_bounded_pull(r)) {
@@ -84,7 +84,7 @@ bool Client::Impl::ready_to_serve(int source, const Request& request) const {
   return true;
 }
 
-void Client::Impl::serve_bounded(int source, const Request& request) {
+void detail::ClientState::serve_bounded(int source, const Request& request) {
   Reader r = body_of(request);
   auto dim_of = [&](int table) { return table_at(table).spec.dim; };
   const int64_t start = tracer.start();
@@ -121,13 +121,13 @@ void Client::Impl::serve_bounded(int source, const Request& request) {
   tracer.record("serve pulls (bounded)", start, rows);
 }
 
-void Client::Impl::read_bounded_reply(Reader& r, const std::vector<Routed>& routed, std::vector<int64_t>* lag,
+void detail::ClientState::read_bounded_reply(Reader& r, const std::vector<Routed>& routed, std::vector<int64_t>* lag,
                                       bool* held) {
   *held = r.i64() != 0 || *held;
   for (size_t b = 0; b < routed.size(); ++b) (*lag)[b] = std::max((*lag)[b], r.i64());
 }
 
-void Client::Impl::restart_bounded_clocks() {
+void detail::ClientState::restart_bounded_clocks() {
   for (auto& t : tables) {
     t->bounded.seen.clock = 0;
     std::fill(t->bounded.applied.begin(), t->bounded.applied.end(), 0);

@@ -95,7 +95,7 @@ void check_fixed(const Table& t, const char* op) {
   }
 }
 
-Table& Client::Impl::table_at(int table) const {
+Table& detail::ClientState::table_at(int table) const {
   if (table < 0 || table >= static_cast<int>(tables.size())) {
     throw PSError("unknown PS table handle " + std::to_string(table));
   }
@@ -104,11 +104,11 @@ Table& Client::Impl::table_at(int table) const {
   return t;
 }
 
-void Client::Impl::check_usable() const {
+void detail::ClientState::check_usable() const {
   if (broken) throw PSTransportError("hybridsync PS is unusable after an earlier failure: " + broken_reason);
 }
 
-void Client::Impl::throw_errors(const std::vector<ErrorNote>& errors, int self, const char* op) {
+void detail::ClientState::throw_errors(const std::vector<ErrorNote>& errors, int self, const char* op) {
   for (const ErrorNote& e : errors) {
     if (e.rank != self) continue;
     if (e.index_error) throw PSIndexError(e.message);
@@ -120,11 +120,11 @@ void Client::Impl::throw_errors(const std::vector<ErrorNote>& errors, int self, 
   }
 }
 
-void Client::Impl::send_request(int dest, std::vector<char> payload) {
+void detail::ClientState::send_request(int dest, std::vector<char> payload) {
   transport->send(dest, kTagRequest, std::move(payload));
 }
 
-int Client::Impl::late_rank() const {
+int detail::ClientState::late_rank() const {
   bool waiting = false;
   for (const auto& queue : queues) waiting = waiting || !queue.empty();
   if (!waiting) return -1;
@@ -134,11 +134,11 @@ int Client::Impl::late_rank() const {
   return -1;
 }
 
-void Client::Impl::settle() {
+void detail::ClientState::settle() {
   drive_until([&] { return queues[rank()].empty(); }, "this rank's earlier PS calls to be applied");
 }
 
-void Client::Impl::serve_in_background() {
+void detail::ClientState::serve_in_background() {
   double sleep_us = kServeMinSleepUs;
   while (!stopping.load()) {
     bool worked = false;
@@ -161,9 +161,8 @@ void Client::Impl::serve_in_background() {
   }
 }
 
-Client::Client(std::unique_ptr<Transport> transport, bool serve_in_background) : impl_(std::make_unique<Impl>()) {
-  Impl& c = *impl_;
-  c.transport = std::move(transport);
+Client::Client(std::unique_ptr<detail::ClientState> state, bool serve_in_background) : impl_(std::move(state)) {
+  detail::ClientState& c = *impl_;
   c.policy = c.transport->wait_policy();
   c.queues.resize(static_cast<size_t>(c.size()));
   c.deferred.resize(static_cast<size_t>(c.size()));
@@ -189,8 +188,9 @@ void Client::close() {
 
 std::unique_ptr<Client> make_client(const std::string& transport, void* native, const WaitPolicy& wait,
                                     int64_t max_message_bytes, bool serve_in_background) {
-  return std::make_unique<Client>(make_transport(transport, TransportConfig{native, wait, max_message_bytes}),
-                                  serve_in_background);
+  auto state = std::make_unique<detail::ClientState>();
+  state->transport = make_transport(transport, TransportConfig{native, wait, max_message_bytes});
+  return std::unique_ptr<Client>(new Client(std::move(state), serve_in_background));
 }
 
 bool Client::usable() const {
@@ -208,7 +208,7 @@ TableSpec Client::spec(int table) const {
 
 int Client::add_table(const TableSpec& given, const std::string& given_error) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   TableSpec spec = given;
   if (spec.num_shards == 0) spec.num_shards = c.size();
@@ -265,7 +265,7 @@ int Client::add_table(const TableSpec& given, const std::string& given_error) {
 
 void Client::barrier(const std::string& what) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   const int64_t seq = c.next_seq();
   for (int d = 0; d < c.size(); ++d) {
@@ -278,7 +278,7 @@ void Client::barrier(const std::string& what) {
 
 void Client::drop_table(int table) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   c.table_at(table);  // an unknown or already dropped handle throws on every rank, before anything moves
   const int64_t seq = c.next_seq();
@@ -292,7 +292,7 @@ void Client::drop_table(int table) {
 
 void Client::join_begin() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   c.join_seq = c.next_seq();
   for (int d = 0; d < c.size(); ++d) c.send_request(d, request_writer(RequestKind::kJoin, c.join_seq).take());
@@ -300,7 +300,7 @@ void Client::join_begin() {
 
 void Client::join_finish() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   int64_t newest = c.join_seq;
   c.collect_replies(RequestKind::kJoin, c.join_seq, "join", [&](int, Reader& r) { newest = std::max(newest, r.i64()); });

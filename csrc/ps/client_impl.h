@@ -86,7 +86,7 @@ struct StatsCollector {
   void add(int table, int shards, const RoundStats& part);
 };
 
-struct Client::Impl {
+struct detail::ClientState {
   std::unique_ptr<Transport> transport;
   WaitPolicy policy;
   std::vector<std::unique_ptr<Table>> tables;
@@ -192,7 +192,7 @@ void check_rows(const Table& t, const int64_t* local, int64_t n, const char* op)
 void gather_rows(const Table& t, const int64_t* local, int64_t n, float* out, int slot = -1);
 
 template <class Ready>
-void Client::Impl::drive_until(Ready ready, const std::string& what, int peer) {
+void detail::ClientState::drive_until(Ready ready, const std::string& what, int peer) {
   wait_until(
       [&] {
         check_usable();
@@ -203,7 +203,7 @@ void Client::Impl::drive_until(Ready ready, const std::string& what, int peer) {
 }
 
 template <class Handle>
-void Client::Impl::collect_replies(RequestKind kind, int64_t seq, const char* op, Handle handle) {
+void detail::ClientState::collect_replies(RequestKind kind, int64_t seq, const char* op, Handle handle) {
   const int P = size();
   std::vector<bool> got(P, false);
   int remaining = P;

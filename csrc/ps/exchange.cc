@@ -62,7 +62,7 @@ void copy_in_order(const Table& t, const TableBatch& b) {
 // Routes every batch of this worker's operation; bad input becomes `error` (announced to the
 // peers instead of thrown, so no rank is left waiting). For a push, duplicate ids' gradients
 // are added up, so each row crosses the wire once.
-std::vector<Routed> route_batches(const Client::Impl& c, const std::vector<TableBatch>& batches, bool with_grads,
+std::vector<Routed> route_batches(const detail::ClientState& c, const std::vector<TableBatch>& batches, bool with_grads,
                                   std::string* error, bool* index_error) {
   std::vector<Routed> routed;
   if (!error->empty()) return routed;
@@ -97,7 +97,7 @@ std::vector<Routed> route_batches(const Client::Impl& c, const std::vector<Table
 }
 
 // Sends every rank its part of the operation, or the notice of this rank's bad input.
-void send_requests(Client::Impl& c, RequestKind kind, int64_t seq, const std::vector<Routed>& routed,
+void send_requests(detail::ClientState& c, RequestKind kind, int64_t seq, const std::vector<Routed>& routed,
                    const std::string& error, bool index_error, float scale, const std::vector<double>& lrs) {
   for (int d = 0; d < c.size(); ++d) {
     c.send_request(d, error.empty() ? write_request(kind, seq, routed, d, scale, lrs)
@@ -106,7 +106,7 @@ void send_requests(Client::Impl& c, RequestKind kind, int64_t seq, const std::ve
 }
 
 // Reads the statistics a reply carries for the tables a server holds.
-void read_pull_stats(Client::Impl& c, Reader& r) {
+void read_pull_stats(detail::ClientState& c, Reader& r) {
   const int64_t n = r.i64();
   for (int64_t k = 0; k < n; ++k) {
     const int table = static_cast<int>(r.i64());
@@ -127,7 +127,7 @@ void throw_local(const std::string& error, bool index_error) {
 
 // One pull: a collective round (kPull), or one-sided requests (kBoundedPull) that each shard
 // answers once the table's staleness bound allows (bounded.cc).
-std::vector<PullResult> pull_round(Client::Impl& c, RequestKind kind, const std::vector<TableBatch>& batches,
+std::vector<PullResult> pull_round(detail::ClientState& c, RequestKind kind, const std::vector<TableBatch>& batches,
                                    std::string error) {
   const bool bounded = kind == RequestKind::kBoundedPull;
   bool index_error = false;
@@ -213,7 +213,7 @@ struct Split {
   std::vector<size_t> sync_at, bounded_at;
 };
 
-Split split_bounded(const Client::Impl& c, const std::vector<TableBatch>& batches) {
+Split split_bounded(const detail::ClientState& c, const std::vector<TableBatch>& batches) {
   Split s;
   for (size_t i = 0; i < batches.size(); ++i) {
     const bool bounded = c.is_bounded(batches[i].table);
@@ -227,7 +227,7 @@ Split split_bounded(const Client::Impl& c, const std::vector<TableBatch>& batche
 
 std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, const std::string& given_error) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   Split split = split_bounded(c, batches);
   if (split.bounded.empty()) return pull_round(c, RequestKind::kPull, batches, given_error);
@@ -243,7 +243,7 @@ std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, con
   return done;
 }
 
-void Client::Impl::push_bounded(const std::vector<TableBatch>& batches, float scale, std::string error) {
+void detail::ClientState::push_bounded(const std::vector<TableBatch>& batches, float scale, std::string error) {
   bool index_error = false;
   std::vector<Routed> routed = route_batches(*this, batches, true, &error, &index_error);
   throw_local(error, index_error);  // before anything is sent: no shard counts a step
@@ -258,7 +258,7 @@ void Client::Impl::push_bounded(const std::vector<TableBatch>& batches, float sc
 std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, float scale, bool return_updates,
                                      const std::string& given_error) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& c = *impl_;
+  detail::ClientState& c = *impl_;
   c.check_usable();
   if (c.size() == 1 && !return_updates) {
     // A world of one has no wire to save and no peer to wait for: no deduplication, message or
@@ -321,7 +321,7 @@ std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, flo
   return out;
 }
 
-void Client::Impl::apply_local(const std::vector<TableBatch>& batches, float scale) {
+void detail::ClientState::apply_local(const std::vector<TableBatch>& batches, float scale) {
   // Every id is checked before any row changes (all-or-nothing, as for a round over the wire).
   std::vector<std::vector<int64_t>> local(batches.size());
   std::map<int, std::vector<GradientRows>> by_table;  // ordered: the apply order of a round

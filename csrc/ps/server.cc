@@ -129,7 +129,7 @@ void gather_rows(const Table& t, const int64_t* local, int64_t n, float* out, in
   }
 }
 
-void Client::Impl::fail(const std::string& reason) {
+void detail::ClientState::fail(const std::string& reason) {
   if (!broken) {
     broken = true;
     broken_reason = reason;
@@ -148,16 +148,16 @@ void Client::Impl::fail(const std::string& reason) {
   throw PSTransportError(reason);
 }
 
-void Client::Impl::reply(int dest, Writer& w) { transport->send(dest, kTagReply, w.take()); }
+void detail::ClientState::reply(int dest, Writer& w) { transport->send(dest, kTagReply, w.take()); }
 
-void Client::Impl::reply_head(Writer& w, int dest, RequestKind kind, int64_t seq, std::vector<ErrorNote> errors) {
+void detail::ClientState::reply_head(Writer& w, int dest, RequestKind kind, int64_t seq, std::vector<ErrorNote> errors) {
   auto& late = deferred[dest];
   errors.insert(errors.end(), late.begin(), late.end());
   late.clear();
   write_reply_head(w, kind, seq, errors);
 }
 
-bool Client::Impl::progress() {
+bool detail::ClientState::progress() {
   try {
     return serve_ready();
   } catch (const PSTransportError&) {
@@ -167,7 +167,7 @@ bool Client::Impl::progress() {
   }
 }
 
-bool Client::Impl::serve_ready() {
+bool detail::ClientState::serve_ready() {
   const int P = size();
   bool worked = false;
   Message m;
@@ -221,7 +221,7 @@ bool Client::Impl::serve_ready() {
   return worked;
 }
 
-void Client::Impl::run_collective(std::vector<Request>& requests) {
+void detail::ClientState::run_collective(std::vector<Request>& requests) {
   const int P = size();
   auto joined = [&](int src) { return requests[src].kind == RequestKind::kJoin; };
   int first = 0;
@@ -285,7 +285,7 @@ void Client::Impl::run_collective(std::vector<Request>& requests) {
   }
 }
 
-void Client::Impl::finish_join() {
+void detail::ClientState::finish_join() {
   restart_bounded_clocks();  // every push sent before the joins is applied here by now
   int64_t newest = 0;
   for (const auto& queue : queues) newest = std::max(newest, queue.front().seq);
@@ -298,7 +298,7 @@ void Client::Impl::finish_join() {
   }
 }
 
-void Client::Impl::serve_pulls(std::vector<Request>& requests, const std::vector<ErrorNote>& errors) {
+void detail::ClientState::serve_pulls(std::vector<Request>& requests, const std::vector<ErrorNote>& errors) {
   const int64_t start = tracer.start();
   int64_t served_rows = 0;
   auto dim_of = [&](int table) { return table_at(table).spec.dim; };
@@ -339,7 +339,7 @@ void Client::Impl::serve_pulls(std::vector<Request>& requests, const std::vector
   tracer.record("serve pulls", start, served_rows);
 }
 
-void Client::Impl::apply_to_table(Table& t, const std::vector<GradientRows>& sources, float scale, double lr,
+void detail::ClientState::apply_to_table(Table& t, const std::vector<GradientRows>& sources, float scale, double lr,
                                   int64_t round, int ranks) {
   if (lr >= 0) t.shard->rule().set_hyperparameter("lr", lr);
   if (t.dynamic) {
@@ -351,7 +351,7 @@ void Client::Impl::apply_to_table(Table& t, const std::vector<GradientRows>& sou
   t.last_round = RoundStats{round, t.sums.local_sq(), t.sums.combined_sq(), ranks};
 }
 
-void Client::Impl::apply_push_round(std::vector<Request>& requests, const std::vector<ErrorNote>& errors,
+void detail::ClientState::apply_push_round(std::vector<Request>& requests, const std::vector<ErrorNote>& errors,
                                     bool with_updates) {
   const int P = size();
   int64_t seq = -1;
@@ -433,7 +433,7 @@ void Client::Impl::apply_push_round(std::vector<Request>& requests, const std::v
   }
 }
 
-void Client::Impl::finish_add_table(std::vector<Request>& requests, std::vector<ErrorNote> errors) {
+void detail::ClientState::finish_add_table(std::vector<Request>& requests, std::vector<ErrorNote> errors) {
   const int P = size();
   std::vector<std::string> described(P);
   for (int src = 0; src < P; ++src) {
@@ -467,7 +467,7 @@ void Client::Impl::finish_add_table(std::vector<Request>& requests, std::vector<
   }
 }
 
-void Client::Impl::serve_one_sided(int source, const Request& request) {
+void detail::ClientState::serve_one_sided(int source, const Request& request) {
   Reader r(request.msg);
   r.i64();
   r.i64();
@@ -524,7 +524,7 @@ void Client::Impl::serve_one_sided(int source, const Request& request) {
   reply(source, w);
 }
 
-void Client::Impl::serve_step(int source, const Request& request, Reader& r) {
+void detail::ClientState::serve_step(int source, const Request& request, Reader& r) {
   const int table = static_cast<int>(r.i64());
   std::vector<ErrorNote> errors;
   int64_t step = -1;

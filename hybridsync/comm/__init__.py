@@ -1,5 +1,5 @@
 """Dense collective backends, one module each: horovod.py (Horovod's ring all-reduce and tensor
-fusion) and mpi.py (mpi4py). Both take NumPy arrays (Horovod also torch tensors); choose()
+fusion) and mpi.py (mpi4py, its tensor fusion in buckets.py). Both take NumPy arrays (Horovod also torch tensors); choose()
 picks one, backend() makes it once per process, objects() is the one that carries small
 Python objects (plan agreement, shared seeds)."""
 from __future__ import annotations

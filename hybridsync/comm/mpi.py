@@ -22,7 +22,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..sync.buckets import check_buffer
+from .buckets import check_buffer
 from . import mpi_kernels as k
 from .mpi_kernels import wait_all
 from .negotiation import DUPLICATE, CollectiveMismatchError, Desc, analyze, digest, op_name

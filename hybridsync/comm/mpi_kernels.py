@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..settings import settings
-from ..sync.buckets import make_buckets
+from .buckets import make_buckets
 
 _MPI_OPS = {"average": MPI.SUM, "sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}
 _FP16_UFUNCS = {"average": np.add, "sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}

@@ -5,7 +5,7 @@
     dense.py         all-reduce and sparse-as-dense      allgather.py   sparse all-gather
     ps_routes.py     parameter server, sharded and replicated placements
     table.py         PS table handles and batched pull/push rounds (the only engine caller)
-    buckets.py       fused all-reduce buckets            agreement.py   rank 0's plan, checked
+    agreement.py     rank 0's plan, checked             planning.py    both frontends' planning steps
     server_rules.py  optimizer -> server rule            compression.py codecs by name
     accounting.py    bytes per variable per step
     auto.py          sync: auto -- measure the first steps, choose each sparse route once, switch

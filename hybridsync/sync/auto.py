@@ -13,8 +13,8 @@ step's synchronize, a collective point):
    routes whose frontend update equals the server rule (auto never changes the arithmetic);
 2. rank 0 broadcasts the decisions; every rank applies them in plan order:
    - ps, same shards: nothing moves;
-   - ps, other shard count: the rows and the server optimizer's slots and step are gathered
-     and loaded into a new table on that many shards;
+   - ps, other shard count: a new table on that many shards; each rank reads its new shard's
+     rows and server-optimizer slots from the old shards in chunks (no rank holds the table);
    - allgather / allreduce-as-dense: the rows (sharded placement: gathered; replicated: the
      local replica, identical everywhere) become a local variable again (the frontend swaps
      the PS module back), the server slots become the wrapped optimizer's state for it
@@ -227,27 +227,23 @@ class Switch:
         self.sync_set.move(var)
 
     def _reshard(self, var: Variable, shards: int) -> None:
-        """Collective: a new table on `shards` shards takes var's rows and server state."""
+        """Collective: a new table on `shards` shards takes var's rows and server state, each
+        rank its new shard's, read from the old shards in chunks (no rank holds the table)."""
         from .table import PSTable
 
         old, plan = var.table, var.plan
-        state = old.state()
-        state["slots"] = {name: view.read() for name, view in state["slots"].items()}  # before the old one goes
         sharded = plan.placement is Placement.SHARDED
         view = None if sharded else var.access.replica()  # replicated: the shard may alias the replica
-        rows = old.read() if view is None else None  # identical to a replica, where there is one
         new = PSTable(var.name, plan.shape[0], var.dim, shards, plan.partition, plan.optimizer)
         if old.attached is not None:
             old.attach(None)
         if view is not None:
             new.attach(view)
-        else:
-            if not sharded:
-                new.attach(None)
-            new.scatter(rows)
+        elif not sharded:
+            new.attach(None)
+        new.take_from(old, rows=view is None)  # an aliased replica holds the rows already
         if sharded:
             self.frontend.set_table(var, new)
-        new.load_state(state, var.name, everywhere=True)
         old.drop()
         var.table = new
         plan.shards = shards

@@ -14,6 +14,7 @@ from .server_rules import hyperparameters
 # The rule a table has until a DistributedOptimizer sets the one matching its optimizer.
 PLACEHOLDER_RULE = {"name": "sgd", "lr": 0.0}
 INITIALIZERS = ("normal", "uniform")
+CHUNK_ROWS = 65536  # rows per one-sided read when a table moves between layouts
 
 
 class PSTable:
@@ -79,6 +80,25 @@ class PSTable:
         rank's shard holds."""
         self.engine.write_local(self.handle, np.asarray(ids, dtype=np.int64), np.ascontiguousarray(rows, np.float32),
                                 slot)
+
+    def take_from(self, other: "PSTable", rows: bool = True) -> None:
+        """Collective (every rank at the same point, before `other` is dropped): this rank's shard
+        takes its rows (unless rows=False: they are there already) and server-optimizer slots,
+        by name, from `other` -- the same table on another layout -- and its step. Read one-sided
+        in chunks of CHUNK_ROWS: a rank holds its new shard and one chunk, never the table."""
+        shards, kind = self.layout
+        rank = self.engine.rank
+        if rank < shards:
+            ids = Partition(self.num_rows, shards, kind).rows_of(rank)
+            theirs = other.slot_names
+            slots = [(k, theirs.index(name)) for k, name in enumerate(self.slot_names)]
+            for start in range(0, len(ids), CHUNK_ROWS):
+                part = ids[start:start + CHUNK_ROWS]
+                if rows:
+                    self.write_rows(part, other.read_rows(part))
+                for mine, slot in slots:
+                    self.write_rows(part, other.read_rows(part, slot), slot=mine)
+        self.set_step(other.step)
 
     def local_state(self) -> dict:
         """Local: this rank's shard as arrays: "ids" (its global row ids, in storage order),

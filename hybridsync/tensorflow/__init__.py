@@ -12,6 +12,7 @@ from __future__ import annotations
 from .. import init, local_rank, local_size, rank, shutdown, size
 from ..plan import explain
 from ..types import Average, ReduceOp, Sum
+from . import elastic
 from .adaptive import AdaptiveDataset
 from .callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback
 from .dynamic_embedding import DynamicEmbedding
@@ -24,5 +25,5 @@ __all__ = [
     "AdaptiveDataset",
     "init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedOptimizer", "DistributedGradientTape",
     "broadcast_variables", "allreduce", "allgather", "broadcast_object", "BroadcastGlobalVariablesCallback",
-    "MetricAverageCallback", "Average", "Sum", "ReduceOp", "explain", "DynamicEmbedding", "Embedding",
+    "MetricAverageCallback", "Average", "Sum", "ReduceOp", "explain", "DynamicEmbedding", "Embedding", "elastic",
 ]

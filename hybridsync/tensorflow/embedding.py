@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..sync.table import PSTable, shared_seed
+from .table_weight import TableWeight
 
 
 class Embedding(keras.layers.Layer):
@@ -35,6 +36,13 @@ class Embedding(keras.layers.Layer):
     def build(self, input_shape=None):
         self.ps_anchor = self.add_weight(shape=(1,), initializer="zeros", trainable=True, name="ps_anchor")
         self.ps_anchor._hybridsync_table = self  # the optimizer routes this variable's gradient to the PS
+        self._table_weight = TableWeight(self)
+
+    @property
+    def weights(self):
+        """The anchor, then the table (a TableWeight: get_weights() and set_weights() read and
+        write the shards, one-sided)."""
+        return [self.ps_anchor, self._table_weight] if self.built else []
 
     def call(self, ids):
         ids = tf.cast(ids, tf.int64)
@@ -68,7 +76,8 @@ class Embedding(keras.layers.Layer):
     # rank that saves (rank 0 alone may), written to every shard on load by each rank that loads.
     def save_own_variables(self, store):
         store["0"] = self.ps_anchor.numpy()
-        store["table"] = self.get_table()
+        # Keras's store converts with np.array(): a TableWeight hands it the rows it reads, uncopied.
+        store["table"] = self._table_weight
 
     def load_own_variables(self, store):
         self.ps_anchor.assign(np.asarray(store["0"]))

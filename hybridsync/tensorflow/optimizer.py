@@ -25,11 +25,10 @@ from .. import config as config_mod
 from ..adaptive import Adaptive, AdaptiveConfig
 from ..adaptive.collect import StepRecorder
 from ..plan import Plan, VariablePlan
-from ..routing import RouteResolver
 from ..sync.agreement import agree
 from ..sync.base import SyncContext, Variable, check_options
 from ..sync.registry import SyncSet
-from ..sync.server_rules import server_rule
+from ..sync.planning import ps_embedding_plan, route_resolver
 from ..types import GradKind, Placement, ReduceOp, Route
 from . import collectives
 from ..sync import cost_model
@@ -124,21 +123,15 @@ class _DistributedKerasOptimizer:
     # -- planning (at the first apply, when the gradients' kinds are known) ----------------------
     def _hs_make_plan(self, grads, variables):
         world = runtime.world()
-        resolver = RouteResolver(self._hs_config, has_model=False, world_size=world.size,
-                                 compression=self._hs_compression,
-                                 server_rule=lambda name, param: server_rule(describe(self), name),
-                                 applies_sparse=describe(self).applies_sparse, optimizer_name=type(self).__name__)
+        resolver = route_resolver(self._hs_config, lambda param: describe(self), has_model=False,
+                                  world_size=world.size, compression=self._hs_compression,
+                                  optimizer_name=type(self).__name__)
         rows = []
         for g, v in zip(grads, variables):
             layer = getattr(v, "_hybridsync_table", None)  # a hybridsync.tensorflow.Embedding's anchor
             if layer is not None:
-                vp = VariablePlan(name=variable_name(v).rsplit("/", 1)[0] + "/embeddings",
-                                  shape=(layer.input_dim, layer.output_dim), dtype="float32", kind=GradKind.SPARSE,
-                                  route=None)
-                resolver.decide(vp, None, ps_module=True, table_layout=layer.table.layout)
-                if not vp.reason.startswith(("rule", "config")):
-                    vp.reason = "hybridsync.tensorflow PS embedding: rows live on the shards"
-                rows.append(vp)
+                name = variable_name(v).rsplit("/", 1)[0] + "/embeddings"
+                rows.append(ps_embedding_plan(resolver, name, layer.table, "hybridsync.tensorflow"))
                 continue
             kind = GradKind.SPARSE if isinstance(g, tf.IndexedSlices) else GradKind.DENSE
             dtype = tf.as_dtype(v.dtype)  # Keras variables give a string, tf.Variables a DType

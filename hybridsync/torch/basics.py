@@ -5,14 +5,9 @@ from __future__ import annotations
 
 from .. import comm, runtime
 from ..comm import horovod as hvd_backend
+from ..elastic import HorovodInternalError  # noqa: F401  (Horovod's own class where it is installed)
 from ..settings import launched_by_gloo
 from . import process_sets as _sets
-
-try:
-    from horovod.common.exceptions import HorovodInternalError
-except ImportError:  # without Horovod: same name, same meaning
-    class HorovodInternalError(RuntimeError):
-        """A collective failed; with Horovod's elastic mode this is the recoverable error."""
 
 
 def init(comm=None, process_sets=None, backend: str | None = None) -> None:

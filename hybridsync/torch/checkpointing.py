@@ -1,10 +1,11 @@
 """What hybridsync.checkpoint needs from a torch model and optimizer: the dense state as NumPy
 arrays plus JSON, and back. Tables on the parameter server are not here: their shards are
-written by their owners (a replicated table's replica is refreshed from them after a load)."""
+written by their owners (hybridsync.checkpoint refreshes a replicated table's replica after a load)."""
 from __future__ import annotations
 
 import torch
 
+from ..checkpoint import check_dense_match
 from ..types import Placement
 
 
@@ -48,14 +49,8 @@ def dense_state(model, optimizer, variables) -> tuple[dict, dict]:
 
 def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> None:
     mine = dict(_dense_tensors(model, variables))
-    saved = {k[len("model."):] for k in arrays if k.startswith("model.")}
-    for name in sorted(set(mine) ^ saved):
-        where = "the model" if name in mine else "the checkpoint"
-        raise ValueError(f"variable '{name}' is only in {where} (a checkpoint of another model?)")
-    for name, t in mine.items():
-        value = arrays[f"model.{name}"]
-        if tuple(value.shape) != tuple(t.shape):
-            raise ValueError(f"variable '{name}': checkpoint has shape {tuple(value.shape)}, the model {tuple(t.shape)}")
+    check_dense_match({name: t.shape for name, t in mine.items()},
+                      {k[len("model."):]: v.shape for k, v in arrays.items() if k.startswith("model.")})
     with torch.no_grad():
         for name, t in mine.items():
             t.copy_(torch.from_numpy(arrays[f"model.{name}"]))
@@ -71,12 +66,3 @@ def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> N
     adaptive = getattr(optimizer, "_hs_adaptive", None)
     if "adaptive" in meta and adaptive is not None and adaptive.enabled:
         adaptive.load_state_dict(meta["adaptive"])  # at another world size: the global batch, re-chosen later
-
-
-def refresh_replica(var, table) -> None:
-    """Collective for replicated tables: every replica takes the loaded rows whole."""
-    if var.plan.placement is not Placement.REPLICATED:
-        return
-    var.access.set_replica(table.read())
-    if table.attached is None:  # the shard keeps a copy of its own: refresh it too
-        table.scatter(var.access.replica_copy())

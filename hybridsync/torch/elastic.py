@@ -1,38 +1,23 @@
 """hvd.elastic for scripts written for Horovod's elastic mode: `@hvd.elastic.run`, TorchState
 (commit / restore / sync of model, optimizer, sampler and plain attributes) and ElasticSampler.
 
-hybridsync jobs have a fixed set of ranks (mpirun, or horovodrun without --min-np), so no host
-ever joins or leaves: run() syncs the state from rank 0 and calls the function once; a failed
-collective restores the last commit and is re-raised, since a fixed job cannot reset itself.
+The state machinery is hybridsync.elastic's (framework-neutral); this module adds the handlers
+of torch's objects. Tables on the parameter server are committed per shard, by each rank
+locally (hybridsync.elastic.TableShardsHandler): a model's state dict is copied without them.
 """
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import random
 
 import torch
 
 from .. import runtime
-from .basics import HorovodInternalError
-from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from ..elastic import FrameworkState, StateHandler, run
+from .functions import _is_ps_backed, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["TorchState", "ElasticSampler", "run"]
-
-
-def run(func):
-    """Decorator: `func(state, ...)` runs after `state.sync()` (every rank starts from rank 0's
-    state); on HorovodInternalError the last committed state is restored and the error raised."""
-    @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
-        state.sync()
-        try:
-            return func(state, *args, **kwargs)
-        except HorovodInternalError:
-            state.restore()
-            raise
-    return wrapper
 
 
 class ElasticSampler(torch.utils.data.Sampler):
@@ -77,63 +62,60 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.num_samples
 
 
-class TorchState:
-    """Training state that can be committed (kept in memory), restored and synced from rank 0.
-    model, optimizer and any ElasticSampler are handled by their state_dict(); other keyword
-    arguments become plain attributes."""
+class ModelStateHandler(StateHandler):
+    """A torch module: its state dict copied, less the tables on the parameter server."""
 
-    def __init__(self, model=None, optimizer=None, **kwargs):
-        self._reset_callbacks = []
-        self._special = {k: v for k, v in dict(model=model, optimizer=optimizer, **kwargs).items()
-                         if isinstance(v, (torch.nn.Module, torch.optim.Optimizer, ElasticSampler))}
-        self._plain = [k for k in kwargs if k not in self._special]
-        for key, value in dict(model=model, optimizer=optimizer, **kwargs).items():
-            object.__setattr__(self, key, value)
-        self._saved = None
-        self.save()
+    def save(self) -> None:
+        self._saved = {k: copy.deepcopy(v) for k, v in self.value.state_dict().items() if not _is_ps_backed(v)}
 
-    def __setattr__(self, name, value):
-        special = self.__dict__.get("_special")
-        if special is not None and name in special:  # a new model/optimizer/sampler object
-            special[name] = value
-        object.__setattr__(self, name, value)
+    def restore(self) -> None:
+        result = self.value.load_state_dict(copy.deepcopy(self._saved), strict=False)
+        now = self.value.state_dict()
+        missing = [k for k in result.missing_keys if not _is_ps_backed(now[k])]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"elastic state: model '{self.name}' no longer matches its commit "
+                               f"(missing {missing}, unexpected {result.unexpected_keys})")
 
-    def register_reset_callbacks(self, callbacks):
-        self._reset_callbacks.extend(callbacks)
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)  # tables on the PS are skipped
 
-    def on_reset(self):
-        for callback in self._reset_callbacks:
-            callback()
 
-    def commit(self):
-        """Keeps the current state (what restore() returns to); call it every few batches."""
-        self.save()
-        self.check_host_updates()
+class OptimizerStateHandler(StateHandler):
+    """A torch optimizer: its state dict copied, less the server-side state of PS tables."""
 
-    def check_host_updates(self):
-        """No host ever changes in a fixed job: nothing to do."""
+    def save(self) -> None:
+        state = self.value.state_dict()
+        state.pop("hybridsync", None)  # server optimizer slots: TableShardsHandler keeps them per shard
+        self._saved = copy.deepcopy(state)
 
-    def save(self):
-        self._saved = ({k: copy.deepcopy(v.state_dict()) for k, v in self._special.items()},
-                       {k: copy.deepcopy(getattr(self, k)) for k in self._plain})
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self._saved))
 
-    def restore(self):
-        special, plain = self._saved
-        for key, state in special.items():
-            self._special[key].load_state_dict(copy.deepcopy(state))
-        for key, value in plain.items():
-            object.__setattr__(self, key, copy.deepcopy(value))
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
 
-    def sync(self):
-        """Every rank takes rank 0's state."""
-        for key, value in self._special.items():
-            if isinstance(value, torch.nn.Module):
-                broadcast_parameters(value.state_dict(), root_rank=0)
-            elif isinstance(value, torch.optim.Optimizer):
-                broadcast_optimizer_state(value, root_rank=0)
-            else:
-                value.load_state_dict(broadcast_object(value.state_dict(), 0, name=f"elastic.{key}"))
-        plain = broadcast_object({k: getattr(self, k) for k in self._plain}, 0, name="elastic.attributes")
-        for key, value in plain.items():
-            object.__setattr__(self, key, value)
-        self.save()
+
+class SamplerStateHandler(StateHandler):
+    """An ElasticSampler: its position in the epoch."""
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), 0, name=f"elastic.{self.name}"))
+
+
+class TorchState(FrameworkState):
+    """Horovod's TorchState: model, optimizer, ElasticSampler and plain attributes, committed
+    (kept in memory), restored and synced from rank 0. The rows and server-optimizer state of
+    the tables that the model and optimizer put on the parameter server are committed per shard:
+    a commit costs each rank a copy of its own shard."""
+
+    HANDLERS = ((torch.nn.Module, ModelStateHandler), (torch.optim.Optimizer, OptimizerStateHandler),
+                (ElasticSampler, SamplerStateHandler))
+
+    def parts(self, value) -> list:
+        return list(value.modules()) if isinstance(value, torch.nn.Module) else [value]

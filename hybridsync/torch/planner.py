@@ -16,7 +16,7 @@ import torch
 from ..config import Config, ConfigError
 from ..plan import Plan, VariablePlan
 from ..routing import RouteResolver
-from ..sync.server_rules import server_rule
+from ..sync.planning import ps_embedding_plan, route_resolver
 from ..types import GradKind
 from .dynamic_embedding import DynamicEmbedding
 from .embedding import PS_MODULES
@@ -83,11 +83,9 @@ def apply_dynamic_rules(config: Config | None, named, model) -> None:
 
 def plan_for(optimizer, named, model, config: Config | None, compression_name: str, backend_name: str,
              world_size: int, backend_reason: str = "") -> tuple[Plan, RouteResolver]:
-    planner = RouteResolver(
-        config, has_model=model is not None, world_size=world_size, compression=compression_name,
-        server_rule=lambda name, param: server_rule(describe(optimizer, group_of(optimizer, param)), name),
-        applies_sparse=describe(optimizer, optimizer.param_groups[0]).applies_sparse,
-        optimizer_name=type(optimizer).__name__)
+    planner = route_resolver(config, lambda param: describe(optimizer, group_of(optimizer, param)),
+                             has_model=model is not None, world_size=world_size, compression=compression_name,
+                             optimizer_name=type(optimizer).__name__)
     sparse_ids, tied = sparse_parameter_ids(model), tied_dense_reasons(model)
     variables = []
     for name, p in named:
@@ -99,11 +97,7 @@ def plan_for(optimizer, named, model, config: Config | None, compression_name: s
                 v.reason = f"{tied[id(p)]}; {v.reason}"
         variables.append(v)
     for name, module in ps_modules(model):
-        v = VariablePlan(name=name, shape=module.shape, dtype="float32", kind=GradKind.SPARSE, route=None)
-        planner.decide(v, None, ps_module=True, table_layout=module.table.layout)
-        if not v.reason.startswith(("rule", "config")):
-            v.reason = "hybridsync.torch PS embedding: rows live on the shards"
-        variables.append(v)
+        variables.append(ps_embedding_plan(planner, name, module.table, "hybridsync.torch"))
     planner.check_strict(variables)
     plan = Plan(variables, framework="torch", backend=backend_name, world_size=world_size, backend_reason=backend_reason)
     return plan, planner

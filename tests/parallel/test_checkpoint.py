@@ -200,7 +200,7 @@ def rank_elastic(tmp, epochs):
     import hybridsync.elastic as elastic
 
     model, opt = _wrapped("adagrad")
-    state = elastic.State(f"{tmp}/elastic", model, opt, epoch=0, batch=0, seen=[])
+    state = elastic.CheckpointState(f"{tmp}/elastic", model, opt, epoch=0, batch=0, seen=[])
 
     def train(state):
         for state.epoch in state.remaining_epochs_until(int(epochs)):

@@ -44,5 +44,24 @@ def test_rank_size_and_allreduce_under_horovodrun():
     run_ranks(__file__, "rank_world", 2, "2", launcher=[horovodrun, "-np", "2"])
 
 
+def test_init_names_the_mpi_thread_level_it_needs():
+    # MPI initialised first with less than MPI_THREAD_MULTIPLE (as a library might): init() says
+    # what to set instead of letting the PS's and the heartbeat's threads race inside MPI.
+    import subprocess
+
+    code = ("import mpi4py; mpi4py.rc.thread_level = 'serialized'\n"
+            "from mpi4py import MPI\n"
+            "import hybridsync\n"
+            "from hybridsync.runtime import LaunchError\n"
+            "try:\n"
+            "    hybridsync.init()\n"
+            "except LaunchError as e:\n"
+            "    print('REFUSED:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert "REFUSED: MPI was initialised with MPI_THREAD_SERIALIZED" in out.stdout, out.stdout + out.stderr
+    assert "mpi4py.rc.thread_level" in out.stdout
+
+
 if __name__ == "__main__":
     rank_main(globals())

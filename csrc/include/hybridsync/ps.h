@@ -143,8 +143,18 @@ struct WaitPolicy {
   double peer_timeout_s = 60.0;   // a peer the heartbeat has not heard from this long fails the wait
 };
 
-// Messaging between ranks (csrc/transport/transport.h).
-class Transport;
+class Client;
+namespace detail {
+struct ClientState;  // a Client's private state (csrc/ps/client_impl.h)
+}  // namespace detail
+
+// This rank's Client over the transport registered as `transport` ("mpi": `native` is the
+// MPI_Comm* whose duplicate it uses). max_message_bytes: the largest single network message
+// (longer ones travel in fragments; <= 0: the network's own limit); it must be the same on
+// every rank. serve_in_background: a thread serves the peers while no caller is inside the
+// Client (off only in tests that need every step on the caller's thread).
+std::unique_ptr<Client> make_client(const std::string& transport, void* native, const WaitPolicy& wait,
+                                    int64_t max_message_bytes = 0, bool serve_in_background = true);
 
 // One rank's endpoint. Three kinds of methods:
 //  - collective: every rank calls them in the same order (else all throw, naming both calls);
@@ -155,9 +165,6 @@ class Transport;
 // One lock inside makes every method safe to call from several threads.
 class Client {
  public:
-  // serve_in_background: a thread serves the peers while no caller is inside the Client (off
-  // only in tests that need every step on the caller's thread).
-  explicit Client(std::unique_ptr<Transport> transport, bool serve_in_background = true);
   ~Client();
   // Stops serving the peers (before MPI is finalised); every later call throws. Call it after a
   // last barrier, so no peer still needs this rank's shards.
@@ -255,18 +262,10 @@ class Client {
   void set_tracing(bool on);
   std::vector<TraceEvent> take_trace();
 
-  // Private state (csrc/ps/client_impl.h), named here so internal helpers can take it.
-  struct Impl;
-
  private:
-  std::unique_ptr<Impl> impl_;
+  friend std::unique_ptr<Client> make_client(const std::string&, void*, const WaitPolicy&, int64_t, bool);
+  Client(std::unique_ptr<detail::ClientState> state, bool serve_in_background);
+  std::unique_ptr<detail::ClientState> impl_;
 };
-
-// This rank's Client over the transport registered as `transport` ("mpi": `native` is the
-// MPI_Comm* whose duplicate it uses). max_message_bytes: the largest single network message
-// (longer ones travel in fragments; <= 0: the network's own limit); it must be the same on
-// every rank.
-std::unique_ptr<Client> make_client(const std::string& transport, void* native, const WaitPolicy& wait,
-                                    int64_t max_message_bytes = 0, bool serve_in_background = true);
 
 }  // namespace hybridsync

@@ -1,0 +1,189 @@
+"""hvd.elastic.TorchState with tables on the parameter server (issue 23): Horovod's handler-based
+state, whose PS tables are committed and restored per shard by each rank locally.
+
+- commit / restore / sync with an Adagrad-trained table: restore() brings the rows, the server
+  optimizer's slots and step, the dense weights and the plain attributes back to the commit,
+  while every rank goes on training; sync() gives every rank rank 0's dense state; a
+  HorovodInternalError inside hvd.elastic.run restores the commit and is raised.
+- Memory: constructing the state costs a rank about its own shard, never the table; commit,
+  sync and restore then cost nearly nothing more.
+"""
+import resource
+
+import pytest
+
+from tests.parallel.harness import rank_main, run_ranks
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak() -> float:
+    """Starts a new peak-RSS window (Linux: clear_refs 5); the resident MiB now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _peak_mib()
+
+
+def _model(rows, dim):
+    import torch
+
+    import hybridsync.torch as hvd
+
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"emb": hvd.Embedding(rows, dim), "out": torch.nn.Linear(dim, 1)})
+
+
+def _step(model, opt, step):
+    import torch
+
+    import hybridsync.torch as hvd
+
+    g = torch.Generator().manual_seed(step * 101 + hvd.rank())
+    ids = torch.randint(0, model["emb"].num_embeddings, (64,), generator=g)
+    opt.zero_grad()
+    model["out"](model["emb"](ids)).pow(2).mean().backward()
+    opt.step()
+
+
+def _shards_table(table, slot=-1):
+    """The table (or a slot) assembled from every rank's own shard, gathered as objects."""
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.partition import Partition
+
+    shards, kind = table.layout
+    mine = ((table.engine.local_values(table.handle, slot), Partition(table.num_rows, shards, kind).rows_of(hybridsync.rank()))
+            if hybridsync.rank() < shards else (np.zeros((0, table.dim), np.float32), np.zeros(0, np.int64)))
+    full = np.zeros((table.num_rows, table.dim), np.float32)
+    for rows, ids in hybridsync.allgather_object(mine):
+        full[ids] = rows
+    return full
+
+
+def rank_commit_restore_sync():
+    import numpy as np
+    import torch
+
+    import hybridsync.torch as hvd
+
+    model = _model(3000, 8)
+    opt = hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model=model)
+    for step in range(2):
+        _step(model, opt, step)
+    table = model["emb"].table
+    with torch.no_grad():
+        model["out"].weight.fill_(float(hvd.rank()))  # sync must give every rank rank 0's
+    state = hvd.elastic.TorchState(model, opt, epoch=hvd.rank(), seen=[])
+    committed = {}
+
+    @hvd.elastic.run
+    def train(state):
+        assert state.epoch == 0 and bool(model["out"].weight.eq(0).all()), "sync() did not take rank 0's state"
+        for step in range(2, 4):
+            _step(model, opt, step)
+        state.epoch, state.seen = 1, [1]
+        state.commit()
+        committed.update(rows=_shards_table(table), slot=_shards_table(table, 0), step=table.step,
+                         weight=model["out"].weight.detach().clone())
+        for step in range(4, 6):  # the table, its slot and the dense weights move on
+            _step(model, opt, step)
+        state.epoch, state.seen = 2, [1, 2]
+        assert not np.array_equal(_shards_table(table), committed["rows"])
+        raise hvd.HorovodInternalError("a collective failed")  # run() restores the commit
+
+    try:
+        train(state)
+    except hvd.HorovodInternalError:
+        pass
+    else:
+        raise AssertionError("run() swallowed the HorovodInternalError")
+    # Every rank restored its own shard: the table is the committed one everywhere.
+    assert state.epoch == 1 and state.seen == [1], (state.epoch, state.seen)
+    np.testing.assert_array_equal(_shards_table(table), committed["rows"])
+    np.testing.assert_array_equal(_shards_table(table, 0), committed["slot"])
+    assert table.step == committed["step"] and torch.equal(model["out"].weight, committed["weight"])
+    _step(model, opt, 99)  # training goes on from the restored state, no rank waiting
+    assert not np.array_equal(_shards_table(table), committed["rows"])
+    print(f"rank {hvd.rank()}: ELASTIC-OK", flush=True)
+    _restore_matches_commit()
+
+
+def _restore_matches_commit():
+    """restore() after more steps gives exactly the committed rows, slots, step and weights."""
+    import numpy as np
+    import torch
+
+    import hybridsync.torch as hvd
+
+    model = _model(2000, 4)
+    opt = hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model=model)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
+    state.sync()
+    table = model["emb"].table
+    for step in range(3):
+        _step(model, opt, step)
+    state.batch = 3
+    state.commit()
+    want = (_shards_table(table), _shards_table(table, 0), table.step, model["out"].weight.detach().clone(),
+            {k: v.clone() for k, v in opt.state[model["out"].weight].items()})
+    for step in range(3, 6):
+        _step(model, opt, step)
+    state.batch = 6
+    state.restore()
+    assert state.batch == 3
+    np.testing.assert_array_equal(_shards_table(table), want[0])
+    np.testing.assert_array_equal(_shards_table(table, 0), want[1])
+    assert table.step == want[2], (table.step, want[2])
+    assert torch.equal(model["out"].weight, want[3])
+    assert all(torch.equal(opt.state[model["out"].weight][k], v) for k, v in want[4].items())
+    print(f"rank {hvd.rank()}: RESTORE-OK step={table.step}", flush=True)
+
+
+def rank_elastic_memory():
+    import gc
+
+    import torch
+
+    import hybridsync.torch as hvd
+
+    rows, dim = 800_000, 32  # 98 MiB
+    table_mib = rows * dim * 4 / 2**20
+    model = _model(rows, dim)  # rows seeded on the shards: no rank ever holds the table
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    _step(model, opt, 0)
+    shard_mib = model["emb"].table.engine.shard_rows(model["emb"].table.handle) * dim * 4 / 2**20
+    gc.collect()
+    before = _reset_peak()
+    state = hvd.elastic.TorchState(model, opt, epoch=0)
+    grown = {"construct": _peak_mib() - before}
+    for what in ("commit", "sync", "restore"):
+        _step(model, opt, 1)
+        gc.collect()
+        before = _reset_peak()
+        getattr(state, what)()
+        grown[what] = _peak_mib() - before
+    print(f"ELASTIC-MEMORY rank={hvd.rank()} table={table_mib:.1f} MiB shard={shard_mib:.1f} MiB "
+          + " ".join(f"{k}={v:.1f}" for k, v in grown.items()), flush=True)
+    assert grown["construct"] < shard_mib + 0.05 * table_mib, grown
+    for what in ("commit", "sync", "restore"):
+        assert grown[what] < 0.05 * table_mib, (what, grown)
+    _step(model, opt, 2)
+
+
+def rank_elastic_state():
+    rank_commit_restore_sync()
+    rank_elastic_memory()
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_torch_state_with_a_ps_table_commits_restores_and_syncs_holding_a_shard_per_rank(np_):
+    # One job per world size for both checks: starting jobs is what costs.
+    out = run_ranks(__file__, "rank_elastic_state", np_, timeout=240, env={"HYBRIDSYNC_TIMEOUT_S": "30"})
+    assert out.count("ELASTIC-OK") == np_ and out.count("RESTORE-OK") == np_ and out.count("ELASTIC-MEMORY") == np_
+
+
+if __name__ == "__main__":
+    rank_main(globals())
