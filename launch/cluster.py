@@ -215,6 +215,12 @@ class Cluster:
     def set_link(self, host: str, up: bool) -> None:
         """Takes the host's link down (it drops off the network) or back up."""
         _sh("ip", "link", "set", self._veth(host), "up" if up else "down")
+        if up:
+            # While the link was down the hosts' ARP lookups of each other failed, and the kernel
+            # keeps those answers: a new connection (the next job's daemon calling mpirun) would
+            # fail at once with "no route to host" until they expire. Forget them.
+            for name in self.names:
+                _sh("ip", "neigh", "flush", "all", ns=name)
 
     def lose_host_during(self, cmd: list[str], host: str, when: str, limit_s: float, env: dict | None = None,
                          cwd: str | None = None) -> "LostHostRun":
