@@ -8,43 +8,12 @@ state, whose PS tables are committed and restored per shard by each rank locally
 - Memory: constructing the state costs a rank about its own shard, never the table; commit,
   sync and restore then cost nearly nothing more.
 """
-import resource
 
 import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
-
-
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _reset_peak() -> float:
-    """Starts a new peak-RSS window (Linux: clear_refs 5); the resident MiB now."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _peak_mib()
-
-
-def _model(rows, dim):
-    import torch
-
-    import hybridsync.torch as hvd
-
-    torch.manual_seed(0)
-    return torch.nn.ModuleDict({"emb": hvd.Embedding(rows, dim), "out": torch.nn.Linear(dim, 1)})
-
-
-def _step(model, opt, step):
-    import torch
-
-    import hybridsync.torch as hvd
-
-    g = torch.Generator().manual_seed(step * 101 + hvd.rank())
-    ids = torch.randint(0, model["emb"].num_embeddings, (64,), generator=g)
-    opt.zero_grad()
-    model["out"](model["emb"](ids)).pow(2).mean().backward()
-    opt.step()
+from tests.parallel.memory import peak_mib as _peak_mib, reset_peak as _reset_peak
+from tests.parallel.ps_model import ps_model as _model, ps_step as _step
 
 
 def _shards_table(table, slot=-1):

@@ -7,22 +7,11 @@ layer's `weights` as a Keras embedding's would be, read and written one-sided.
 - Memory: the rank that reads or writes the table holds it once; the others nothing.
 - hvd.elastic.KerasState commits and restores the table per shard, the rest by value.
 """
-import resource
 
 import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
-
-
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _reset_peak() -> float:
-    """Starts a new peak-RSS window (Linux: clear_refs 5); the resident MiB now."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _peak_mib()
+from tests.parallel.memory import peak_mib as _peak_mib, reset_peak as _reset_peak
 
 
 def _model(rows, dim, name):

@@ -11,38 +11,18 @@ chunks, while the shards' owners go on training -- only when something needs the
   and no network message exceeds the limit.
 """
 import os
-import resource
 
 import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.memory import peak_mib as _peak_mib
+from tests.parallel.ps_model import ps_model, ps_step as _step
 
 ROWS, DIM = 5000, 8
 
 
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _model(rows=ROWS, dim=DIM):
-    import torch
-
-    import hybridsync.torch as hvd
-
-    torch.manual_seed(0)
-    return torch.nn.ModuleDict({"emb": hvd.Embedding(rows, dim), "out": torch.nn.Linear(dim, 1)})
-
-
-def _step(model, opt, step):
-    import torch
-
-    import hybridsync.torch as hvd
-
-    g = torch.Generator().manual_seed(step * 101 + hvd.rank())
-    ids = torch.randint(0, model["emb"].num_embeddings, (64,), generator=g)
-    opt.zero_grad()
-    model["out"](model["emb"](ids)).pow(2).mean().backward()
-    opt.step()
+    return ps_model(rows, dim)
 
 
 def _shards_table(engine, table):
