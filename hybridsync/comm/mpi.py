@@ -215,14 +215,9 @@ class MPICollectives:
         return handle.result
 
     def poll(self, handle) -> bool:
-        """Whether `handle` had finished when poll was called. An unfinished one also gets one
-        non-blocking step of progress, seen by the next poll or synchronize: progress comes after
-        the check, as with Horovod's background thread, so a just-submitted op never reads as done
-        merely because this rank lagged its peers."""
-        if handle.done:
-            return True
-        self._progress(block=False, waiting=None)
-        return False
+        if not handle.done:
+            self._progress(block=False, waiting=None)
+        return handle.done
 
     def _progress(self, block: bool, waiting):
         if self.size == 1:
