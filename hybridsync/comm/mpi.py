@@ -259,8 +259,12 @@ class MPICollectives:
 
     def _background_step(self) -> bool:
         """The progress thread's non-blocking step: True when an op finished. An error is handed
-        to every op in flight, for synchronize() to raise, instead of ending the thread."""
-        with self._progress_lock:
+        to every op in flight, for synchronize() to raise, instead of ending the thread. While a
+        synchronize() drives the negotiation itself, the thread stands aside (it would only take
+        the GIL from it at the moment its collective completes)."""
+        if not self._progress_lock.acquire(blocking=False):
+            return False
+        try:
             before = self._completed
             try:
                 self._progress(block=False, waiting=self._blocked_on[-1] if self._blocked_on else None)
@@ -273,6 +277,8 @@ class MPICollectives:
                 for handle in failed:
                     self._complete(handle, error=err)
                 return True
+        finally:
+            self._progress_lock.release()
 
     def _progress(self, block: bool, waiting) -> bool:
         """One round of negotiation (and the collectives it agrees on); False when not block

@@ -22,7 +22,8 @@ _STOP_WAIT_S = 5.0  # a step stuck in an agreed collective whose peer is gone en
 
 
 class ProgressThread:
-    """Calls `step()` (-> whether it moved anything) while `has_work()`; started by the first wake()."""
+    """Calls `step()` (-> whether it moved anything; False when the backend was busy on another
+    thread) while `has_work()`; started by the first wake()."""
 
     def __init__(self, name: str, step, has_work):
         self._name, self._step, self._has_work = name, step, has_work
@@ -55,11 +56,14 @@ class ProgressThread:
         pause = _FIRST_PAUSE_S
         while True:
             with self._cond:
+                idle = False
                 while not self._stopped and not self._has_work():
                     self._cond.wait()
-                    pause = _FIRST_PAUSE_S
+                    idle, pause = True, _FIRST_PAUSE_S
                 if self._stopped:
                     return
+            if idle:  # just submitted: a synchronize() right behind it runs it on its own thread
+                time.sleep(pause)
             if self._step():
                 pause = _FIRST_PAUSE_S
             else:
