@@ -135,6 +135,7 @@ class MPICollectives:
     ranks of its members, which root ranks refer to, as in Horovod)."""
 
     name = "mpi"
+    background = True  # a progress thread runs async collectives (False: at the next wait or poll)
 
     def __init__(self, comm, ranks=None, fast_path=True):
         self.comm = comm.Dup()  # our own channel: never matches the user's or the PS's messages
@@ -153,8 +154,8 @@ class MPICollectives:
         self._table_lock = threading.Lock()
         self._blocked_on: list[str] = []  # what synchronize() calls on this rank wait for
         self._completed = 0  # ops finished so far (the progress thread backs off while it stays put)
-        self._thread = ProgressThread(f"hybridsync-mpi-progress-{id(self):x}", self._background_step,
-                                      lambda: bool(self._pending or self._poison))
+        self._thread = (ProgressThread(f"hybridsync-mpi-progress-{id(self):x}", self._background_step,
+                                       lambda: bool(self._pending or self._poison)) if self.background else None)
 
     # -- submitting -----------------------------------------------------------------------------
     def submit(self, kind, name, payload=None, *, dtype="", shape=(), root=-1, op="", scales=(1.0, 1.0)) -> Handle:
@@ -171,7 +172,8 @@ class MPICollectives:
                 raise DuplicateNameError(f"{kind} '{name}' was submitted on rank {self.rank} while one with that "
                                          "name is still in flight; names of in-flight collectives must be unique")
             handle = self._pending[name] = Handle(desc, payload)
-        self._thread.wake()
+        if self._thread is not None:
+            self._thread.wake()
         return handle
 
     def _complete(self, handle, result=None, error=None) -> None:
@@ -250,9 +252,14 @@ class MPICollectives:
 
     def poll(self, handle) -> bool:
         """Whether `handle` has finished. Only reports: the progress thread does the work, so a
-        rank that lags its peers still finds a just-submitted op unfinished, as under Horovod."""
+        rank that lags its peers still finds a just-submitted op unfinished, as under Horovod.
+        (Without one, a non-blocking step of progress, then the state.)"""
         if handle.done:
             return True
+        if self._thread is None:
+            with self._progress_lock:
+                self._progress(block=False, waiting=None)
+            return handle.done
         self._thread.wake()
         time.sleep(0)  # a loop of polls holds the GIL: let the progress thread have it
         return False
@@ -517,7 +524,8 @@ class MPICollectives:
         self.synchronize(self.submit("process_set_remove", name, engine, shape=sorted(ranks)))
 
     def free(self) -> None:
-        self._thread.stop()
+        if self._thread is not None:
+            self._thread.stop()
         if self._fast is not None:
             self._fast.free()
         self.comm.Free()

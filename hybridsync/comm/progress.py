@@ -4,9 +4,9 @@ on a rank that lags its peers is not finished by the time that rank polls it.
 
 The thread sleeps on a condition variable while the backend has nothing in flight (it costs
 nothing between steps, and a DistributedOptimizer's verified fused all-reduce never wakes it);
-while work is in flight it calls the backend's non-blocking `step()` with a sleep back-off
-(capped at Horovod's 1 ms cycle) between calls that moved nothing. It is a daemon thread, and
-runtime.shutdown() stops it before MPI is finalised.
+once work is submitted it waits one cycle (Horovod's 1 ms), then calls the backend's non-blocking
+`step()`, with a sleep back-off (capped at a cycle) between calls that moved nothing. It is a
+daemon thread, and runtime.shutdown() stops it before MPI is finalised.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import time
 from .. import runtime
 from . import mpi_kernels as k
 
+_CYCLE_S = 1e-3  # Horovod's default cycle time
 _FIRST_PAUSE_S = 20e-6
-_MAX_PAUSE_S = 1e-3  # Horovod's default cycle time
 _STOP_WAIT_S = 5.0  # a step stuck in an agreed collective whose peer is gone ends in ~2.5 s (mpi_kernels)
 
 
@@ -62,10 +62,13 @@ class ProgressThread:
                     idle, pause = True, _FIRST_PAUSE_S
                 if self._stopped:
                     return
-            if idle:  # just submitted: a synchronize() right behind it runs it on its own thread
-                time.sleep(pause)
+            if idle:
+                # One cycle before the first round, as Horovod negotiates what was enqueued
+                # during a cycle: what is submitted right behind it (a synchronize(), the rest
+                # of a batch, a duplicate name) is negotiated with it, by the caller's own thread.
+                time.sleep(_CYCLE_S)
             if self._step():
                 pause = _FIRST_PAUSE_S
             else:
                 time.sleep(pause)
-                pause = min(pause * 2, _MAX_PAUSE_S)
+                pause = min(pause * 2, _CYCLE_S)
