@@ -53,20 +53,20 @@ class ProgressThread:
 
     def _loop(self) -> None:
         k.sleep_while_waiting()  # spinning here would take the GIL and a core from the caller
-        pause = _FIRST_PAUSE_S
+        pause, fresh = _FIRST_PAUSE_S, True  # (started by a submission)
         while True:
             with self._cond:
-                idle = False
                 while not self._stopped and not self._has_work():
                     self._cond.wait()
-                    idle, pause = True, _FIRST_PAUSE_S
+                    pause, fresh = _FIRST_PAUSE_S, True
                 if self._stopped:
                     return
-            if idle:
+            if fresh:
                 # One cycle before the first round, as Horovod negotiates what was enqueued
                 # during a cycle: what is submitted right behind it (a synchronize(), the rest
                 # of a batch, a duplicate name) is negotiated with it, by the caller's own thread.
                 time.sleep(_CYCLE_S)
+                fresh = False
             if self._step():
                 pause = _FIRST_PAUSE_S
             else:
