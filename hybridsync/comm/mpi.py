@@ -31,7 +31,7 @@ from .buckets import check_buffer
 from . import mpi_kernels as k
 from .mpi_kernels import wait_all
 from .negotiation import DUPLICATE, CollectiveMismatchError, Desc, analyze, digest, op_name
-from .progress import ProgressThread
+from .progress import CYCLE_S, ProgressThread
 
 __all__ = ["MPICollectives", "CollectiveMismatchError", "DuplicateNameError", "wait_all", "op_name"]
 
@@ -154,6 +154,8 @@ class MPICollectives:
         self._table_lock = threading.Lock()
         self._blocked_on: list[str] = []  # what synchronize() calls on this rank wait for
         self._completed = 0  # ops finished so far (the progress thread backs off while it stays put)
+        self._last_submit = 0.0  # when the newest op was submitted
+        self._first_unposted = None  # when the oldest op not in any round yet was submitted
         self._thread = (ProgressThread(f"hybridsync-mpi-progress-{id(self):x}", self._background_step,
                                        lambda: bool(self._pending or self._poison)) if self.background else None)
 
@@ -172,6 +174,9 @@ class MPICollectives:
                 raise DuplicateNameError(f"{kind} '{name}' was submitted on rank {self.rank} while one with that "
                                          "name is still in flight; names of in-flight collectives must be unique")
             handle = self._pending[name] = Handle(desc, payload)
+            self._last_submit = time.perf_counter()
+            if self._first_unposted is None:
+                self._first_unposted = self._last_submit
         if self._thread is not None:
             self._thread.wake()
         return handle
@@ -272,6 +277,12 @@ class MPICollectives:
         if not self._progress_lock.acquire(blocking=False):
             return False
         try:
+            if self._round is None and self._first_unposted is not None:
+                # Ops still being submitted (a batch, a duplicate name, a synchronize() right
+                # behind): negotiate them together once submissions pause for a cycle.
+                now = time.perf_counter()
+                if now - self._last_submit < CYCLE_S and now - self._first_unposted < 10 * CYCLE_S:
+                    return False
             before = self._completed
             try:
                 self._progress(block=False, waiting=self._blocked_on[-1] if self._blocked_on else None)
@@ -317,6 +328,7 @@ class MPICollectives:
             entries = [h.desc for h in self._pending.values()] + [Desc(DUPLICATE, n, kind)
                                                                    for n, kind in self._poison.items()]
             poisoned = bool(self._poison)
+            self._first_unposted = None
         rnd = _Round()
         rnd.entries = sorted(entries, key=lambda d: (d.name, d.kind == DUPLICATE))
         flags = (1 if self._joined_at is not None else 0) | (2 if poisoned else 0)

@@ -16,7 +16,7 @@ import time
 from .. import runtime
 from . import mpi_kernels as k
 
-_CYCLE_S = 1e-3  # Horovod's default cycle time
+CYCLE_S = 1e-3  # Horovod's default cycle time
 _FIRST_PAUSE_S = 20e-6
 _STOP_WAIT_S = 5.0  # a step stuck in an agreed collective whose peer is gone ends in ~2.5 s (mpi_kernels)
 
@@ -65,10 +65,10 @@ class ProgressThread:
                 # One cycle before the first round, as Horovod negotiates what was enqueued
                 # during a cycle: what is submitted right behind it (a synchronize(), the rest
                 # of a batch, a duplicate name) is negotiated with it, by the caller's own thread.
-                time.sleep(_CYCLE_S)
+                time.sleep(CYCLE_S)
                 fresh = False
             if self._step():
                 pause = _FIRST_PAUSE_S
             else:
                 time.sleep(pause)
-                pause = min(pause * 2, _CYCLE_S)
+                pause = min(pause * 2, CYCLE_S)
