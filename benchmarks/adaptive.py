@@ -127,6 +127,7 @@ def worker(args) -> None:
         result = {"model": args.model, "config": args.config, "ranks": size, "target": spec["target"],
                   "time_to_target_s": hit, "curve": curve, "final_batch": opt.adaptive.global_batch(),
                   "batches": sorted(set(batches)), "changes": loader.changes, "noise_scale": stats["noise_scale"],
+                  "by_variable": stats["by_variable"],
                   "steps": opt.adaptive.steps, "progress": opt.progress}
         print(MARK + " " + json.dumps(result), flush=True)
 

@@ -10,7 +10,8 @@ with k accumulation micro-steps on N ranks takes
 each line fitted by least squares to this world size's measurements. With one batch size seen so
 far, compute is taken as proportional to the batch and synchronisation as constant: the guess
 that favours a bigger batch, so the choice explores one, and the next fit corrects it. Statistical efficiency of a global batch M against the base M0 is the
-AdaScale gain per unit of scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale.
+AdaScale gain per unit of scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale;
+for tables of row-adaptive server rules, a per-row version of it (rows.py).
 """
 from __future__ import annotations
 
@@ -101,17 +102,28 @@ def _grid(lo: int, hi: int, points: int = 48) -> list[int]:
     return sorted(set(values.tolist()) | {lo, hi})
 
 
+def efficiency_of(noise) -> "callable":
+    """efficiency(batch, base) from a noise scale (Pollux's formula) or an efficiency model
+    (rows.Efficiency: per-row terms for tables of row-adaptive rules) given as such."""
+    if callable(noise):
+        return noise
+    return lambda batch, base: efficiency(batch, base, noise)
+
+
 def goodput(model: ThroughputModel, world: int, local_batch: int, accumulation: int, base_batch: float,
-            noise_scale: float) -> float:
+            noise_scale) -> float:
+    """noise_scale: a number, or an efficiency model (efficiency_of)."""
     batch = world * local_batch * accumulation
-    return model.throughput(world, local_batch, accumulation) * efficiency(batch, base_batch, noise_scale)
+    return model.throughput(world, local_batch, accumulation) * efficiency_of(noise_scale)(batch, base_batch)
 
 
-def choose_batch(model: ThroughputModel, world: int, base_batch: int, noise_scale: float, max_batch: int,
+def choose_batch(model: ThroughputModel, world: int, base_batch: int, noise_scale, max_batch: int,
                  local_bounds: tuple[int, int], max_accumulation: int = 1) -> BatchChoice:
     """The (local batch, accumulation) maximising predicted goodput with the global batch in
     [base_batch, max_batch] (never below the base: the LR rules assume scale >= 1) and the local
-    batch within local_bounds. Deterministic: the same inputs give the same choice on every rank."""
+    batch within local_bounds. noise_scale: a number or an efficiency model (efficiency_of).
+    Deterministic: the same inputs give the same choice on every rank."""
+    eff = efficiency_of(noise_scale)
     lo, hi = int(local_bounds[0]), int(local_bounds[1])
     if not 1 <= lo <= hi:
         raise ValueError(f"local_bsz_bounds must be 1 <= lo <= hi, got {local_bounds}")
@@ -123,9 +135,9 @@ def choose_batch(model: ThroughputModel, world: int, base_batch: int, noise_scal
                 continue
             g = goodput(model, world, b, k, base_batch, noise_scale)
             if best is None or g > best.goodput * (1 + 1e-12):
-                best = BatchChoice(b, k, world, g, efficiency(batch, base_batch, noise_scale))
+                best = BatchChoice(b, k, world, g, eff(batch, base_batch))
     if best is None:  # no allowed size reaches the base batch: the largest one allowed
         b = max(lo, min(hi, max_batch // world))
         best = BatchChoice(b, 1, world, goodput(model, world, b, 1, base_batch, noise_scale),
-                           efficiency(world * b, base_batch, noise_scale))
+                           eff(world * b, base_batch))
     return best

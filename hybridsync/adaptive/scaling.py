@@ -45,12 +45,18 @@ RULES = {"adascale": adascale, "sqrt": sqrt, "linear": linear}
 _ADAPTIVE_OPTIMIZERS = ("adam", "adagrad", "rmsprop", "adadelta", "adamax", "nadam", "lamb", "adafactor")
 
 
+def adapts_per_coordinate(optimizer_name: str) -> bool:
+    """Whether the optimizer (a class or server-rule name) steps each coordinate by its own
+    statistics (Adagrad, Adam...): its tables' efficiency is counted row by row (rows.py)."""
+    lowered = str(optimizer_name).lower()
+    return any(k in lowered for k in _ADAPTIVE_OPTIMIZERS)
+
+
 def rule_for(name: str | None, optimizer_class_name: str) -> str:
     """The rule's name: `name` when given ('auto' or None: adascale for SGD-like optimizers,
     sqrt for adaptive ones)."""
     if name in (None, "auto"):
-        lowered = optimizer_class_name.lower()
-        return "sqrt" if any(k in lowered for k in _ADAPTIVE_OPTIMIZERS) else "adascale"
+        return "sqrt" if adapts_per_coordinate(optimizer_class_name) else "adascale"
     if name not in RULES:
         raise ValueError(f"AdaptiveConfig.scaling_rule: unknown rule '{name}'; choose one of "
                          f"{', '.join(sorted(RULES))} or 'auto'")
