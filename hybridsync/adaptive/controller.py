@@ -22,6 +22,9 @@ class AdaptiveConfig:
     smoothing: the statistics' moving-average factor (closer to 1: smoother, slower).
     min_gain: a new batch size is taken only if its predicted goodput beats the current one's
         by this factor.
+    explore: how far beyond the largest local batch measured so far (at this world size) a
+        choice may go: the step-time lines are extrapolations there, so the batch grows by at
+        most this factor per decision and is measured before growing further.
     """
 
     scaling_rule: str | None = "auto"
@@ -29,6 +32,7 @@ class AdaptiveConfig:
     base_batch_size: int | None = None
     smoothing: float = 0.95
     min_gain: float = 1.05
+    explore: float = 2.0
 
     @classmethod
     def of(cls, value) -> "AdaptiveConfig | None":
@@ -140,6 +144,9 @@ class Adaptive:
         eff = self.efficiency_model()
         if eff is None:  # no statistics yet
             return None
+        lo, hi = local_bounds
+        hi = max(int(lo), min(int(hi), int(self.throughput.largest_measured(self.world) * self.config.explore)))
+        local_bounds = (lo, hi)
         best = choose_batch(self.throughput, self.world, self.base_batch, eff, max_batch, local_bounds,
                             max_accumulation)
         current = goodput(self.throughput, self.world, self.local_batch, self.accumulation, self.base_batch, eff)

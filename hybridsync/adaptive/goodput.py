@@ -57,6 +57,10 @@ class ThroughputModel:
         rows.append((float(local_batch), float(micro_s), float(sync_s)))
         del rows[:-self.window]
 
+    def largest_measured(self, world: int) -> int:
+        """The largest local batch whose step times were measured at this world size (0: none)."""
+        return int(max((r[0] for r in self._samples.get(int(world), [])), default=0))
+
     def fitted(self, world: int) -> bool:
         return bool(self._samples.get(int(world)))
 

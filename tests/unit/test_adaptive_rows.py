@@ -83,3 +83,16 @@ def test_profiles_survive_the_state_dict():
     b = Adaptive(AdaptiveConfig(local_batch_size=8), "Adagrad", world_size=3)
     b.load_state_dict(a.state_dict())
     assert b.efficiency_model()(64, 16) == pytest.approx(a.efficiency_model()(64, 16))
+
+
+def test_growth_is_bounded_by_what_was_measured():
+    """With one batch size measured, the step-time lines are a guess: a choice goes at most
+    `explore` times beyond the largest local batch measured, then further once that is measured."""
+    a = Adaptive(AdaptiveConfig(local_batch_size=16, explore=2.0), "SGD", world_size=2)
+    a.throughput.record(2, 16, 0.0001 * 16, 0.05)  # a large sync per step: the biggest batch looks best
+    a.stats.observe("w", 1.0 + 1e6 / 16, 16, 1.0 + 1e6 / 32, 32)  # all noise: no statistical cost
+    first = a.choose(4096, (8, 2048), 1)
+    assert first.local_batch == 32
+    a.set_batch(first.local_batch)
+    a.throughput.record(2, 32, 0.0001 * 32, 0.05)
+    assert a.choose(4096, (8, 2048), 1).local_batch == 64
