@@ -29,15 +29,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MARK = "ADAPTIVE-RESULT"
+ADAPTIVE = {"adaptive": "default", "adaptive-small": "small"}  # adaptive configurations: where they start
 HELD_OUT = 32768  # held-out samples: a loss measured on them varies little from one evaluation to the next
 
 # Per model: the base (default) global batch, the fixed sizes compared, the adaptive limits, the
-# loss target (set from a calibration run: a loss every configuration can reach within the budget).
+# loss target (set from a calibration run: a loss the small and default sizes reach within the
+# budget), and where the restart scenario moves from 2 to 3 ranks (samples).
 MODELS = {
     "dlrm": {"base": 512, "fixed": {"small": 128, "default": 512, "large": 4096}, "max_batch": 8192,
-             "local_bounds": (32, 4096), "lr": 0.05, "target": 0.26, "eval_every": 8192},
+             "local_bounds": (32, 4096), "lr": 0.05, "target": 0.26, "eval_every": 8192, "switch": 32768},
     "word2vec": {"base": 1024, "fixed": {"small": 256, "default": 1024, "large": 8192}, "max_batch": 16384,
-                 "local_bounds": (64, 8192), "lr": 0.2, "target": 2.38, "eval_every": 16384},
+                 "local_bounds": (64, 8192), "lr": 0.2, "target": 2.38, "eval_every": 16384, "switch": 262144},
 }
 
 
@@ -101,12 +103,13 @@ def worker(args) -> None:
     model, train, held, loss_of = (_dlrm if args.model == "dlrm" else _word2vec)(rank)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     # AdaptDL's semantics: batch_size is the smallest batch and the base of the learning rate;
-    # adaptive starts at the small batch and grows it when predicted goodput says so.
-    batch = spec["fixed"]["small" if args.config == "adaptive" else args.config]
+    # the batch only grows from there, when predicted goodput says so. `adaptive` starts where a
+    # user would (the default batch), `adaptive-small` at the small one.
+    batch = spec["fixed"][ADAPTIVE.get(args.config, args.config)]
     opt = hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=_lr(spec, batch)), model=model,
                                    adaptive={"scaling_rule": "sqrt", "base_batch_size": batch})
     loader = hvd.AdaptiveDataLoader(train, batch_size=batch, seed=3, interval=10, warmup=10)
-    if args.config == "adaptive":
+    if args.config in ADAPTIVE:
         loader.autoscale_batch_size(spec["max_batch"], local_bsz_bounds=spec["local_bounds"])
 
     def held_out() -> float:
@@ -209,7 +212,7 @@ def table(results: list) -> str:
     groups = sorted({(r["model"], r.get("scenario", "steady")) for r in results}, key=lambda g: (g[0], g[1] != "steady"))
     for model, scenario in groups:
         rows = [r for r in results if r["model"] == model and r.get("scenario", "steady") == scenario]
-        fixed = [r["time_to_target_s"] for r in rows if r["config"] != "adaptive" and r["time_to_target_s"]]
+        fixed = [r["time_to_target_s"] for r in rows if r["config"] not in ADAPTIVE and r["time_to_target_s"]]
         best = min(fixed) if fixed else None
         default = next((r["time_to_target_s"] for r in rows if r["config"] == "default"), None)
         where = "2 ranks" if scenario == "steady" else "2 -> 3 ranks"
@@ -248,7 +251,7 @@ def plot(results: list, path: Path) -> None:
         for r in rows:
             t, _, v = zip(*r["curve"])
             ax.plot(t, v, marker=".", label=f"{r['config']} ({' -> '.join(map(str, _batch_path(r)))})",
-                    linewidth=2.5 if r["config"] == "adaptive" else 1.2)
+                    linewidth=2.5 if r["config"] in ADAPTIVE else 1.2)
         target = rows[0]["target"]
         ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
         lowest = min(v for r in rows for _, _, v in r["curve"])
@@ -270,7 +273,7 @@ def main() -> None:
     parser.add_argument("--ckpt", default="")
     parser.add_argument("--switch", type=int, default=0)
     parser.add_argument("--models", nargs="+", default=sorted(MODELS))
-    parser.add_argument("--configs", nargs="+", default=["small", "default", "large", "adaptive"])
+    parser.add_argument("--configs", nargs="+", default=["small", "default", "large", "adaptive", "adaptive-small"])
     parser.add_argument("--scenarios", nargs="+", choices=["steady", "restart"], default=["steady", "restart"])
     parser.add_argument("--budget", type=float, default=25.0, help="training seconds at most per run")
     parser.add_argument("--repeats", type=int, default=5, help="runs per configuration (the table shows medians)")
@@ -288,6 +291,8 @@ def main() -> None:
         for scenario in args.scenarios:
             for model in args.models:
                 for config in args.configs:
+                    if scenario == "restart" and config == "adaptive-small":
+                        continue  # the restart compares the fixed sizes with `adaptive` only
                     r = run_scenario(model, config, scenario, args.budget)
                     print(f"{model:9s} {scenario:7s} {config:8s} time to target {r['time_to_target_s']}  samples "
                           f"{r['samples_to_target']}  batches {r['batches']}  noise scale {r['noise_scale']:.0f}",
@@ -295,6 +300,12 @@ def main() -> None:
                     runs.setdefault((scenario, model, config), []).append(r)
     results = [median_run(v) for v in runs.values()]
     RESULTS.mkdir(exist_ok=True)
+    saved = RESULTS / "adaptive.json"
+    if saved.exists():  # keep the saved results of the scenarios and models not run this time
+        ran = {(r["scenario"], r["model"]) for r in results}
+        results = [r for r in json.loads(saved.read_text()) if (r.get("scenario", "steady"), r["model"]) not in ran] + results
+    results.sort(key=lambda r: (r["model"], r.get("scenario", "steady") != "steady",
+                                [*MODELS[r["model"]]["fixed"], *ADAPTIVE].index(r["config"])))
     text = table(results)
     print(text)
     (RESULTS / "adaptive.json").write_text(json.dumps(results, indent=1))
