@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MARK = "ADAPTIVE-RESULT"
-ADAPTIVE = {"adaptive": "default", "adaptive-small": "small"}  # adaptive configurations: where they start
+ADAPTIVE = {"adaptive": "default"}  # the adaptive configuration: where it starts
 HELD_OUT = 32768  # held-out samples: a loss measured on them varies little from one evaluation to the next
 
 # Per model: the base (default) global batch, the fixed sizes compared, the adaptive limits, the
@@ -84,12 +83,6 @@ def _word2vec(rank):
     return model, torch.utils.data.TensorDataset(*train), held, loss_of
 
 
-def _lr(spec: dict, batch: int) -> float:
-    """The square-root rule's learning rate at `batch`: every configuration trains at the same
-    learning rate for the same batch, fixed or adaptive."""
-    return spec["lr"] * math.sqrt(batch / spec["base"])
-
-
 def worker(args) -> None:
     import torch
 
@@ -102,12 +95,13 @@ def worker(args) -> None:
     spec = MODELS[args.model]
     model, train, held, loss_of = (_dlrm if args.model == "dlrm" else _word2vec)(rank)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    # AdaptDL's semantics: batch_size is the smallest batch and the base of the learning rate;
-    # the batch only grows from there, when predicted goodput says so. `adaptive` starts where a
-    # user would (the default batch), `adaptive-small` at the small one.
+    # Every configuration: the learning rate written for the default batch, scaled by the rule
+    # Adagrad gets ('auto': hybridsync.adaptive.scaling.adagrad) at other sizes. `adaptive` starts
+    # at the default batch (AdaptDL's semantics: batch_size is the smallest batch, the batch
+    # only grows, when predicted goodput says so).
     batch = spec["fixed"][ADAPTIVE.get(args.config, args.config)]
-    opt = hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=_lr(spec, batch)), model=model,
-                                   adaptive={"scaling_rule": "sqrt", "base_batch_size": batch})
+    opt = hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=spec["lr"]), model=model,
+                                   adaptive={"scaling_rule": "auto", "base_batch_size": spec["base"]})
     loader = hvd.AdaptiveDataLoader(train, batch_size=batch, seed=3, interval=10, warmup=10)
     if args.config in ADAPTIVE:
         loader.autoscale_batch_size(spec["max_batch"], local_bsz_bounds=spec["local_bounds"])
@@ -273,7 +267,7 @@ def main() -> None:
     parser.add_argument("--ckpt", default="")
     parser.add_argument("--switch", type=int, default=0)
     parser.add_argument("--models", nargs="+", default=sorted(MODELS))
-    parser.add_argument("--configs", nargs="+", default=["small", "default", "large", "adaptive", "adaptive-small"])
+    parser.add_argument("--configs", nargs="+", default=["small", "default", "large", "adaptive"])
     parser.add_argument("--scenarios", nargs="+", choices=["steady", "restart"], default=["steady", "restart"])
     parser.add_argument("--budget", type=float, default=25.0, help="training seconds at most per run")
     parser.add_argument("--repeats", type=int, default=5, help="runs per configuration (the table shows medians)")
@@ -291,8 +285,6 @@ def main() -> None:
         for scenario in args.scenarios:
             for model in args.models:
                 for config in args.configs:
-                    if scenario == "restart" and config == "adaptive-small":
-                        continue  # the restart compares the fixed sizes with `adaptive` only
                     r = run_scenario(model, config, scenario, args.budget)
                     print(f"{model:9s} {scenario:7s} {config:8s} time to target {r['time_to_target_s']}  samples "
                           f"{r['samples_to_target']}  batches {r['batches']}  noise scale {r['noise_scale']:.0f}",

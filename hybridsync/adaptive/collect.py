@@ -12,8 +12,6 @@ import time
 
 import numpy as np
 
-from .scaling import adapts_per_coordinate
-
 
 def squared_norm(buffer) -> float:
     """|buffer|^2 in float64, for NumPy arrays and tensors (torch/TF) alike."""
@@ -35,7 +33,6 @@ class StepRecorder:
         self._dense_in: dict[str, float] = {}
         self._dense_out: dict[str, float] = {}
         self._ps: list = []  # (name, local_sq, combined_sq, sizes) of rounds completed
-        self._rows: dict = {}  # table -> ids this rank pushed this step (row-adaptive rules only)
         self._rounds: dict[str, int] = {}  # table -> newest round seen
         self._sizes_pushed = None  # (samples per rank, accumulation) of the previous push
         self._sync_start = None
@@ -63,12 +60,6 @@ class StepRecorder:
         sizes = self.adaptive.sizes() if current else self._sizes_pushed
         if sizes is not None:
             self._ps.append((name, stats["local_sq"], stats["combined_sq"], sizes))
-
-    def ps_rows(self, name: str, ids, rule: str) -> None:
-        """The ids a table's push carries (one per occurrence in this rank's samples): the
-        row profile of a table whose server rule adapts per row (rows.py)."""
-        if adapts_per_coordinate(rule):
-            self._rows[name] = ids
 
     # -- once per step ----------------------------------------------------------------------------
     def end_step(self, allgather_object) -> None:
@@ -101,10 +92,6 @@ class StepRecorder:
         self._dense_in.clear()
         self._dense_out.clear()
         self._ps.clear()
-        if per_rank:
-            for name, ids in self._rows.items():
-                adaptive.observe_rows(name, ids, per_rank * accum)
-        self._rows.clear()
         self._sizes_pushed = adaptive.sizes() if per_rank else None
         self._pending_sync_s = sync_s
 

@@ -3,11 +3,11 @@ model, batch size and scale-invariant progress. Framework-neutral; the frontends
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from . import scaling
 from .gns import GradientStats
-from .goodput import BatchChoice, ThroughputModel, choose_batch, goodput
-from .rows import RowProfile, efficiency_model
+from .goodput import BatchChoice, ThroughputModel, choose_batch, efficiency, goodput
 
 
 @dataclasses.dataclass
@@ -56,7 +56,6 @@ class Adaptive:
         self.config = config
         self.rule = None if config.scaling_rule is None else scaling.rule_for(config.scaling_rule, optimizer_class_name)
         self.stats = GradientStats(config.smoothing)
-        self.profiles: dict[str, RowProfile] = {}  # tables of row-adaptive server rules (rows.py)
         self.throughput = ThroughputModel()
         self.world = world_size
         self.local_batch = int(config.local_batch_size) if config.local_batch_size else 0
@@ -119,41 +118,25 @@ class Adaptive:
     def noise_scale(self) -> float:
         return self.stats.summary()["noise_scale"]
 
-    def observe_rows(self, name: str, ids, samples: int) -> None:
-        """A table of a row-adaptive server rule pushed these ids (one per occurrence) for
-        `samples` samples: its row profile, for the per-row efficiency."""
-        profile = self.profiles.get(name)
-        if profile is None:
-            profile = self.profiles[name] = RowProfile(self.config.smoothing)
-        profile.observe(ids, samples)
-
-    def efficiency_model(self):
-        """efficiency(batch, base) of the current statistics (rows.efficiency_model), or None
-        without statistics."""
-        if not self.stats.ready():
-            return None
-        model = efficiency_model(self.stats.by_variable(), self.profiles)
-        return model if model is not None else (lambda batch, base: 1.0)
-
     def choose(self, max_batch: int, local_bounds: tuple[int, int], max_accumulation: int) -> BatchChoice | None:
         """The batch to use from now on, or None to keep the current one: a new one only when
         its predicted goodput beats the current one's by min_gain. Deterministic in the shared
         statistics and step times, so every rank decides the same."""
         if not self.throughput.fitted(self.world) or not self.base_batch:
             return None
-        eff = self.efficiency_model()
-        if eff is None:  # no statistics yet
+        phi = self.noise_scale()
+        if math.isnan(phi):  # no statistics yet (inf is fine: all noise)
             return None
         lo, hi = local_bounds
         hi = max(int(lo), min(int(hi), int(self.throughput.largest_measured(self.world) * self.config.explore)))
         local_bounds = (lo, hi)
-        best = choose_batch(self.throughput, self.world, self.base_batch, eff, max_batch, local_bounds,
+        best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, local_bounds,
                             max_accumulation)
-        current = goodput(self.throughput, self.world, self.local_batch, self.accumulation, self.base_batch, eff)
+        current = goodput(self.throughput, self.world, self.local_batch, self.accumulation, self.base_batch, phi)
         if (best.local_batch, best.accumulation) == (self.local_batch, self.accumulation) or \
                 best.goodput < current * self.config.min_gain:  # keep the batch in force
             self.choice = BatchChoice(self.local_batch, self.accumulation, self.world, current,
-                                      eff(self.global_batch(), self.base_batch))
+                                      efficiency(self.global_batch(), self.base_batch, phi))
             return None
         self.choice = best
         return best
@@ -161,26 +144,20 @@ class Adaptive:
     def summary(self) -> dict:
         """What explain() and the timeline show."""
         s = self.stats.summary()
-        eff = self.efficiency_model()
         return {"noise_scale": s["noise_scale"], "sqr": s["sqr"], "var": s["var"], "local_batch": self.local_batch,
                 "accumulation": self.accumulation, "global_batch": self.global_batch(), "base_batch": self.base_batch,
                 "scale": self.scale(), "gain": self.last_gain, "lr_factor": self.last_factor, "rule": self.rule,
                 "progress": self.progress, "steps": self.steps,
-                "efficiency": eff(self.global_batch(), self.base_batch or 1) if eff is not None else 1.0}
+                "efficiency": efficiency(self.global_batch(), self.base_batch or 1, s["noise_scale"])}
 
     def state_dict(self) -> dict:
         return {"stats": self.stats.state_dict(), "throughput": self.throughput.state_dict(),
                 "local_batch": self.local_batch, "accumulation": self.accumulation, "base_batch": self.base_batch,
-                "progress": self.progress, "steps": self.steps, "world": self.world,
-                "row_profiles": {name: p.state() for name, p in self.profiles.items()}}
+                "progress": self.progress, "steps": self.steps, "world": self.world}
 
     def load_state_dict(self, state: dict) -> None:
         self.stats.load_state_dict(state.get("stats", {}))
         self.throughput.load_state_dict(state.get("throughput", {}))
-        self.profiles = {}
-        for name, saved in state.get("row_profiles", {}).items():
-            self.profiles[name] = RowProfile(self.config.smoothing)
-            self.profiles[name].load(saved)
         self.base_batch = int(state.get("base_batch") or self.base_batch)
         self.progress = float(state.get("progress", 0.0))
         self.steps = int(state.get("steps", 0))

@@ -8,10 +8,13 @@ with k accumulation micro-steps on N ranks takes
                                                                   PS push: grows with the rows)
 
 each line fitted by least squares to this world size's measurements. With one batch size seen so
-far, compute is taken as proportional to the batch and synchronisation as constant: the guess
-that favours a bigger batch, so the choice explores one, and the next fit corrects it. Statistical efficiency of a global batch M against the base M0 is the
-AdaScale gain per unit of scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale;
-for tables of row-adaptive server rules, a per-row version of it (rows.py).
+far, the lines cannot be told apart from a constant: the whole step is taken as fixed cost, the
+guess most favourable to a bigger batch (optimism where nothing is known), so the choice tries
+one -- at most AdaptiveConfig.explore times the largest measured -- whenever the statistical
+efficiency lost there could be paid for, and the next fit, from two sizes, corrects the guess.
+(Taking compute as proportional to the batch instead would never explore: a job whose steps are
+mostly per-step overhead would stay at its first batch.) Statistical efficiency of a global batch M against the base M0 is the
+AdaScale gain per unit of scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ class ThroughputModel:
         if not rows:
             raise ValueError(f"no step times measured at world size {world} yet")
         b, micro, sync = zip(*rows)
-        return (*_line(b, micro), *_line(b, sync, constant_if_unknown=True))
+        return (*_line(b, micro, constant_if_unknown=True), *_line(b, sync, constant_if_unknown=True))
 
     def step_time(self, world: int, local_batch: float, accumulation: int = 1) -> float:
         ac, bc, as_, bs = self.params(world)
@@ -106,28 +109,17 @@ def _grid(lo: int, hi: int, points: int = 48) -> list[int]:
     return sorted(set(values.tolist()) | {lo, hi})
 
 
-def efficiency_of(noise) -> "callable":
-    """efficiency(batch, base) from a noise scale (Pollux's formula) or an efficiency model
-    (rows.Efficiency: per-row terms for tables of row-adaptive rules) given as such."""
-    if callable(noise):
-        return noise
-    return lambda batch, base: efficiency(batch, base, noise)
-
-
 def goodput(model: ThroughputModel, world: int, local_batch: int, accumulation: int, base_batch: float,
-            noise_scale) -> float:
-    """noise_scale: a number, or an efficiency model (efficiency_of)."""
+            noise_scale: float) -> float:
     batch = world * local_batch * accumulation
-    return model.throughput(world, local_batch, accumulation) * efficiency_of(noise_scale)(batch, base_batch)
+    return model.throughput(world, local_batch, accumulation) * efficiency(batch, base_batch, noise_scale)
 
 
-def choose_batch(model: ThroughputModel, world: int, base_batch: int, noise_scale, max_batch: int,
+def choose_batch(model: ThroughputModel, world: int, base_batch: int, noise_scale: float, max_batch: int,
                  local_bounds: tuple[int, int], max_accumulation: int = 1) -> BatchChoice:
     """The (local batch, accumulation) maximising predicted goodput with the global batch in
     [base_batch, max_batch] (never below the base: the LR rules assume scale >= 1) and the local
-    batch within local_bounds. noise_scale: a number or an efficiency model (efficiency_of).
-    Deterministic: the same inputs give the same choice on every rank."""
-    eff = efficiency_of(noise_scale)
+    batch within local_bounds. Deterministic: the same inputs give the same choice on every rank."""
     lo, hi = int(local_bounds[0]), int(local_bounds[1])
     if not 1 <= lo <= hi:
         raise ValueError(f"local_bsz_bounds must be 1 <= lo <= hi, got {local_bounds}")
@@ -139,9 +131,9 @@ def choose_batch(model: ThroughputModel, world: int, base_batch: int, noise_scal
                 continue
             g = goodput(model, world, b, k, base_batch, noise_scale)
             if best is None or g > best.goodput * (1 + 1e-12):
-                best = BatchChoice(b, k, world, g, eff(batch, base_batch))
+                best = BatchChoice(b, k, world, g, efficiency(batch, base_batch, noise_scale))
     if best is None:  # no allowed size reaches the base batch: the largest one allowed
         b = max(lo, min(hi, max_batch // world))
         best = BatchChoice(b, 1, world, goodput(model, world, b, 1, base_batch, noise_scale),
-                           eff(world * b, base_batch))
+                           efficiency(world * b, base_batch, noise_scale))
     return best

@@ -45,11 +45,6 @@ class _PSRoute(Synchronizer):
             if var.table is not None:
                 stats.ps_round(var.name, var.table.engine.round_stats(var.table.handle), current)
 
-    def _record_rows(self, var: Variable, ids) -> None:
-        """Gradient statistics: the ids pushed, for the row profile of adaptive server rules."""
-        if self.ctx.stats is not None and len(ids):
-            self.ctx.stats.ps_rows(var.name, ids, var.plan.optimizer.get("name", ""))
-
     def state_dict(self) -> dict:
         """The server optimizer state of every table, as views that read their rows from the
         shards only when asked (no collective: any rank may call it alone)."""
@@ -82,7 +77,6 @@ class ShardedPS(_PSRoute):
                 continue
             tables.append(var.table)
             ids.append(got[0])
-            self._record_rows(var, got[0])
             grads.append(_table_rows(got[1], var.dim))
             lrs.append(self._lr(var))
             accounting.ps_sharded(var.plan, var.table.pulled_rows, var.dim)
@@ -155,7 +149,6 @@ class ReplicatedPS(_PSRoute):
             got = var.access.rows()
             i, v = got if got is not None else _no_rows(var.dim)
             ids.append(i)
-            self._record_rows(var, i)
             grads.append(_table_rows(v, var.dim))
             lrs.append(self._lr(var))
         tables = [var.table for var in self.variables]
