@@ -1,18 +1,29 @@
 """Adaptive batch size (hybridsync.adaptive) against fixed batch sizes: wall-clock training time
-to a fixed validation loss, DLRM and word2vec, 2 ranks.
+to a fixed validation loss, DLRM and word2vec, at 2 ranks and across an elastic restart from 2
+to 3 ranks.
 
-    python benchmarks/adaptive.py                  # every model and configuration, 3 runs each; table, JSON, PNG
-    python benchmarks/adaptive.py --models dlrm    # one model
+    python benchmarks/adaptive.py --scenarios steady --repeats 5    # 2 ranks (about 17 minutes)
+    python benchmarks/adaptive.py --scenarios restart --repeats 3   # 2 -> 3 ranks (about 15 minutes)
+    python benchmarks/adaptive.py --models dlrm --scenarios steady  # one model
+    python benchmarks/adaptive.py --rerender                        # table and plot from the JSON
     mpirun -np 2 python benchmarks/adaptive.py --worker --model dlrm --config adaptive   # one run
 
 Each run trains for at most --budget seconds of training time on a fixed in-memory training set
 (examples/torch_dlrm.py's SyntheticCriteo, examples/torch_word2vec.py's skip-gram pairs; tables
-smaller than the examples' so a run is short) and measures the loss on a fixed held-out set
-every --eval-every global samples (evaluation time is not counted). Every configuration uses
-the same optimizer, base learning rate and scaling rule (Adagrad: the square-root rule), through
-hybridsync.torch.AdaptiveDataLoader: the fixed sizes with autoscale off, `adaptive` with
+smaller than the examples' so a run is short) and measures the loss on a fixed held-out set of
+HELD_OUT samples every `eval_every` global samples (evaluation time is not counted). Every
+configuration uses Adagrad with the same learning rate, written for the default batch, and the
+same scaling rule ('auto': the adagrad rule) through hybridsync.torch.AdaptiveDataLoader: the
+fixed sizes with autoscale off, `adaptive` starting at the default batch with
 loader.autoscale_batch_size() choosing the batch from the measured noise scale and step times.
-The time to the target is the training time at the first evaluation at or below it.
+The time to the target is the training time at the first evaluation at or below it. The
+repeats run interleaved (every configuration once, then again), so a drift in the shared
+machine's load hits all of them; the table shows each configuration's median run.
+
+The restart scenario trains `switch` samples at 2 ranks, saves a checkpoint
+(hybridsync.save_checkpoint: model, server state, the adaptive statistics, batch and progress),
+and continues at 3 ranks from it (hybridsync.load_checkpoint; the batch is chosen again for the
+new world size); the time is both phases' training time.
 """
 from __future__ import annotations
 
