@@ -388,6 +388,19 @@ void DynamicStore::write(std::unique_ptr<Shard>& arena, const int64_t* ids, int6
   }
 }
 
+void DynamicStore::clear() {
+  rows_.clear();
+  counts_.clear();
+  last_.clear();
+  pending_.clear();
+  pending_counts_.clear();
+  pending_last_.clear();
+  touched_.clear();
+  touched_first_ = 0;
+  fresh_ids_.clear();
+  fresh_rows_.clear();
+}
+
 DynamicState DynamicStore::state(const Shard& arena) const {
   DynamicState s;
   s.dim = dim_;

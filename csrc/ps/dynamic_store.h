@@ -85,6 +85,9 @@ class DynamicStore {
   template <class Mine>
   void restore(std::unique_ptr<Shard>& arena, const DynamicState& s, Mine mine);
   DynamicStats stats(const Shard& arena) const;
+  // Forgets every stored row and pending id (a checkpoint load replaces the shard's contents);
+  // the map keeps its buckets and the arena its pages.
+  void clear();
   int64_t stored() const { return rows_.size(); }
   // The initial row of `id`: a pure function of (seed, id).
   void initial_row(int64_t id, float* out) const;

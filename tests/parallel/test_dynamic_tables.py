@@ -217,16 +217,16 @@ def test_dynamic_tables_parity_at_2_3_1_ranks_checkpoint_across_them_and_bad_inp
     run_ranks(__file__, "rank_scenario", 1, path, "corrupt", timeout=240)
 
 
-def _everything(model):
-    """Per table: every stored id (sorted), its row and slots, counts and last touches, gathered."""
+def snapshot(tables):
+    """Per table ({name: DynamicTable}): every stored id (sorted), its row and slots, counts, last
+    touches and pending ids, gathered from every shard (PyTorch and Keras alike)."""
     import numpy as np
 
-    import hybridsync.torch as hvd
+    from hybridsync import comm
 
     out = {}
-    for name, _, _ in TABLES:
-        table = getattr(model, name).table
-        parts = hvd.allgather_object(table.shard_state())
+    for name, table in tables.items():
+        parts = comm.objects().allgather_object(table.shard_state(), name="test.snapshot")
         ids = np.concatenate([p["ids"] for p in parts])
         order = np.argsort(ids)
         out[f"{name}.ids"] = ids[order]
@@ -237,6 +237,10 @@ def _everything(model):
         for k, slot in enumerate(table.slot_names):
             out[f"{name}.slot.{slot}"] = table.read_rows(ids[order], slot=k)
     return out
+
+
+def _everything(model):
+    return snapshot({name: getattr(model, name).table for name, _, _ in TABLES})
 
 
 def _save(path, model, opt):
