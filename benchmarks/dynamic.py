@@ -21,7 +21,9 @@ give or take collisions. `--repeats` blocks of `--timed` alternating steps each 
 Memory per stored row: the growth of each rank's resident memory from before the dynamic table
 existed, over the rows it stores (target: <= payload + optimizer slots + 32 bytes), next to the
 engine's own accounting. Measured at the peak -- after the last step before the shard's
-first batch eviction, when it holds nearly all of its share -- and at the end of the filling phase, where the shard
+first batch eviction, when it holds nearly all of its share --, as the growth per row added
+between a quarter of the peak and the peak (what a row costs, without the buffers every step
+needs whatever the table holds), and at the end of the filling phase, where the shard
 holds 7/8 to all of its share while its arena keeps the pages of the whole share.
 """
 from __future__ import annotations
@@ -178,6 +180,13 @@ def _report(args, results) -> dict:
     def block(key, b):  # median over ranks of each rank's median in block b
         return med([med(r[key][b * n:(b + 1) * n]) for r in results])
 
+    def marginal(r):  # RSS per row added while filling, from a quarter of the peak to the peak
+        peak = r["peak"]
+        if not peak:
+            return None
+        start = next(p for p in r["timeline"] if p["stored"] >= peak["stored"] / 4)
+        return (peak["rss"] - start["rss"]) / max(peak["stored"] - start["stored"], 1)
+
     ratios = [block("dyn_ms", b) / block("fixed_ms", b) for b in range(args.repeats)]
     dyn_ms = med([med(r["dyn_ms"]) for r in results])
     fixed_ms = med([med(r["fixed_ms"]) for r in results])
@@ -190,6 +199,7 @@ def _report(args, results) -> dict:
         "step_ms_dynamic": dyn_ms, "step_ms_fixed": fixed_ms, "ratios": ratios, "ratio": med(ratios),
         "ratio_target": 1.25,
         "rss_bytes_per_row_peak": [r["rss_bytes_per_row_peak"] for r in results],
+        "rss_bytes_per_added_row": [marginal(r) for r in results],
         "engine_bytes_per_row_peak": [r["engine_bytes_per_row_peak"] for r in results],
         "rss_bytes_per_row": [r["rss_bytes_per_row"] for r in results],
         "engine_bytes_per_row": [r["engine_bytes_per_row"] for r in results],
@@ -212,6 +222,8 @@ def _report(args, results) -> dict:
         f"{summary['bytes_per_row_target']} B):",
         f"  shard full (the step before its first eviction): RSS growth "
         f"{show(summary['rss_bytes_per_row_peak'])}; engine accounting {show(summary['engine_bytes_per_row_peak'])}",
+        f"  while filling (RSS per row added, from a quarter of the peak to the peak): "
+        f"{show(summary['rss_bytes_per_added_row'])}",
         f"  end of filling (7/8 to all of the share stored, pages of the whole share kept): RSS growth "
         f"{show(summary['rss_bytes_per_row'])}; engine accounting {show(summary['engine_bytes_per_row'])}",
         f"end: {summary['stored_final']:,} rows stored, {summary['evicted_final']:,} evicted",
