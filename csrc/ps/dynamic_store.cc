@@ -166,19 +166,35 @@ DynamicStore::DynamicStore(std::string table, const DynamicSpec& spec, int64_t s
 
 int64_t DynamicStore::arena_rows() const { return share_ > 0 ? share_ : kFirstArenaRows; }
 
-void DynamicStore::initial_row(int64_t id, float* out) const {
+void DynamicStore::initial_row(int64_t id, float* out) const { initial_rows(&id, 1, out); }
+
+void DynamicStore::initial_rows(const int64_t* ids, int64_t n, float* out) const {
   const auto a = static_cast<float>(spec_.init_a), b = static_cast<float>(spec_.init_b);
   if (spec_.init != "normal") {
-    for (int64_t j = 0; j < dim_; ++j) out[j] = uniform_value(element_key(spec_.seed, static_cast<uint64_t>(id), dim_, j), a, b);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < dim_; ++j) {
+        out[i * dim_ + j] = uniform_value(element_key(spec_.seed, static_cast<uint64_t>(ids[i]), dim_, j), a, b);
+      }
+    }
     return;
   }
   // Columns 2k and 2k+1 share the key of column k: one Box-Muller pair each.
-  float pair[2];
-  for (int64_t j = 0; j < dim_; j += 2) {
-    normal_pair(element_key(spec_.seed, static_cast<uint64_t>(id), dim_, j / 2), a, b, pair);
-    out[j] = pair[0];
-    if (j + 1 < dim_) out[j + 1] = pair[1];
+  const int64_t pairs = (dim_ + 1) / 2;
+  std::vector<uint32_t> u1(static_cast<size_t>(n * pairs)), u2(static_cast<size_t>(n * pairs));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t k = 0; k < pairs; ++k) {
+      const uint64_t key = element_key(spec_.seed, static_cast<uint64_t>(ids[i]), dim_, k);
+      u1[static_cast<size_t>(i * pairs + k)] = normal_u1_bits(key);
+      u2[static_cast<size_t>(i * pairs + k)] = normal_u2_bits(key);
+    }
   }
+  if (dim_ % 2 == 0) {  // the pairs of row i are its columns
+    normal_pairs(u1.data(), u2.data(), n * pairs, a, b, out);
+    return;
+  }
+  std::vector<float> both(static_cast<size_t>(n * pairs * 2));
+  normal_pairs(u1.data(), u2.data(), n * pairs, a, b, both.data());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * dim_, both.data() + i * pairs * 2, dim_ * sizeof(float));
 }
 
 void DynamicStore::grow(std::unique_ptr<Shard>& arena, int64_t rows) {
@@ -439,6 +455,7 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
 void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float* out, int slot) const {
   std::vector<int64_t> pos(static_cast<size_t>(n));
   rows_.find_many(ids, n, pos.data());
+  std::vector<int64_t> fresh;  // positions in ids of rows not stored nor cached: computed together
   constexpr int64_t ahead = 8;
   for (int64_t i = 0; i < n; ++i) {
     if (i + ahead < n && pos[i + ahead] >= 0) __builtin_prefetch(arena.row_of(slot, pos[i + ahead]));
@@ -449,15 +466,25 @@ void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float
       const int64_t cached = fresh_ids_.find(ids[i]);
       if (cached >= 0) {
         std::memcpy(dst, fresh_rows_.data() + cached * dim_, dim_ * sizeof(float));
-        continue;
-      }
-      initial_row(ids[i], dst);
-      if (fresh_ids_.size() < kFreshRowsMax) {
-        fresh_ids_.insert(ids[i]);
-        fresh_rows_.insert(fresh_rows_.end(), dst, dst + dim_);
+      } else {
+        fresh.push_back(i);
       }
     } else {
       std::fill(dst, dst + dim_, arena.rule().slot_init(slot));
+    }
+  }
+  if (fresh.empty()) return;
+  std::vector<int64_t> fresh_ids(fresh.size());
+  for (size_t k = 0; k < fresh.size(); ++k) fresh_ids[k] = ids[fresh[k]];
+  std::vector<float> rows(fresh.size() * static_cast<size_t>(dim_));
+  initial_rows(fresh_ids.data(), static_cast<int64_t>(fresh.size()), rows.data());
+  for (size_t k = 0; k < fresh.size(); ++k) {
+    const float* row = rows.data() + k * dim_;
+    std::memcpy(out + fresh[k] * dim_, row, dim_ * sizeof(float));
+    // The push that follows admits these ids: it copies them from here.
+    if (fresh_ids_.size() < kFreshRowsMax && fresh_ids_.find(fresh_ids[k]) < 0) {
+      fresh_ids_.insert(fresh_ids[k]);
+      fresh_rows_.insert(fresh_rows_.end(), row, row + dim_);
     }
   }
 }

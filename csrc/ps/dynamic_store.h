@@ -100,6 +100,8 @@ class DynamicStore {
   int64_t stored() const { return rows_.size(); }
   // The initial row of `id`: a pure function of (seed, id).
   void initial_row(int64_t id, float* out) const;
+  // The initial rows of n ids into out (n x dim), computed together (see normal_pairs).
+  void initial_rows(const int64_t* ids, int64_t n, float* out) const;
 
  private:
   // A new stored row at the end of the arena (initial value, fresh slots); its position.

@@ -101,6 +101,21 @@ TEST(id_map_erase_many_removes_exactly_the_victims_and_keeps_positions_dense) {
   }
 }
 
+TEST(initial_rows_in_a_batch_equal_those_made_one_at_a_time) {
+  for (int64_t dim : {1, 5, 16}) {
+    DynamicStore store("dyn", dyn(), 0, dim);
+    std::vector<int64_t> ids;
+    std::mt19937_64 gen(11);
+    for (int i = 0; i < 1000; ++i) ids.push_back(static_cast<int64_t>(gen()));
+    std::vector<float> batch(ids.size() * dim), one(dim);
+    store.initial_rows(ids.data(), static_cast<int64_t>(ids.size()), batch.data());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      store.initial_row(ids[i], one.data());
+      CHECK(std::equal(one.begin(), one.end(), batch.begin() + i * dim));  // bit for bit
+    }
+  }
+}
+
 TEST(initial_rows_depend_only_on_seed_and_id_and_absent_ids_read_them) {
   DynamicStore a("dyn", dyn(), 0, 4), b("dyn", dyn(100), 100, 4);
   auto arena_a = arena_for(a, 4), arena_b = arena_for(b, 4);
