@@ -4,6 +4,7 @@ time.
 
     python benchmarks/dynamic.py            # launches itself on 2 ranks; table, JSON, PNG in results/
     python benchmarks/dynamic.py --quick    # fewer, smaller steps
+    python benchmarks/dynamic.py --rerender # redraw the plot from results/dynamic.json
     mpirun -np 2 python benchmarks/dynamic.py --rank-run [options]   # one run, printing JSON
 
 The stream: every rank draws `--batch` Zipf(a) ranks per step from a truncated power law over
@@ -232,27 +233,39 @@ def _report(args, results) -> dict:
     return summary, lines
 
 
-def _plot(results, path) -> None:
+def _plot(results, path, repeats) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [p["step"] for p in results[0]["timeline"]]
-    total = lambda key: [sum(r["timeline"][i][key] for r in results) for i in range(len(steps))]  # noqa: E731
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    ax[0].plot(steps, total("stored"), label="rows stored")
-    ax[0].plot(steps, total("admitted"), label="admitted (total)")
-    ax[0].plot(steps, total("evicted"), label="evicted (total)")
+    total = lambda key: np.array([sum(r["timeline"][i][key] for r in results) for i in range(len(steps))])  # noqa: E731
+    per_step = lambda key: np.diff(total(key), prepend=0) / np.diff(steps, prepend=0)  # noqa: E731
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    ax[0].plot(steps, total("stored") / 1e6)
     ax[0].set_xlabel("step")
-    ax[0].set_ylabel("rows, both ranks")
-    ax[0].set_title("growth and evictions")
-    ax[0].legend()
-    ax[1].hist([np.concatenate([r["dyn_ms"] for r in results]), np.concatenate([r["fixed_ms"] for r in results])],
-               bins=40, label=["dynamic", "fixed"])
-    ax[1].set_xlabel("step time (ms)")
-    ax[1].set_title("step time at capacity")
+    ax[0].set_ylabel("million rows, both ranks")
+    ax[0].set_title("rows stored (LRU: batch eviction to 7/8 of a share)")
+    ax[1].plot(steps, per_step("admitted") / 1e3, label="admitted", lw=0.7)
+    ax[1].plot(steps, per_step("evicted") / 1e3, label="evicted", lw=0.7, alpha=0.7)
+    ax[1].set_xlabel("step")
+    ax[1].set_ylabel("thousand rows per step, both ranks")
+    ax[1].set_title("admissions and evictions")
     ax[1].legend()
+    dyn = np.median([r["dyn_ms"] for r in results], axis=0)
+    fixed = np.median([r["fixed_ms"] for r in results], axis=0)
+    top = np.percentile(np.concatenate([dyn, fixed]), 98) * 1.2
+    ax[2].plot(dyn, label=f"dynamic (median {np.median(dyn):.1f} ms)", lw=0.8)
+    ax[2].plot(fixed, label=f"fixed (median {np.median(fixed):.1f} ms)", lw=0.8)
+    n = len(dyn) // max(repeats, 1)
+    for b in range(1, repeats):
+        ax[2].axvline(b * n, color="grey", lw=0.5)
+    ax[2].set_ylim(0, top)
+    ax[2].set_xlabel(f"alternating step at capacity ({repeats} repeats)")
+    ax[2].set_ylabel("ms (median over ranks)")
+    ax[2].set_title("step time, side by side")
+    ax[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -260,6 +273,7 @@ def _plot(results, path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rank-run", action="store_true")
+    p.add_argument("--rerender", action="store_true", help="redraw the plot from results/dynamic.json")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=900, help="steps filling the table")
     p.add_argument("--timed", type=int, default=30, help="alternating steps timed at capacity, per repeat")
@@ -277,12 +291,16 @@ def main() -> None:
     if args.rank_run:
         rank_run(args)
         return
+    if args.rerender:
+        saved = json.loads((RESULTS / "dynamic.json").read_text())
+        _plot(saved["ranks"], RESULTS / "dynamic.png", saved["summary"]["repeats"])
+        return
     results = _launch(args)
     summary, lines = _report(args, results)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "dynamic.json").write_text(json.dumps({"summary": summary, "ranks": results}, indent=1))
     (RESULTS / "dynamic.md").write_text("```\n" + "\n".join(lines) + "\n```\n")
-    _plot(results, RESULTS / "dynamic.png")
+    _plot(results, RESULTS / "dynamic.png", args.repeats)
     print(f"wrote {RESULTS / 'dynamic.json'}, dynamic.md, dynamic.png")
 
 
