@@ -1,6 +1,6 @@
 // Counter-based pseudo-random values: element (id, column) of a table under a seed is a pure
 // function of the three, so rows never depend on the sharding or on when they were created.
-// Mirrored by hybridsync/partition.py (dynamic_initial_rows; tested against each other).
+// Mirrored by hybridsync/dynamic.py (initial_rows; tested against each other).
 #pragma once
 
 #include <cmath>
