@@ -2,8 +2,8 @@
 to a fixed validation loss, DLRM and word2vec, at 2 ranks and across an elastic restart from 2
 to 3 ranks.
 
-    python benchmarks/adaptive.py --scenarios steady --repeats 5    # 2 ranks (about 17 minutes)
-    python benchmarks/adaptive.py --scenarios restart --repeats 3   # 2 -> 3 ranks (about 15 minutes)
+    python benchmarks/adaptive.py --scenarios steady --repeats 5    # 2 ranks (27 minutes on the busy 2-core machine)
+    python benchmarks/adaptive.py --scenarios restart --repeats 3   # 2 -> 3 ranks (30 minutes there)
     python benchmarks/adaptive.py --models dlrm --scenarios steady  # one model
     python benchmarks/adaptive.py --rerender                        # table and plot from the JSON
     mpirun -np 2 python benchmarks/adaptive.py --worker --model dlrm --config adaptive   # one run
