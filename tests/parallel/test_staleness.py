@@ -244,6 +244,31 @@ def rank_a_bad_bounded_push_is_raised_on_every_rank(k):
     print(f"BAD-PUSH rank={rank} raised at step {step}: {text}", flush=True)
 
 
+def rank_a_bad_learning_rate_on_a_bounded_table_raises_on_every_rank():
+    """Through the torch optimizer: the last rank's learning rate turns negative for one step
+    (bad input found before anything is sent); every rank raises once, naming the table; all
+    ranks then train on together."""
+    import hybridsync
+    from hybridsync import ps
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    model, opt = _skipgram(2)
+    raised = []
+    for step in range(8):
+        if rank == size - 1:
+            opt.param_groups[0]["lr"] = -1.0 if step == 2 else 0.5
+        try:
+            _step(model, opt, step, rank)
+        except (ValueError, RuntimeError) as e:
+            raised.append((step, str(e)))
+    ps.engine().barrier("end")  # every rank got here: nothing hangs
+    assert len(raised) == 1, raised
+    assert "learning rate must be >= 0" in raised[0][1] and ".weight'" in raised[0][1], raised
+    if rank != size - 1:
+        assert f"failed on rank {size - 1}" in raised[0][1], raised
+    print(f"BAD-LR rank={rank} raised at step {raised[0][0]}: {raised[0][1]}", flush=True)
+
+
 def test_staleness_zero_is_bit_identical_to_the_synchronous_default():
     run_ranks(__file__, "rank_k0_is_the_synchronous_default", 2)
 
@@ -281,6 +306,11 @@ def test_a_frozen_peer_is_named_while_a_rank_waits_at_the_bound():
 def test_a_bad_bounded_push_is_raised_on_every_rank(np_):
     out = run_ranks(__file__, "rank_a_bad_bounded_push_is_raised_on_every_rank", np_, "2", timeout=120)
     assert out.count("BAD-PUSH") == np_, out
+
+
+def test_a_bad_learning_rate_on_a_bounded_table_raises_on_every_rank():
+    out = run_ranks(__file__, "rank_a_bad_learning_rate_on_a_bounded_table_raises_on_every_rank", 2, timeout=120)
+    assert out.count("BAD-LR") == 2, out
 
 
 def test_the_idle_serving_thread_does_not_spin_a_core():
