@@ -115,6 +115,7 @@ def run(model: str, system: str, slow_ms: float, workdir: Path, main: Path | Non
         config.write_text("defaults:\n  sparse: {sync: ps}\n")
         argv += ["--config", str(config)]
     names = ["PYTHONPATH"] + (["OMPI_MCA_mpi_yield_when_idle"] if "OMPI_MCA_mpi_yield_when_idle" in env else [])
+    started = time.monotonic()
     done = subprocess.run(setting.mpirun(names) + argv, capture_output=True, text=True, env=env, cwd=checkout,
                           timeout=timeout)
     out = done.stdout + done.stderr
@@ -122,7 +123,8 @@ def run(model: str, system: str, slow_ms: float, workdir: Path, main: Path | Non
     if done.returncode != 0 or not found:
         raise RuntimeError(f"{model} / {system} failed (exit {done.returncode}):\n{out[-3000:]}")
     lags = [int(x) for x in MAX_LAG.findall(out)]
-    return {"rate": float(found.group(1).replace(",", "")), "max_lag": max(lags) if lags else None}
+    return {"rate": float(found.group(1).replace(",", "")), "max_lag": max(lags) if lags else None,
+            "wall_s": round(time.monotonic() - started, 1)}
 
 
 def idle_cpu(seconds: float) -> list[float]:
