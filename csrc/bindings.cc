@@ -419,6 +419,7 @@ PYBIND11_MODULE(_ps, m) {
            py::arg("hparams") = std::map<std::string, double>{}, py::arg("dynamic") = py::none())
       .def("dynamic_state", &PyEngine::dynamic_state, py::arg("table"))
       .def("dynamic_restore", &PyEngine::dynamic_restore, py::arg("table"), py::arg("state"))
+      .def("dynamic_clear", [](PyEngine& e, int t) { nogil([&] { e.client().dynamic_clear(t); }); }, py::arg("table"))
       .def("dynamic_stats", [](PyEngine& e, int t) {
         const DynamicStats s = nogil([&] { return e.client().dynamic_stats(t); });
         py::dict d;
