@@ -162,7 +162,8 @@ def summarise(raw: list) -> list:
 
 
 def markdown(summary: list, meta: dict) -> str:
-    lines = [f"Bounded staleness, {meta['setting']}, medians of {meta['repeats']} "
+    setting = meta.get("setting", f"2 ranks on one host ({meta['host_cores']} cores)")  # (older JSON: one host)
+    lines = [f"Bounded staleness, {setting}, medians of {meta['repeats']} "
              f"runs ({meta['date']}). Straggler: the last rank sleeps {meta['slow_fraction']:.0%} of hybridsync "
              "k=0's step time every step. max lag: the most steps of another rank that rank 0's pulls missed.", "",
              "| model | straggler | system | samples/s | vs k=0 | vs Horovod (yield) | max lag |",
