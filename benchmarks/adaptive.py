@@ -1,24 +1,37 @@
 """Adaptive batch size (hybridsync.adaptive) against fixed batch sizes: wall-clock training time
-to a fixed validation loss, DLRM and word2vec, 2 ranks.
+to a fixed validation loss, DLRM and word2vec, at 2 ranks and across an elastic restart from 2
+to 3 ranks.
 
-    python benchmarks/adaptive.py                  # every model and configuration, 3 runs each; table, JSON, PNG
-    python benchmarks/adaptive.py --models dlrm    # one model
+    python benchmarks/adaptive.py --scenarios steady --repeats 5    # 2 ranks (27 minutes on the busy 2-core machine)
+    python benchmarks/adaptive.py --scenarios restart --repeats 3   # 2 -> 3 ranks (30 minutes there)
+    python benchmarks/adaptive.py --models dlrm --scenarios steady  # one model
+    python benchmarks/adaptive.py --rerender                        # table and plot from the JSON
     mpirun -np 2 python benchmarks/adaptive.py --worker --model dlrm --config adaptive   # one run
 
 Each run trains for at most --budget seconds of training time on a fixed in-memory training set
 (examples/torch_dlrm.py's SyntheticCriteo, examples/torch_word2vec.py's skip-gram pairs; tables
-smaller than the examples' so a run is short) and measures the loss on a fixed held-out set
-every --eval-every global samples (evaluation time is not counted). Every configuration uses
-the same optimizer, base learning rate and scaling rule (Adagrad: the square-root rule), through
-hybridsync.torch.AdaptiveDataLoader: the fixed sizes with autoscale off, `adaptive` with
+smaller than the examples' so a run is short) and measures the loss on a fixed held-out set of
+HELD_OUT samples every `eval_every` global samples (evaluation time is not counted). Every
+configuration uses Adagrad with the same learning rate, written for the default batch, and the
+same scaling rule ('auto': the adagrad rule) through hybridsync.torch.AdaptiveDataLoader: the
+fixed sizes with autoscale off, `adaptive` starting at the default batch with
 loader.autoscale_batch_size() choosing the batch from the measured noise scale and step times.
-The time to the target is the training time at the first evaluation at or below it.
+The time to the target is the training time at the first evaluation at or below it. The
+repeats run interleaved (every configuration once, then again), so a drift in the shared
+machine's load hits all of them; the table shows each configuration's median run.
+
+The restart scenario trains `switch` samples at 2 ranks, saves a checkpoint
+(hybridsync.save_checkpoint: model, server state, the adaptive statistics, batch and progress),
+and continues at 3 ranks from it (hybridsync.load_checkpoint; the batch is chosen again for the
+new world size); the time is both phases' training time.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -26,14 +39,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MARK = "ADAPTIVE-RESULT"
+ADAPTIVE = {"adaptive": "default"}  # the adaptive configuration: where it starts
+HELD_OUT = 32768  # held-out samples: a loss measured on them varies little from one evaluation to the next
 
 # Per model: the base (default) global batch, the fixed sizes compared, the adaptive limits, the
-# loss target (set from a calibration run: a loss every configuration can reach within the budget).
+# loss target (set from a calibration run: a loss the small and default sizes reach within the
+# budget), and where the restart scenario moves from 2 to 3 ranks (samples).
 MODELS = {
     "dlrm": {"base": 512, "fixed": {"small": 128, "default": 512, "large": 4096}, "max_batch": 8192,
-             "local_bounds": (32, 4096), "lr": 0.05, "target": 0.26, "eval_every": 8192},
+             "local_bounds": (32, 4096), "lr": 0.05, "target": 0.26, "eval_every": 8192, "switch": 32768},
     "word2vec": {"base": 1024, "fixed": {"small": 256, "default": 1024, "large": 8192}, "max_batch": 16384,
-                 "local_bounds": (64, 8192), "lr": 0.2, "target": 2.38, "eval_every": 16384},
+                 "local_bounds": (64, 8192), "lr": 0.2, "target": 2.38, "eval_every": 16384, "switch": 262144},
 }
 
 
@@ -48,7 +64,7 @@ def _dlrm(rank):
     torch.manual_seed(0)
     model = DLRM(tables, rows, dim)
     train = SyntheticCriteo(400_000, tables, rows, seed=1).batch()
-    held = SyntheticCriteo(8192, tables, rows, seed=2).batch()
+    held = SyntheticCriteo(HELD_OUT, tables, rows, seed=2).batch()
 
     def loss_of(batch):
         dense, sparse, label = batch
@@ -65,12 +81,12 @@ def _word2vec(rank):
     from zipf_text import ZipfText
 
     torch.manual_seed(0)
-    text = ZipfText(20_000, 600_000, 1.1, seed=0)
+    text = ZipfText(20_000, 3_000_000, 1.1, seed=0)  # enough text that no run sees a pair twice
     data = SkipGramBatches(text, window=3, negatives=5, seed=0)
     model = SkipGram(20_000, 32)
-    n = 600_000
+    n = 2_000_000
     train = data.batch(0, n, 0, n)
-    held = data.batch(0, 8192, 0, 8192, held_out=True)
+    held = data.batch(0, HELD_OUT, 0, HELD_OUT, held_out=True)
 
     def loss_of(batch):
         return negative_sampling_loss(model(*batch))
@@ -81,6 +97,7 @@ def _word2vec(rank):
 def worker(args) -> None:
     import torch
 
+    import hybridsync
     import hybridsync.torch as hvd
 
     torch.set_num_threads(1)
@@ -89,11 +106,15 @@ def worker(args) -> None:
     spec = MODELS[args.model]
     model, train, held, loss_of = (_dlrm if args.model == "dlrm" else _word2vec)(rank)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    # Every configuration: the learning rate written for the default batch, scaled by the rule
+    # Adagrad gets ('auto': hybridsync.adaptive.scaling.adagrad) at other sizes. `adaptive` starts
+    # at the default batch (AdaptDL's semantics: batch_size is the smallest batch, the batch
+    # only grows, when predicted goodput says so).
+    batch = spec["fixed"][ADAPTIVE.get(args.config, args.config)]
     opt = hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=spec["lr"]), model=model,
-                                   adaptive={"scaling_rule": "sqrt", "base_batch_size": spec["base"]})
-    batch = spec["base"] if args.config == "adaptive" else spec["fixed"][args.config]
+                                   adaptive={"scaling_rule": "auto", "base_batch_size": spec["base"]})
     loader = hvd.AdaptiveDataLoader(train, batch_size=batch, seed=3, interval=10, warmup=10)
-    if args.config == "adaptive":
+    if args.config in ADAPTIVE:
         loader.autoscale_batch_size(spec["max_batch"], local_bsz_bounds=spec["local_bounds"])
 
     def held_out() -> float:
@@ -101,7 +122,14 @@ def worker(args) -> None:
             loss = loss_of(held).item()
         return hvd.allreduce(torch.tensor(loss), name="val").item()
 
-    curve, trained_s, seen, next_eval, batches = [(0.0, 0, held_out())], 0.0, 0, spec["eval_every"], []
+    trained_s, seen, next_eval, batches = 0.0, 0, spec["eval_every"], []
+    curve, worlds = [(0.0, 0, held_out())], []
+    if args.phase == "second":  # an elastic restart: the first phase's state, at this world size
+        extra = hybridsync.load_checkpoint(args.ckpt, model, opt)
+        trained_s, seen, next_eval = extra["trained_s"], extra["seen"], extra["next_eval"]
+        curve, batches, worlds = [tuple(c) for c in extra["curve"]], extra["batches"], extra["worlds"]
+        loader.batches.epoch = extra["epoch"] + 1
+    stop_at = args.switch if args.phase == "first" else None
     done = False
     while not done:
         start = time.perf_counter()
@@ -115,32 +143,58 @@ def worker(args) -> None:
                 trained_s += time.perf_counter() - start
                 next_eval += spec["eval_every"]
                 curve.append((trained_s, seen, held_out()))
-                if curve[-1][2] <= spec["target"] or trained_s >= args.budget:
+                if curve[-1][2] <= spec["target"] or trained_s >= args.budget or (stop_at and seen >= stop_at):
                     done = True
                     break
                 start = time.perf_counter()
         else:
             trained_s += time.perf_counter() - start
+    worlds.append([size, seen])
+    if args.phase == "first":
+        hybridsync.save_checkpoint(args.ckpt, model, opt, extra={
+            "trained_s": trained_s, "seen": seen, "next_eval": next_eval, "curve": curve, "batches": batches,
+            "worlds": worlds, "epoch": loader.epoch})
     if rank == 0:
         stats = opt.gradient_stats()
-        hit = next((t for t, _, v in curve if v <= spec["target"]), None)
+        hit = next(((t, n) for t, n, v in curve if v <= spec["target"]), (None, None))
         result = {"model": args.model, "config": args.config, "ranks": size, "target": spec["target"],
-                  "time_to_target_s": hit, "curve": curve, "final_batch": opt.adaptive.global_batch(),
-                  "batches": sorted(set(batches)), "changes": loader.changes, "noise_scale": stats["noise_scale"],
-                  "steps": opt.adaptive.steps, "progress": opt.progress}
+                  "time_to_target_s": hit[0], "samples_to_target": hit[1], "curve": curve,
+                  "final_batch": opt.adaptive.global_batch(), "batches": sorted(set(batches)),
+                  "batches_in_order": _batch_path({"batches": batches}),
+                  "changes": loader.changes, "noise_scale": stats["noise_scale"], "by_variable": stats["by_variable"],
+                  "efficiency_of_final": opt.adaptive.summary()["efficiency"], "steps": opt.adaptive.steps,
+                  "progress": opt.progress, "worlds": worlds, "phase": args.phase}
         print(MARK + " " + json.dumps(result), flush=True)
 
 
 # -- the driver ----------------------------------------------------------------------------------------
-def run_one(model: str, config: str, ranks: int, budget: float) -> dict:
+def run_one(model: str, config: str, ranks: int, budget: float, phase: str = "all", ckpt: str = "",
+            switch: int = 0) -> dict:
     cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", "--allow-run-as-root",
-           sys.executable, "-u", __file__, "--worker", "--model", model, "--config", config, "--budget", str(budget)]
+           sys.executable, "-u", __file__, "--worker", "--model", model, "--config", config, "--budget", str(budget),
+           "--phase", phase, "--ckpt", ckpt, "--switch", str(switch)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=budget * 4 + 120, cwd=ROOT,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     for line in out.stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK) + 1:])
     raise RuntimeError(f"{model}/{config} produced no result (exit {out.returncode})\n{out.stdout}\n{out.stderr}")
+
+
+def run_scenario(model: str, config: str, scenario: str, budget: float) -> dict:
+    """'steady': 2 ranks throughout. 'restart': 2 ranks for the model's first `switch` samples,
+    a checkpoint, then 3 ranks from it (hybridsync.load_checkpoint at the new world size; the
+    restart's own time is not counted, the training time of both phases is)."""
+    if scenario == "steady":
+        r = run_one(model, config, 2, budget)
+    else:
+        with tempfile.TemporaryDirectory(prefix="adaptive-bench-") as tmp:
+            ckpt = str(Path(tmp) / "ckpt")
+            r = run_one(model, config, 2, budget, "first", ckpt, MODELS[model]["switch"])
+            if r["time_to_target_s"] is None:
+                r = run_one(model, config, 3, budget, "second", ckpt)
+    r["scenario"] = scenario
+    return r
 
 
 def median_run(runs: list) -> dict:
@@ -150,28 +204,43 @@ def median_run(runs: list) -> dict:
     ordered = sorted(runs, key=key)
     chosen = dict(ordered[len(ordered) // 2])
     chosen["times"] = [r["time_to_target_s"] for r in runs]
+    chosen["samples"] = [r["samples_to_target"] for r in runs]
     if key(chosen) == float("inf"):
         chosen["time_to_target_s"] = None
     return chosen
 
 
 def table(results: list) -> str:
-    lines = ["| model | configuration | batch (global) | time to target (s), median | vs best fixed | vs default | "
-             "noise scale | runs (s) |", "|---|---|---|---|---|---|---|---|"]
-    for model in sorted({r["model"] for r in results}):
-        rows = [r for r in results if r["model"] == model]
-        fixed = [r["time_to_target_s"] for r in rows if r["config"] != "adaptive" and r["time_to_target_s"]]
+    lines = ["| model | scenario | configuration | batch (global) | time to target (s), median | vs best fixed | "
+             "vs default | samples to target (k), median | noise scale | runs (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    groups = sorted({(r["model"], r.get("scenario", "steady")) for r in results}, key=lambda g: (g[0], g[1] != "steady"))
+    for model, scenario in groups:
+        rows = [r for r in results if r["model"] == model and r.get("scenario", "steady") == scenario]
+        fixed = [r["time_to_target_s"] for r in rows if r["config"] not in ADAPTIVE and r["time_to_target_s"]]
         best = min(fixed) if fixed else None
         default = next((r["time_to_target_s"] for r in rows if r["config"] == "default"), None)
+        where = "2 ranks" if scenario == "steady" else "2 -> 3 ranks"
         for r in rows:
             t = r["time_to_target_s"]
-            batch = (f"{min(r['batches'])} -> {r['final_batch']}" if r["config"] == "adaptive" else str(r["final_batch"]))
+            batch = " -> ".join(str(b) for b in _batch_path(r))
             ratio = lambda ref: f"{t / ref:.2f}x" if t and ref else "-"
-            lines.append(f"| {model} (target {r['target']}) | {r['config']} | {batch} | "
-                         f"{t:.1f} |" if t else f"| {model} (target {r['target']}) | {r['config']} | {batch} | not reached |")
+            samples = sorted(x for x in r.get("samples", [r["samples_to_target"]]) if x is not None)
+            median_k = f"{samples[len(samples) // 2] / 1000:.0f}" if samples else "-"
             runs = ", ".join("-" if x is None else f"{x:.1f}" for x in r.get("times", [t]))
-            lines[-1] += f" {ratio(best)} | {ratio(default)} | {r['noise_scale']:.0f} | {runs} |"
+            lines.append(f"| {model} (target {r['target']}) | {where} | {r['config']} | {batch} | "
+                         f"{f'{t:.1f}' if t else 'not reached'} | {ratio(best)} | {ratio(default)} | {median_k} | "
+                         f"{r['noise_scale']:.0f} | {runs} |")
     return "\n".join(lines)
+
+
+def _batch_path(r: dict) -> list:
+    """The global batches a run went through, in order (consecutive repeats merged)."""
+    path = []
+    for b in r["batches_in_order"] if "batches_in_order" in r else r["batches"]:
+        if not path or path[-1] != b:
+            path.append(b)
+    return path
 
 
 def plot(results: list, path: Path) -> None:
@@ -180,20 +249,22 @@ def plot(results: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({r["model"] for r in results})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        for r in (r for r in results if r["model"] == model):
+    groups = sorted({(r["model"], r.get("scenario", "steady")) for r in results}, key=lambda g: (g[0], g[1] != "steady"))
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
+    for ax, (model, scenario) in zip(axes[0], groups):
+        rows = [r for r in results if r["model"] == model and r.get("scenario", "steady") == scenario]
+        for r in rows:
             t, _, v = zip(*r["curve"])
-            label = f"{r['config']} ({r['final_batch']})"
-            ax.plot(t, v, marker=".", label=label, linewidth=2.5 if r["config"] == "adaptive" else 1.2)
-        ax.axhline(r["target"], color="grey", linestyle="--", linewidth=0.8)
-        lowest = min(v for r in results if r["model"] == model for _, _, v in r["curve"])
-        ax.set_ylim(lowest - 0.05 * r["target"], r["target"] * 1.5)  # early spikes of the large batch go off the top
-        ax.set_title(f"{model}, 2 ranks: held-out loss")
+            ax.plot(t, v, marker=".", label=f"{r['config']} ({' -> '.join(map(str, _batch_path(r)))})",
+                    linewidth=2.5 if r["config"] in ADAPTIVE else 1.2)
+        target = rows[0]["target"]
+        ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
+        lowest = min(v for r in rows for _, _, v in r["curve"])
+        ax.set_ylim(lowest - 0.05 * target, target * 1.5)  # early spikes of the large batch go off the top
+        ax.set_title(f"{model}, {'2 ranks' if scenario == 'steady' else '2 -> 3 ranks'}: held-out loss")
         ax.set_xlabel("training time (s)")
         ax.set_ylabel("held-out loss")
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -203,11 +274,14 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--model", choices=sorted(MODELS), default="dlrm")
     parser.add_argument("--config", default="adaptive")
+    parser.add_argument("--phase", choices=["all", "first", "second"], default="all")
+    parser.add_argument("--ckpt", default="")
+    parser.add_argument("--switch", type=int, default=0)
     parser.add_argument("--models", nargs="+", default=sorted(MODELS))
     parser.add_argument("--configs", nargs="+", default=["small", "default", "large", "adaptive"])
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--scenarios", nargs="+", choices=["steady", "restart"], default=["steady", "restart"])
     parser.add_argument("--budget", type=float, default=25.0, help="training seconds at most per run")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (the table shows medians)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per configuration (the table shows medians)")
     parser.add_argument("--rerender", action="store_true", help="table and plot again from results/adaptive.json")
     args = parser.parse_args()
     if args.worker:
@@ -217,17 +291,24 @@ def main() -> None:
         print(table(results))
         (RESULTS / "adaptive.md").write_text(table(results) + "\n")
         return plot(results, RESULTS / "adaptive.png")
-    results = []
-    for model in args.models:
-        for config in args.configs:
-            runs = []
-            for _ in range(args.repeats):  # interleaving would be fairer to load drifts; repeats are adjacent
-                r = run_one(model, config, args.ranks, args.budget)
-                print(f"{model:9s} {config:8s} time to target {r['time_to_target_s']}  batch {r['final_batch']}  "
-                      f"noise scale {r['noise_scale']:.0f}", flush=True)
-                runs.append(r)
-            results.append(median_run(runs))
+    runs: dict = {}
+    for _ in range(args.repeats):  # repeats outermost: a drift in the machine's load hits every configuration
+        for scenario in args.scenarios:
+            for model in args.models:
+                for config in args.configs:
+                    r = run_scenario(model, config, scenario, args.budget)
+                    print(f"{model:9s} {scenario:7s} {config:8s} time to target {r['time_to_target_s']}  samples "
+                          f"{r['samples_to_target']}  batches {r['batches']}  noise scale {r['noise_scale']:.0f}",
+                          flush=True)
+                    runs.setdefault((scenario, model, config), []).append(r)
+    results = [median_run(v) for v in runs.values()]
     RESULTS.mkdir(exist_ok=True)
+    saved = RESULTS / "adaptive.json"
+    if saved.exists():  # keep the saved results of the scenarios and models not run this time
+        ran = {(r["scenario"], r["model"]) for r in results}
+        results = [r for r in json.loads(saved.read_text()) if (r.get("scenario", "steady"), r["model"]) not in ran] + results
+    results.sort(key=lambda r: (r["model"], r.get("scenario", "steady") != "steady",
+                                [*MODELS[r["model"]]["fixed"], *ADAPTIVE].index(r["config"])))
     text = table(results)
     print(text)
     (RESULTS / "adaptive.json").write_text(json.dumps(results, indent=1))

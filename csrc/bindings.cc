@@ -70,6 +70,14 @@ auto nogil(F&& body) -> decltype(body()) {
   return body();
 }
 
+// An operation with bad input still runs, so peers stay in step: with the same tables and no
+// rows, so it takes the same path as theirs (a round, or a bounded table's one-sided requests).
+std::vector<TableBatch> rowless(const std::vector<int>& tables) {
+  std::vector<TableBatch> batches;
+  for (const int t : tables) batches.push_back({t});
+  return batches;
+}
+
 // The Python object around a Client.
 class PyEngine {
  public:
@@ -123,7 +131,7 @@ class PyEngine {
         outs[b] = std::move(out);
       }
     }
-    if (!error.empty()) batches.clear();  // the operation still runs, so peers stay in step
+    if (!error.empty()) batches = rowless(tables);  // the operation still runs, so peers stay in step
     std::vector<PullResult> results = nogil([&] { return client_->pull(batches, error); });
     py::list out;
     for (size_t b = 0; b < results.size(); ++b) {
@@ -183,7 +191,7 @@ class PyEngine {
       }
       batches.push_back({tables[b], keep_ids.back().data(), keep_ids.back().size(), keep_grads.back().data(), lr});
     }
-    if (!error.empty()) batches.clear();  // the operation still runs, so peers stay in step
+    if (!error.empty()) batches = rowless(tables);  // the operation still runs, so peers stay in step
     std::vector<RowUpdates> updates = nogil([&] { return client_->push(batches, scale, return_updates, error); });
     if (!return_updates) return py::none();
     py::list out;
@@ -411,6 +419,7 @@ PYBIND11_MODULE(_ps, m) {
            py::arg("hparams") = std::map<std::string, double>{}, py::arg("dynamic") = py::none())
       .def("dynamic_state", &PyEngine::dynamic_state, py::arg("table"))
       .def("dynamic_restore", &PyEngine::dynamic_restore, py::arg("table"), py::arg("state"))
+      .def("dynamic_clear", [](PyEngine& e, int t) { nogil([&] { e.client().dynamic_clear(t); }); }, py::arg("table"))
       .def("dynamic_stats", [](PyEngine& e, int t) {
         const DynamicStats s = nogil([&] { return e.client().dynamic_stats(t); });
         py::dict d;

@@ -107,7 +107,7 @@ void add_testing_bindings(py::module_& m) {
     spec.init_b = b;
     DynamicStore store("twin", spec, 0, dim);
     std::vector<float> out(ids.size() * static_cast<size_t>(dim));
-    for (size_t i = 0; i < ids.size(); ++i) store.initial_row(ids[i], out.data() + i * dim);
+    store.initial_rows(ids.data(), static_cast<int64_t>(ids.size()), out.data());  // the batch a pull computes
     return out;
   });
   py::class_<Partitioner>(m, "Partitioner")

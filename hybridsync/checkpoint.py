@@ -343,9 +343,12 @@ _DYNAMIC_PENDING = ("pending_ids", "pending_counts", "pending_last")
 
 def _load_dynamic_table(path: Path, table, saved: dict) -> None:
     """Every saved shard file in CHUNK_ROWS pieces; this rank's shard keeps the ids it owns under
-    this run's hash partition (any world size). The step first: expiry counts from it."""
+    this run's hash partition (any world size). The shard is emptied first: what training stored
+    before the load (a Keras model steps once to build its plan) is not in the checkpoint. The
+    step first: expiry counts from it."""
     from safetensors import safe_open
 
+    table.clear()
     table.set_step(saved["step"])
     slots = [f"slot.{s}" for s in saved["slots"]]
     for entry in saved["files"]:

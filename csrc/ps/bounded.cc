@@ -103,6 +103,10 @@ void detail::ClientState::serve_bounded(int source, const Request& request) {
     tracer.record("server apply (bounded)", start, rows);
     return;  // nobody waits for a push
   }
+  if (request.kind == RequestKind::kBoundedError) {
+    serve_bounded_error(source, request);
+    return;
+  }
   const std::vector<BoundedPullEntry> entries = read_bounded_pull(r);
   Writer w;
   reply_head(w, source, RequestKind::kBoundedPull, request.seq, {});
@@ -119,6 +123,31 @@ void detail::ClientState::serve_bounded(int source, const Request& request) {
   }
   reply(source, w);
   tracer.record("serve pulls (bounded)", start, rows);
+}
+
+// A bounded push that failed at its sender (exchange.cc): its step counts, as a push without
+// rows; the other ranks learn of it with this shard's next answer to each (the sender raised
+// it already). Every shard tells, so a rank raises it once (first_telling).
+void detail::ClientState::serve_bounded_error(int source, const Request& request) {
+  Reader r = body_of(request);
+  const int64_t n = r.i64();
+  if (n < 0) throw PSTransportError("hybridsync: malformed PS message");
+  std::vector<int64_t> listed = r.i64s(static_cast<size_t>(n));
+  ErrorNote note;
+  note.rank = source;
+  note.index_error = r.i64() != 0;
+  note.message = r.text();
+  note.op = operation_name(RequestKind::kBoundedError);
+  note.id = request.seq;
+  for (const int64_t table : listed) {
+    Table& t = table_at(static_cast<int>(table));
+    if (!t.shard) continue;
+    if (t.bounded.applied.empty()) t.bounded.applied.assign(static_cast<size_t>(size()), 0);
+    ++t.bounded.applied[static_cast<size_t>(source)];
+  }
+  for (int dest = 0; dest < size(); ++dest) {
+    if (dest != source) deferred[static_cast<size_t>(dest)].push_back(note);
+  }
 }
 
 void detail::ClientState::read_bounded_reply(Reader& r, const std::vector<Routed>& routed, std::vector<int64_t>* lag,

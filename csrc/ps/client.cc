@@ -469,6 +469,15 @@ void Client::dynamic_restore(int table, const DynamicState& state) {
   t.dynamic->restore(t.shard, state, [&](int64_t id) { return part.shard_of(id) == rank; });
 }
 
+void Client::dynamic_clear(int table) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  impl_->settle();
+  Table& t = impl_->table_at(table);
+  if (!t.spec.dynamic.on) throw PSError("table '" + t.spec.name + "' is not dynamic");
+  if (t.dynamic) t.dynamic->clear();
+}
+
 DynamicStats Client::dynamic_stats(int table) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->check_usable();

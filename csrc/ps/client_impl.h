@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -101,6 +102,7 @@ struct detail::ClientState {
   int64_t last_seq = 0;  // collective calls so far: the number of the newest one
   int64_t one_sided_ids = 0;  // numbers this rank's one-sided requests, to match their replies
   int64_t join_seq = -1;      // the number of this rank's join, between join_begin and join_finish
+  std::set<std::pair<int64_t, int64_t>> told;  // (rank, id) of the failed bounded pushes raised here
   // add_table's table while the collective runs (the local server creates it from this).
   std::unique_ptr<Table> adding;
   std::string adding_description;
@@ -150,8 +152,15 @@ struct detail::ClientState {
   // the bound; it is marked held then).
   bool ready_to_serve(int source, const Request& request) const;
   void serve_bounded(int source, const Request& request);
-  // Worker: sends a bounded push (every table's shards count it as one step of this rank).
-  void push_bounded(const std::vector<TableBatch>& batches, float scale, std::string error);
+  void serve_bounded_error(int source, const Request& request);
+  // Worker: sends a bounded push (every table's shards count it as one step of this rank). Bad
+  // input (`error`, or found routing the ids): with `alone` (no synchronous round follows to carry
+  // it) every rank is told, the step still counts, and it throws; else it sends nothing and
+  // leaves the error in *error for the round.
+  void push_bounded(const std::vector<TableBatch>& batches, float scale, bool alone, std::string* error,
+                    bool* index_error);
+  // Worker: whether a peer's error note is news (a failed bounded push is told by every shard).
+  bool first_telling(const ErrorNote& e);
   // Worker: a bounded pull reply's part before its rows (each shard's lag).
   void read_bounded_reply(Reader& r, const std::vector<Routed>& routed, std::vector<int64_t>* lag, bool* held);
   // Both: every clock restarts from 0 (all ranks joined: no push is in flight anywhere).
@@ -221,7 +230,9 @@ void detail::ClientState::collect_replies(RequestKind kind, int64_t seq, const c
           }
           got[m.source] = true;
           --remaining;
-          for (ErrorNote& e : head.errors) errors.push_back(std::move(e));
+          for (ErrorNote& e : head.errors) {
+            if (first_telling(e)) errors.push_back(std::move(e));
+          }
           if (errors.empty()) handle(m.source, r);
         }
         return remaining == 0;

@@ -45,6 +45,26 @@ int64_t IdMap::find(int64_t id) const {
   }
 }
 
+void IdMap::find_many(const int64_t* ids, int64_t n, int64_t* out) const {
+  if (buckets_.empty()) {
+    std::fill(out, out + n, -1);
+    return;
+  }
+  // Two stages ahead: the bucket of entry i + 2k, then the id its bucket points at for i + k.
+  constexpr int64_t k = 8;
+  auto bucket = [&](int64_t i) { __builtin_prefetch(&buckets_[home(ids[i])]); };
+  auto id_of = [&](int64_t i) {
+    const int32_t pos = buckets_[home(ids[i])];
+    if (pos >= 0) __builtin_prefetch(&ids_[static_cast<size_t>(pos)]);
+  };
+  for (int64_t i = 0; i < std::min(n, 2 * k); ++i) bucket(i);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + 2 * k < n) bucket(i + 2 * k);
+    if (i + k < n) id_of(i + k);
+    out[i] = find(ids[i]);
+  }
+}
+
 size_t IdMap::bucket_of(int64_t id) const {
   size_t at = home(id);
   while (ids_[buckets_[at]] != id) at = (at + 1) & mask_;
@@ -62,10 +82,9 @@ int64_t IdMap::insert(int64_t id) {
   return pos;
 }
 
-int64_t IdMap::erase_at(int64_t pos) {
+void IdMap::unlink(size_t gap) {
   // Backward-shift deletion (no tombstones): later entries of the probe run move up into the
   // gap unless their home lies cyclically in (gap, their bucket].
-  size_t gap = bucket_of(ids_[pos]);
   for (size_t j = (gap + 1) & mask_; buckets_[j] >= 0; j = (j + 1) & mask_) {
     const size_t k = home(ids_[buckets_[j]]);
     const bool stays = gap <= j ? (gap < k && k <= j) : (gap < k || k <= j);
@@ -75,6 +94,10 @@ int64_t IdMap::erase_at(int64_t pos) {
     }
   }
   buckets_[gap] = -1;
+}
+
+int64_t IdMap::erase_at(int64_t pos) {
+  unlink(bucket_of(ids_[pos]));
   const int64_t last = size() - 1;
   if (pos == last) {
     ids_.pop_back();
@@ -84,6 +107,37 @@ int64_t IdMap::erase_at(int64_t pos) {
   ids_[pos] = ids_[last];
   ids_.pop_back();
   return last;
+}
+
+std::vector<std::pair<int64_t, int64_t>> IdMap::erase_many(std::vector<int64_t> victims) {
+  std::sort(victims.begin(), victims.end());
+  victims.erase(std::unique(victims.begin(), victims.end()), victims.end());
+  const auto k = static_cast<int64_t>(victims.size()), n = size(), keep = n - k;
+  constexpr int64_t ahead = 8;
+  // 1. Out of the buckets (ids_ stays as it is, so probe runs still compare).
+  for (int64_t i = 0; i < k; ++i) {
+    if (i + 2 * ahead < k) __builtin_prefetch(&ids_[static_cast<size_t>(victims[i + 2 * ahead])]);
+    if (i + ahead < k) __builtin_prefetch(&buckets_[home(ids_[static_cast<size_t>(victims[i + ahead])])]);
+    unlink(bucket_of(ids_[static_cast<size_t>(victims[i])]));
+  }
+  // 2. The survivors above `keep` fill the victims' positions below it, both in order.
+  std::vector<std::pair<int64_t, int64_t>> moves;
+  size_t v = 0, tail = std::lower_bound(victims.begin(), victims.end(), keep) - victims.begin();
+  for (int64_t from = keep; from < n; ++from) {
+    if (tail < victims.size() && victims[tail] == from) {
+      ++tail;
+      continue;
+    }
+    moves.emplace_back(from, victims[v++]);
+  }
+  for (size_t j = 0; j < moves.size(); ++j) {
+    if (j + ahead < moves.size()) __builtin_prefetch(&buckets_[home(ids_[static_cast<size_t>(moves[j + ahead].first)])]);
+    const auto [from, to] = moves[j];
+    buckets_[bucket_of(ids_[static_cast<size_t>(from)])] = static_cast<int32_t>(to);
+    ids_[static_cast<size_t>(to)] = ids_[static_cast<size_t>(from)];
+  }
+  ids_.resize(static_cast<size_t>(keep));
+  return moves;
 }
 
 int64_t IdMap::bytes() const {
@@ -112,19 +166,35 @@ DynamicStore::DynamicStore(std::string table, const DynamicSpec& spec, int64_t s
 
 int64_t DynamicStore::arena_rows() const { return share_ > 0 ? share_ : kFirstArenaRows; }
 
-void DynamicStore::initial_row(int64_t id, float* out) const {
+void DynamicStore::initial_row(int64_t id, float* out) const { initial_rows(&id, 1, out); }
+
+void DynamicStore::initial_rows(const int64_t* ids, int64_t n, float* out) const {
   const auto a = static_cast<float>(spec_.init_a), b = static_cast<float>(spec_.init_b);
   if (spec_.init != "normal") {
-    for (int64_t j = 0; j < dim_; ++j) out[j] = uniform_value(element_key(spec_.seed, static_cast<uint64_t>(id), dim_, j), a, b);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < dim_; ++j) {
+        out[i * dim_ + j] = uniform_value(element_key(spec_.seed, static_cast<uint64_t>(ids[i]), dim_, j), a, b);
+      }
+    }
     return;
   }
   // Columns 2k and 2k+1 share the key of column k: one Box-Muller pair each.
-  float pair[2];
-  for (int64_t j = 0; j < dim_; j += 2) {
-    normal_pair(element_key(spec_.seed, static_cast<uint64_t>(id), dim_, j / 2), a, b, pair);
-    out[j] = pair[0];
-    if (j + 1 < dim_) out[j + 1] = pair[1];
+  const int64_t pairs = (dim_ + 1) / 2;
+  std::vector<uint32_t> u1(static_cast<size_t>(n * pairs)), u2(static_cast<size_t>(n * pairs));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t k = 0; k < pairs; ++k) {
+      const uint64_t key = element_key(spec_.seed, static_cast<uint64_t>(ids[i]), dim_, k);
+      u1[static_cast<size_t>(i * pairs + k)] = normal_u1_bits(key);
+      u2[static_cast<size_t>(i * pairs + k)] = normal_u2_bits(key);
+    }
   }
+  if (dim_ % 2 == 0) {  // the pairs of row i are its columns
+    normal_pairs(u1.data(), u2.data(), n * pairs, a, b, out);
+    return;
+  }
+  std::vector<float> both(static_cast<size_t>(n * pairs * 2));
+  normal_pairs(u1.data(), u2.data(), n * pairs, a, b, both.data());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * dim_, both.data() + i * pairs * 2, dim_ * sizeof(float));
 }
 
 void DynamicStore::grow(std::unique_ptr<Shard>& arena, int64_t rows) {
@@ -169,6 +239,28 @@ void DynamicStore::remove_row(Shard& arena, int64_t pos) {
   }
   counts_.pop_back();
   last_.pop_back();
+}
+
+void DynamicStore::remove_rows(Shard& arena, std::vector<int64_t> positions) {
+  const auto moves = rows_.erase_many(std::move(positions));
+  const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(float);
+  constexpr size_t ahead = 8;
+  for (size_t j = 0; j < moves.size(); ++j) {
+    if (j + ahead < moves.size()) {  // the destinations are scattered; the sources run in order
+      const int64_t to = moves[j + ahead].second;
+      __builtin_prefetch(arena.row(to), 1);
+      for (int k = 0; k < arena.num_slots(); ++k) __builtin_prefetch(arena.row_of(k, to), 1);
+      __builtin_prefetch(&counts_[static_cast<size_t>(to)], 1);
+      __builtin_prefetch(&last_[static_cast<size_t>(to)], 1);
+    }
+    const auto [from, to] = moves[j];
+    std::memcpy(arena.row(to), arena.row(from), row_bytes);
+    for (int k = 0; k < arena.num_slots(); ++k) std::memcpy(arena.row_of(k, to), arena.row_of(k, from), row_bytes);
+    counts_[static_cast<size_t>(to)] = counts_[static_cast<size_t>(from)];
+    last_[static_cast<size_t>(to)] = last_[static_cast<size_t>(from)];
+  }
+  counts_.resize(static_cast<size_t>(stored()));
+  last_.resize(static_cast<size_t>(stored()));
 }
 
 void DynamicStore::remove_pending(int64_t pos) {
@@ -257,10 +349,9 @@ int64_t DynamicStore::evict_to(Shard& arena, int64_t target, int32_t now) {
     return rows_.id(x) < rows_.id(y);
   });
   victims.insert(victims.end(), rest.begin(), rest.begin() + k);
-  std::vector<int64_t> ids(victims.size());  // positions move as rows go: remove by id
-  for (size_t i = 0; i < victims.size(); ++i) ids[i] = rows_.id(victims[i]);
-  for (int64_t id : ids) remove_row(arena, rows_.find(id));
-  return static_cast<int64_t>(ids.size());
+  const auto removed = static_cast<int64_t>(victims.size());
+  remove_rows(arena, std::move(victims));
+  return removed;
 }
 
 void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* grads) {
@@ -272,13 +363,21 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   struct Candidate {
     int64_t id;
     uint32_t count;
+    int64_t index;  // in ids
   };
   std::vector<Candidate> candidates;
   int64_t touched_stored = 0;
+  std::vector<int64_t> at(static_cast<size_t>(n));  // positions in the arena, -1: not stored
+  rows_.find_many(ids, n, at.data());
+  constexpr int64_t ahead = 8;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = ids[i];
     if (listed) listed->push_back(id);
-    const int64_t pos = rows_.find(id);
+    if (i + ahead < n && at[i + ahead] >= 0) {
+      __builtin_prefetch(&counts_[static_cast<size_t>(at[i + ahead])], 1);
+      __builtin_prefetch(&last_[static_cast<size_t>(at[i + ahead])], 1);
+    }
+    const int64_t pos = at[i];
     if (pos >= 0) {
       counts_[pos] = bumped(counts_[pos]);
       last_[pos] = now;
@@ -288,7 +387,7 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
     int64_t p = pending_.find(id);
     const uint32_t count = bumped(p >= 0 ? pending_counts_[p] : 0);
     if (count >= static_cast<uint64_t>(spec_.admit_after)) {
-      candidates.push_back(Candidate{id, count});
+      candidates.push_back(Candidate{id, count, i});
       continue;
     }
     if (p < 0) {
@@ -315,7 +414,7 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
     const int64_t p = pending_.find(cand.id);
     if (c < room) {
       if (p >= 0) remove_pending(p);
-      add_row(arena, cand.id, cand.count, now);
+      at[static_cast<size_t>(cand.index)] = add_row(arena, cand.id, cand.count, now);
       ++counters_.last_admitted;
       continue;
     }
@@ -328,17 +427,23 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
     pending_counts_[q] = cand.count;
     pending_last_[q] = now;
   }
-  // 5. The rule, on every stored touched row.
-  Shard& a = *arena;
-  std::vector<float*> slot_rows(static_cast<size_t>(a.num_slots()));
-  int64_t applied = 0;
+  // 5. The rule, on every stored touched row. Removals moved rows: find them again.
+  if (counters_.last_expired > 0 || counters_.last_evicted > 0) rows_.find_many(ids, n, at.data());
+  std::vector<int64_t> local;
+  std::vector<float> kept;  // the gradients of the rows applied, where some were not
+  const float* applied_grads = grads;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = rows_.find(ids[i]);
-    if (pos < 0) continue;
-    for (int k = 0; k < a.num_slots(); ++k) slot_rows[k] = a.row_of(k, pos);
-    a.rule().apply(a.row(pos), slot_rows.data(), grads + i * dim_, dim_);
-    ++applied;
+    if (at[i] >= 0) local.push_back(at[i]);
   }
+  const auto applied = static_cast<int64_t>(local.size());
+  if (applied < n) {
+    kept.reserve(static_cast<size_t>(applied * dim_));
+    for (int64_t i = 0; i < n; ++i) {
+      if (at[i] >= 0) kept.insert(kept.end(), grads + i * dim_, grads + (i + 1) * dim_);
+    }
+    applied_grads = kept.data();
+  }
+  arena->apply(local.data(), applied, applied_grads);
   counters_.rejected += n - applied;
   fresh_ids_.clear();  // the next round's pulls start a new cache
   fresh_rows_.clear();
@@ -348,24 +453,38 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
 }
 
 void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float* out, int slot) const {
+  std::vector<int64_t> pos(static_cast<size_t>(n));
+  rows_.find_many(ids, n, pos.data());
+  std::vector<int64_t> fresh;  // positions in ids of rows not stored nor cached: computed together
+  constexpr int64_t ahead = 8;
   for (int64_t i = 0; i < n; ++i) {
+    if (i + ahead < n && pos[i + ahead] >= 0) __builtin_prefetch(arena.row_of(slot, pos[i + ahead]));
     float* dst = out + i * dim_;
-    const int64_t pos = rows_.find(ids[i]);
-    if (pos >= 0) {
-      std::memcpy(dst, arena.row_of(slot, pos), dim_ * sizeof(float));
+    if (pos[i] >= 0) {
+      std::memcpy(dst, arena.row_of(slot, pos[i]), dim_ * sizeof(float));
     } else if (slot < 0) {
       const int64_t cached = fresh_ids_.find(ids[i]);
       if (cached >= 0) {
         std::memcpy(dst, fresh_rows_.data() + cached * dim_, dim_ * sizeof(float));
-        continue;
-      }
-      initial_row(ids[i], dst);
-      if (fresh_ids_.size() < kFreshRowsMax) {
-        fresh_ids_.insert(ids[i]);
-        fresh_rows_.insert(fresh_rows_.end(), dst, dst + dim_);
+      } else {
+        fresh.push_back(i);
       }
     } else {
       std::fill(dst, dst + dim_, arena.rule().slot_init(slot));
+    }
+  }
+  if (fresh.empty()) return;
+  std::vector<int64_t> fresh_ids(fresh.size());
+  for (size_t k = 0; k < fresh.size(); ++k) fresh_ids[k] = ids[fresh[k]];
+  std::vector<float> rows(fresh.size() * static_cast<size_t>(dim_));
+  initial_rows(fresh_ids.data(), static_cast<int64_t>(fresh.size()), rows.data());
+  for (size_t k = 0; k < fresh.size(); ++k) {
+    const float* row = rows.data() + k * dim_;
+    std::memcpy(out + fresh[k] * dim_, row, dim_ * sizeof(float));
+    // The push that follows admits these ids: it copies them from here.
+    if (fresh_ids_.size() < kFreshRowsMax && fresh_ids_.find(fresh_ids[k]) < 0) {
+      fresh_ids_.insert(fresh_ids[k]);
+      fresh_rows_.insert(fresh_rows_.end(), row, row + dim_);
     }
   }
 }
@@ -386,6 +505,19 @@ void DynamicStore::write(std::unique_ptr<Shard>& arena, const int64_t* ids, int6
     }
     std::memcpy(arena->row_of(slot, pos), values + i * dim_, dim_ * sizeof(float));
   }
+}
+
+void DynamicStore::clear() {
+  rows_.clear();
+  counts_.clear();
+  last_.clear();
+  pending_.clear();
+  pending_counts_.clear();
+  pending_last_.clear();
+  touched_.clear();
+  touched_first_ = 0;
+  fresh_ids_.clear();
+  fresh_rows_.clear();
 }
 
 DynamicState DynamicStore::state(const Shard& arena) const {

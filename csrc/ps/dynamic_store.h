@@ -24,6 +24,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hybridsync/ps.h"
@@ -40,10 +41,17 @@ class IdMap {
   void reserve(int64_t n);
   // The position of `id`, or -1.
   int64_t find(int64_t id) const;
+  // out[i] = find(ids[i]), with the buckets and ids of later entries prefetched: a shard's map
+  // is far larger than the caches, so lookups one at a time wait on memory twice per id.
+  void find_many(const int64_t* ids, int64_t n, int64_t* out) const;
   // Appends an absent id; its position.
   int64_t insert(int64_t id);
   // Removes the entry at `pos`; the position whose entry moved into `pos` (-1: none moved).
   int64_t erase_at(int64_t pos);
+  // Removes the entries at `victims` (positions) at once, lookups prefetched ahead (an
+  // eviction removes an eighth of a shard): the entries left above the new size move down into
+  // the gaps. Returns the moves as (from, to) pairs, in order.
+  std::vector<std::pair<int64_t, int64_t>> erase_many(std::vector<int64_t> victims);
   int64_t size() const { return static_cast<int64_t>(ids_.size()); }
   // Empties it, keeping its buckets.
   void clear() {
@@ -57,6 +65,7 @@ class IdMap {
  private:
   size_t home(int64_t id) const;
   size_t bucket_of(int64_t id) const;  // the bucket holding `id` (present)
+  void unlink(size_t bucket);          // empties a bucket, shifting its probe run back
   void rehash(size_t buckets);
   std::vector<int32_t> buckets_;  // -1: empty
   std::vector<int64_t> ids_;
@@ -85,14 +94,21 @@ class DynamicStore {
   template <class Mine>
   void restore(std::unique_ptr<Shard>& arena, const DynamicState& s, Mine mine);
   DynamicStats stats(const Shard& arena) const;
+  // Forgets every stored row and pending id (a checkpoint load replaces the shard's contents);
+  // the map keeps its buckets and the arena its pages.
+  void clear();
   int64_t stored() const { return rows_.size(); }
   // The initial row of `id`: a pure function of (seed, id).
   void initial_row(int64_t id, float* out) const;
+  // The initial rows of n ids into out (n x dim), computed together (see normal_pairs).
+  void initial_rows(const int64_t* ids, int64_t n, float* out) const;
 
  private:
   // A new stored row at the end of the arena (initial value, fresh slots); its position.
   int64_t add_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last);
   void remove_row(Shard& arena, int64_t pos);
+  // Removes the rows at `positions` in one pass (see IdMap::erase_many).
+  void remove_rows(Shard& arena, std::vector<int64_t> positions);
   void remove_pending(int64_t pos);
   // Removes rows and pending ids whose last touch was round `expiring` and not since.
   void expire(Shard& arena, int32_t now);

@@ -243,17 +243,35 @@ std::vector<PullResult> Client::pull(const std::vector<TableBatch>& batches, con
   return done;
 }
 
-void detail::ClientState::push_bounded(const std::vector<TableBatch>& batches, float scale, std::string error) {
-  bool index_error = false;
-  std::vector<Routed> routed = route_batches(*this, batches, true, &error, &index_error);
-  throw_local(error, index_error);  // before anything is sent: no shard counts a step
-  std::vector<double> lrs;
-  for (const TableBatch& b : batches) lrs.push_back(b.lr);
+void detail::ClientState::push_bounded(const std::vector<TableBatch>& batches, float scale, bool alone,
+                                       std::string* error, bool* index_error) {
+  std::vector<Routed> routed = route_batches(*this, batches, true, error, index_error);
+  if (!error->empty() && !alone) return;  // the synchronous round tells every rank; no shard counts a step
   const int64_t id = ++one_sided_ids;
-  // Every rank gets it, rows or not: each shard counts the step (the clock of the bound).
-  for (int d = 0; d < size(); ++d) send_request(d, write_request(RequestKind::kBoundedPush, id, routed, d, scale, lrs));
-  for (const Routed& r : routed) ++tables[static_cast<size_t>(r.table)]->bounded.seen.clock;
+  if (error->empty()) {
+    std::vector<double> lrs;
+    for (const TableBatch& b : batches) lrs.push_back(b.lr);
+    // Every rank gets it, rows or not: each shard counts the step (the clock of the bound).
+    for (int d = 0; d < size(); ++d) {
+      send_request(d, write_request(RequestKind::kBoundedPush, id, routed, d, scale, lrs));
+    }
+  } else {
+    // No round to carry the error: every shard gets a notice instead of rows (all or nothing: no
+    // row changes anywhere), counts the step as if it had come -- so no peer waits at the bound
+    // for it -- and tells the other ranks, who raise it at their next operation on the PS.
+    Writer w = request_writer(RequestKind::kBoundedError, id);
+    w.i64(static_cast<int64_t>(batches.size()));
+    for (const TableBatch& b : batches) w.i64(b.table);
+    w.i64(*index_error ? 1 : 0);
+    w.text(*error);
+    const std::vector<char> notice = w.take();
+    for (int d = 0; d < size(); ++d) send_request(d, notice);
+  }
+  for (const TableBatch& b : batches) ++tables[static_cast<size_t>(b.table)]->bounded.seen.clock;
+  throw_local(*error, *index_error);
 }
+
+bool detail::ClientState::first_telling(const ErrorNote& e) { return e.id < 0 || told.insert({e.rank, e.id}).second; }
 
 std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, float scale, bool return_updates,
                                      const std::string& given_error) {
@@ -268,23 +286,24 @@ std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, flo
     return {};
   }
   Split split = split_bounded(c, batches);
-  if (!split.bounded.empty() && (given_error.empty() || split.sync.empty())) {  // (else the round tells everyone)
+  std::string error = given_error;
+  bool index_error = false;
+  if (!split.bounded.empty()) {
     if (return_updates) {
       throw PSError("push(return_updates=True): table '" + c.table_at(split.bounded[0].table).spec.name +
                     "' has bounded staleness, and replicas updated from its pushes would not agree");
     }
-    c.push_bounded(split.bounded, scale, given_error);
+    // Bad input: told to every rank with the round below if there is one, else by the shards.
+    c.push_bounded(split.bounded, scale, split.sync.empty(), &error, &index_error);
     if (split.sync.empty()) return {};  // no round: the shards apply it as it comes
   }
   const std::vector<TableBatch>& sync = split.bounded.empty() ? batches : split.sync;
-  std::string error = given_error;
   for (const TableBatch& b : batches) {  // (a bad handle is route_batches' error)
     const bool known = b.table >= 0 && b.table < static_cast<int>(c.tables.size()) && !c.tables[b.table]->dropped;
     if (error.empty() && return_updates && known && c.tables[b.table]->spec.dynamic.on) {
       error = "table '" + c.tables[b.table]->spec.name + "' is dynamic: it cannot be replicated (return_updates)";
     }
   }
-  bool index_error = false;
   std::vector<Routed> routed = route_batches(c, sync, true, &error, &index_error);
   std::vector<double> lrs;
   for (const TableBatch& b : sync) lrs.push_back(b.lr);

@@ -36,6 +36,9 @@ enum class RequestKind : int64_t {
   // Bounded staleness (tables with staleness k > 0, bounded.cc): asynchronous, one-sided.
   kBoundedPush = 24,  // a push's body, applied on arrival; no reply. Counts a step of the sender
   kBoundedPull = 25,  // a pull's body with (clock, k) per table: held until the bound allows it
+  kBoundedError = 26,  // a bounded push whose input was bad at its sender: (tables, index error?, text).
+                       // No row changes; it counts the sender's step (nobody waits for a push that will
+                       // not come) and each shard tells the other ranks with its next answer to them
   kAbort = 30,       // the sender's engine failed (text): this one must fail too; no reply
 };
 
@@ -56,6 +59,7 @@ inline const char* operation_name(RequestKind kind) {
     case RequestKind::kWrite: return "write";
     case RequestKind::kBoundedPush: return "push (bounded staleness)";
     case RequestKind::kBoundedPull: return "pull (bounded staleness)";
+    case RequestKind::kBoundedError: return "push (bounded staleness)";
     case RequestKind::kAbort: return "abort";
   }
   return "an unknown operation";
@@ -152,6 +156,8 @@ struct ErrorNote {
   bool index_error = false;  // an id out of range (IndexError) rather than a bad value
   std::string message;
   std::string op;  // set when reported with a later operation's reply: the one that failed
+  // A failed bounded push's number at its sender: every shard tells of it, a rank raises it once.
+  int64_t id = -1;
 };
 
 // What every reply starts with: the request it answers and the errors the operation met (the
@@ -171,6 +177,7 @@ inline void write_reply_head(Writer& w, RequestKind kind, int64_t seq, const std
     w.i64(e.index_error ? 1 : 0);
     w.text(e.message);
     w.text(e.op);
+    w.i64(e.id);
   }
 }
 
@@ -185,6 +192,7 @@ inline ReplyHead read_reply_head(Reader& r) {
     e.index_error = r.i64() != 0;
     e.message = r.text();
     e.op = r.text();
+    e.id = r.i64();
     head.errors.push_back(std::move(e));
   }
   return head;

@@ -14,14 +14,18 @@ from .goodput import BatchChoice, ThroughputModel, choose_batch, efficiency, goo
 class AdaptiveConfig:
     """DistributedOptimizer(..., adaptive=AdaptiveConfig(...)) (or True for the defaults).
 
-    scaling_rule: 'auto' (adascale for SGD-like optimizers, sqrt for adaptive ones), 'adascale',
-        'sqrt', 'linear', or None (statistics only: the learning rate is left alone).
+    scaling_rule: 'auto' (adascale for SGD-like optimizers, adagrad for Adagrad, sqrt for the
+        other adaptive ones), 'adascale', 'adagrad', 'sqrt', 'linear', or None (statistics only:
+        the learning rate is left alone).
     local_batch_size: samples per rank per backward pass (an AdaptiveDataLoader sets it).
     base_batch_size: the global batch the learning rate (and its schedule) was written for
         (default: the first global batch seen).
     smoothing: the statistics' moving-average factor (closer to 1: smoother, slower).
     min_gain: a new batch size is taken only if its predicted goodput beats the current one's
         by this factor.
+    explore: how far beyond the largest local batch measured so far (at this world size) a
+        choice may go: the step-time lines are extrapolations there, so the batch grows by at
+        most this factor per decision and is measured before growing further.
     """
 
     scaling_rule: str | None = "auto"
@@ -29,6 +33,7 @@ class AdaptiveConfig:
     base_batch_size: int | None = None
     smoothing: float = 0.95
     min_gain: float = 1.05
+    explore: float = 2.0
 
     @classmethod
     def of(cls, value) -> "AdaptiveConfig | None":
@@ -123,6 +128,9 @@ class Adaptive:
         phi = self.noise_scale()
         if math.isnan(phi):  # no statistics yet (inf is fine: all noise)
             return None
+        lo, hi = local_bounds
+        hi = max(int(lo), min(int(hi), int(self.throughput.largest_measured(self.world) * self.config.explore)))
+        local_bounds = (lo, hi)
         best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, local_bounds,
                             max_accumulation)
         current = goodput(self.throughput, self.world, self.local_batch, self.accumulation, self.base_batch, phi)

@@ -8,9 +8,15 @@ with k accumulation micro-steps on N ranks takes
                                                                   PS push: grows with the rows)
 
 each line fitted by least squares to this world size's measurements. With one batch size seen so
-far, compute is taken as proportional to the batch and synchronisation as constant: the guess
-that favours a bigger batch, so the choice explores one, and the next fit corrects it. Statistical efficiency of a global batch M against the base M0 is the
-AdaScale gain per unit of scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale.
+far, the lines cannot be told apart from a constant: the whole step is taken as fixed cost, the
+guess most favourable to a bigger batch (optimism where nothing is known), so the choice tries
+one -- at most AdaptiveConfig.explore times the largest measured -- whenever the statistical
+efficiency lost there could be paid for, and the next fit, from two sizes, corrects the guess.
+(Taking compute as proportional to the batch instead would never explore: a job whose steps are
+mostly per-step overhead would stay at its first batch.)
+
+Statistical efficiency of a global batch M against the base M0 is the AdaScale gain per unit of
+scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale.
 """
 from __future__ import annotations
 
@@ -56,6 +62,10 @@ class ThroughputModel:
         rows.append((float(local_batch), float(micro_s), float(sync_s)))
         del rows[:-self.window]
 
+    def largest_measured(self, world: int) -> int:
+        """The largest local batch whose step times were measured at this world size (0: none)."""
+        return int(max((r[0] for r in self._samples.get(int(world), [])), default=0))
+
     def fitted(self, world: int) -> bool:
         return bool(self._samples.get(int(world)))
 
@@ -64,7 +74,7 @@ class ThroughputModel:
         if not rows:
             raise ValueError(f"no step times measured at world size {world} yet")
         b, micro, sync = zip(*rows)
-        return (*_line(b, micro), *_line(b, sync, constant_if_unknown=True))
+        return (*_line(b, micro, constant_if_unknown=True), *_line(b, sync, constant_if_unknown=True))
 
     def step_time(self, world: int, local_batch: float, accumulation: int = 1) -> float:
         ac, bc, as_, bs = self.params(world)

@@ -3,7 +3,14 @@ batch size M0) is multiplied by when the batch is M = scale * M0.
 
 adascale  AdaScale's gain (Johnson et al. 2020), for SGD: r = (tr(Sigma)/M0 + |G|^2) / (tr(Sigma)/M + |G|^2),
           between 1 (no noise: a bigger batch buys nothing) and scale (all noise: linear scaling)
-sqrt      sqrt(scale), for adaptive optimizers (Adam, Adagrad), whose steps do not grow linearly
+sqrt      sqrt(scale), for adaptive optimizers with a moving-average denominator (Adam, RMSprop)
+adagrad   sqrt((M + phi) / (M0 + phi)) = sqrt(scale / gain), phi the noise scale, for Adagrad: its
+          denominator is the *sum* of past squared gradients, which already shrinks with the
+          batch's noise. With gradients g_t = G + noise of variance sigma^2 / M, T = N / M steps
+          of lr g_t / sqrt(sum of g^2) move the parameters along G by about
+          2 lr G sqrt(N) / sqrt(M |G|^2 + sigma^2): the same after N samples whatever M when the
+          noise dominates (M << phi: factor 1), down by sqrt(scale) when it does not (factor
+          sqrt(scale)). This factor keeps that displacement per sample equal to the base batch's.
 linear    scale (Goyal et al.)
 
 Whatever the rule, progress is counted in scale-invariant steps: a step at batch M advances it by
@@ -35,11 +42,22 @@ def sqrt(scale: float, sqr: float, var: float, base_batch: float) -> float:
     return math.sqrt(scale)
 
 
+def adagrad(scale: float, sqr: float, var: float, base_batch: float) -> float:
+    """sqrt((M + phi) / (M0 + phi)); 1 until the statistics exist (see the module doc)."""
+    if not (math.isfinite(sqr) and math.isfinite(var)) or scale <= 0:
+        return 1.0
+    var = max(var, 0.0)
+    if sqr <= 0.0:  # all noise as far as can be told
+        return 1.0
+    phi = var / sqr
+    return math.sqrt((scale * base_batch + phi) / (base_batch + phi))
+
+
 def linear(scale: float, sqr: float, var: float, base_batch: float) -> float:
     return float(scale)
 
 
-RULES = {"adascale": adascale, "sqrt": sqrt, "linear": linear}
+RULES = {"adascale": adascale, "sqrt": sqrt, "adagrad": adagrad, "linear": linear}
 
 # Optimizers whose step size does not scale with the gradient (a square root suits them).
 _ADAPTIVE_OPTIMIZERS = ("adam", "adagrad", "rmsprop", "adadelta", "adamax", "nadam", "lamb", "adafactor")
@@ -47,9 +65,11 @@ _ADAPTIVE_OPTIMIZERS = ("adam", "adagrad", "rmsprop", "adadelta", "adamax", "nad
 
 def rule_for(name: str | None, optimizer_class_name: str) -> str:
     """The rule's name: `name` when given ('auto' or None: adascale for SGD-like optimizers,
-    sqrt for adaptive ones)."""
+    adagrad for Adagrad, sqrt for the other adaptive ones)."""
     if name in (None, "auto"):
         lowered = optimizer_class_name.lower()
+        if "adagrad" in lowered:
+            return "adagrad"
         return "sqrt" if any(k in lowered for k in _ADAPTIVE_OPTIMIZERS) else "adascale"
     if name not in RULES:
         raise ValueError(f"AdaptiveConfig.scaling_rule: unknown rule '{name}'; choose one of "

@@ -86,6 +86,11 @@ class DynamicTable(PSTable):
         state["slots"] = [arrays[f"slot.{name}"] for name in self.slot_names]
         self.engine.dynamic_restore(self.handle, state)
 
+    def clear(self) -> None:
+        """Local: empties this rank's shard (stored rows and pending ids), so that a checkpoint
+        load leaves exactly what was saved, whatever training ran before it."""
+        self.engine.dynamic_clear(self.handle)
+
     def stats(self) -> dict:
         """Local: this rank's shard's counters (stored, capacity share, admitted / evicted /
         expired in total and in the newest round, bytes of the map and of the rows)."""

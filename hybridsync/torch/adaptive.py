@@ -13,6 +13,7 @@ from .. import comm, runtime, timeline
 from ..adaptive import Adaptive, AdaptiveConfig
 from ..adaptive.batches import AdaptiveBatches
 from ..adaptive.collect import StepRecorder
+from .micro_stats import MicroStepStats
 
 _current = None  # weakref to the newest adaptive optimizer's AdaptiveStep (a loader finds it)
 
@@ -38,6 +39,8 @@ class AdaptiveStep:
         self._last_end = None
         if self.enabled:
             self.recorder = ctx.stats = StepRecorder(self.controller, world_size)
+            # a world of one has no all-reduce: its statistics come from accumulation micro-steps
+            self.micro_stats = MicroStepStats(optimizer) if world_size == 1 else None
             _current = weakref.ref(self)
             if self.controller.local_batch:
                 self.set_batch(self.controller.local_batch, 1)
@@ -59,10 +62,14 @@ class AdaptiveStep:
         """step() of a micro-step that is not the last of its step: nothing to do yet."""
         if not self.enabled or self.controller.accumulation == 1:
             return False
+        if self.micro_stats is not None:
+            self.micro_stats.micro_step_done()
         self._micro += 1
         if self._micro < self.controller.accumulation:
             return True
         self._micro = 0
+        if self.micro_stats is not None:
+            self.micro_stats.observe(self.controller)
         return False
 
     def mid_accumulation(self) -> bool:

@@ -116,3 +116,43 @@ TEST(a_rank_that_joined_holds_no_bounded_pull_and_clocks_restart_after_the_join)
   });
   for (auto& e : errors) CHECK(message_of(e).empty());
 }
+
+TEST(a_bad_bounded_push_is_raised_once_on_every_rank_and_holds_no_one) {
+  // The last rank pushes an id out of range at step 2: it throws at once; every shard counts the
+  // step and tells the others, who throw once (every shard tells), within the bound's reach.
+  const int P = 3, steps = 8, k = 1, bad_rank = P - 1, bad_step = 2;
+  auto errors = run_ranks(P, [&](int rank, Client& c) {
+    const int t = c.add_table(TableSpec{"emb", P, 1, 0, PartitionKind::kCyclic, "sgd", {{"lr", 1.0}}});
+    c.set_staleness(t, k);
+    int raised = 0, raised_at = -1;
+    std::string text;
+    for (int step = 0; step < steps; ++step) {
+      try {
+        pull_all(c, t, P);
+        const int64_t id = rank == bad_rank && step == bad_step ? 99 : rank;
+        const float minus_one = -1.0f;
+        c.push({TableBatch{t, &id, 1, &minus_one}}, 1.0f);
+      } catch (const PSIndexError& e) {
+        CHECK(rank == bad_rank);
+        ++raised, raised_at = step, text = e.what();
+      } catch (const PSTransportError&) {
+        throw;
+      } catch (const PSRemoteError& e) {
+        CHECK(rank != bad_rank);
+        ++raised, raised_at = step, text = e.what();
+      }
+    }
+    c.barrier();  // nobody waits for the bad push
+    CHECK(raised == 1);
+    CHECK(text.find("table 'emb': id 99 is out of range [0, 3)") != std::string::npos);
+    if (rank == bad_rank) {
+      CHECK(raised_at == bad_step);
+    } else {
+      CHECK(text.find("failed on rank 2") != std::string::npos);
+      CHECK(raised_at >= bad_step - k && raised_at <= bad_step + k + 1);
+    }
+    const std::vector<float> rows = pull_all(c, t, P);
+    for (int q = 0; q < P; ++q) CHECK_NEAR(rows[q], steps - 1, 0.0);  // each rank lost one push, no more
+  });
+  for (auto& e : errors) CHECK(message_of(e).empty());
+}

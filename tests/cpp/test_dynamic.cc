@@ -75,6 +75,47 @@ TEST(id_map_matches_a_hash_map_under_random_inserts_and_erases_of_any_int64) {
   for (int64_t p = 0; p < map.size(); ++p) CHECK(map.find(map.id(p)) == p);  // dense, consistent positions
 }
 
+TEST(id_map_erase_many_removes_exactly_the_victims_and_keeps_positions_dense) {
+  std::mt19937_64 gen(5);
+  for (int trial = 0; trial < 50; ++trial) {
+    IdMap map;
+    const int64_t n = 1 + static_cast<int64_t>(gen() % 400);
+    for (int64_t i = 0; i < n; ++i) map.insert(static_cast<int64_t>(gen() % 1000) * 7919 + i * 1000003);  // distinct
+    const std::vector<int64_t> before = map.ids();
+    std::vector<int64_t> victims;
+    for (int64_t p = 0; p < n; ++p) {
+      if (gen() % 3 == 0) victims.push_back(p);
+    }
+    if (trial % 7 == 0) victims.push_back(victims.empty() ? 0 : victims.front());  // a duplicate: removed once
+    std::vector<bool> gone(static_cast<size_t>(n), false);
+    for (int64_t p : victims) gone[static_cast<size_t>(p)] = true;
+    const auto moves = map.erase_many(victims);
+    int64_t kept = 0;
+    for (int64_t p = 0; p < n; ++p) {
+      kept += gone[static_cast<size_t>(p)] ? 0 : 1;
+      CHECK((map.find(before[static_cast<size_t>(p)]) >= 0) == !gone[static_cast<size_t>(p)]);
+    }
+    CHECK(map.size() == kept);
+    for (int64_t p = 0; p < map.size(); ++p) CHECK(map.find(map.id(p)) == p);
+    for (const auto& [from, to] : moves) CHECK(map.id(to) == before[static_cast<size_t>(from)] && to < kept && from >= kept);
+  }
+}
+
+TEST(initial_rows_in_a_batch_equal_those_made_one_at_a_time) {
+  for (int64_t dim : {1, 5, 16}) {
+    DynamicStore store("dyn", dyn(), 0, dim);
+    std::vector<int64_t> ids;
+    std::mt19937_64 gen(11);
+    for (int i = 0; i < 1000; ++i) ids.push_back(static_cast<int64_t>(gen()));
+    std::vector<float> batch(ids.size() * dim), one(dim);
+    store.initial_rows(ids.data(), static_cast<int64_t>(ids.size()), batch.data());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      store.initial_row(ids[i], one.data());
+      CHECK(std::equal(one.begin(), one.end(), batch.begin() + i * dim));  // bit for bit
+    }
+  }
+}
+
 TEST(initial_rows_depend_only_on_seed_and_id_and_absent_ids_read_them) {
   DynamicStore a("dyn", dyn(), 0, 4), b("dyn", dyn(100), 100, 4);
   auto arena_a = arena_for(a, 4), arena_b = arena_for(b, 4);

@@ -59,7 +59,7 @@ def _truth():
     return out
 
 
-def _estimated(placement, rank, size, batch, steps):
+def _estimated(placement, rank, size, batch, steps, accumulation=1):
     import torch
 
     import hybridsync.torch as hvd
@@ -71,25 +71,28 @@ def _estimated(placement, rank, size, batch, steps):
         opt = hvd.DistributedOptimizer(opt, model=model, adaptive=cfg)
     else:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), adaptive=cfg)
+    opt._hs_adaptive.set_batch(batch, accumulation)  # what an AdaptiveDataLoader does
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own i.i.d. draws, with replacement
-    for _ in range(steps):
+    for _ in range(steps * accumulation):
         pick = torch.randint(0, DATA, (batch,), generator=g)
-        opt.zero_grad()
+        opt.zero_grad()  # (kept between an accumulation's micro-steps)
         ((model(ids[pick], x[pick]) - y[pick]) ** 2).mean().backward()
         opt.step()
     return opt.gradient_stats()
 
 
-def rank_noise_scale():
+def rank_noise_scale(accumulation="1"):
+    """At np 1 the statistics come from `accumulation` micro-steps per step instead of ranks."""
     import hybridsync.torch as hvd
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    accumulation = int(accumulation)
     truth = _truth()
     dense_sqr = truth["lin.weight"][0] + truth["lin.bias"][0]
     dense_var = truth["lin.weight"][1] + truth["lin.bias"][1]
     for placement in ("sharded", "replicated"):
-        stats = _estimated(placement, rank, size, batch=8, steps=300)
+        stats = _estimated(placement, rank, size, batch=8, steps=300, accumulation=accumulation)
         per = stats["by_variable"]
         assert set(per) == {"emb.weight", "lin.weight", "lin.bias"}, per
         got = {"dense": (per["lin.weight"]["sqr"] + per["lin.bias"]["sqr"],
@@ -99,7 +102,7 @@ def rank_noise_scale():
         for what in ("dense", "table"):
             for k, label in enumerate(("|G|^2", "tr(Sigma)")):
                 err = abs(got[what][k] - want[what][k]) / want[what][k]
-                print(f"rank {rank} np {size} {placement} {what} {label}: estimated {got[what][k]:.4g}, "
+                print(f"rank {rank} np {size} x{accumulation} {placement} {what} {label}: estimated {got[what][k]:.4g}, "
                       f"true {want[what][k]:.4g} ({err:.1%})", flush=True)
                 assert err < 0.2, (placement, what, label, got[what][k], want[what][k])
         total_sqr = sum(v[0] for v in truth.values())
@@ -234,6 +237,12 @@ def test_noise_scale_rules_and_accumulation(np_):
     """The statistics of a dense layer and a PS table within 20% of the truth; adaptation off is
     bit-identical to plain training; the linear rule reaches the shards; accumulation averages."""
     run_ranks(__file__, "rank_stats_and_rules", np_, timeout=300)
+
+
+def test_single_rank_statistics_from_accumulation_micro_steps():
+    """One rank, 3 micro-steps per step: each micro-step's gradient against their mean gives the
+    statistics (dense layer and PS table, both placements) within 20% of the truth."""
+    run_ranks(__file__, "rank_noise_scale", 1, "3", timeout=300)
 
 
 def test_loader_chooses_the_same_batch_everywhere_and_restarts_at_another_size(tmp_path):

@@ -1,7 +1,8 @@
 """Dynamic tables on real MPI ranks: parity at -np 1, 2, 3 with a one-process reference (a dict
 of rows with the same per-shard rules, tests/dynamic_reference.py) for SGD, Adagrad and Adam with
 raw ids from the whole int64 range, admission, and LRU / LFU eviction with expiry; bad input
-raising on every rank; checkpoints saved at 2 ranks and loaded at 3 and 1; the export."""
+raising on every rank; checkpoints saved at 2 ranks and loaded at 3 and 1; the export; hvd.join()
+with uneven batches (a joined rank serves its shard and pushes nothing) at -np 2 and 3."""
 import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
@@ -217,16 +218,16 @@ def test_dynamic_tables_parity_at_2_3_1_ranks_checkpoint_across_them_and_bad_inp
     run_ranks(__file__, "rank_scenario", 1, path, "corrupt", timeout=240)
 
 
-def _everything(model):
-    """Per table: every stored id (sorted), its row and slots, counts and last touches, gathered."""
+def snapshot(tables):
+    """Per table ({name: DynamicTable}): every stored id (sorted), its row and slots, counts, last
+    touches and pending ids, gathered from every shard (PyTorch and Keras alike)."""
     import numpy as np
 
-    import hybridsync.torch as hvd
+    from hybridsync import comm
 
     out = {}
-    for name, _, _ in TABLES:
-        table = getattr(model, name).table
-        parts = hvd.allgather_object(table.shard_state())
+    for name, table in tables.items():
+        parts = comm.objects().allgather_object(table.shard_state(), name="test.snapshot")
         ids = np.concatenate([p["ids"] for p in parts])
         order = np.argsort(ids)
         out[f"{name}.ids"] = ids[order]
@@ -237,6 +238,10 @@ def _everything(model):
         for k, slot in enumerate(table.slot_names):
             out[f"{name}.slot.{slot}"] = table.read_rows(ids[order], slot=k)
     return out
+
+
+def _everything(model):
+    return snapshot({name: getattr(model, name).table for name, _, _ in TABLES})
 
 
 def _save(path, model, opt):
@@ -273,6 +278,66 @@ def _load(path):
     for key in want.files:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
     assert model.sgd_emb.table.step == STEPS
+
+
+def rank_join():
+    """hvd.join() with dynamic tables: rank r has 2 + 2r batches; a rank that ran out joins, its
+    shards keep serving the others and it pushes nothing, the average still divides by the world
+    size (Horovod's join). The tables match the reference fed each step's active ranks only;
+    then every rank trains on together."""
+    import numpy as np
+    import torch
+
+    import hybridsync.torch as hvd
+    from tests.dynamic_reference import ReferenceTable
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    options = dict(capacity=8, evict="lru", admit_after=2, ttl_steps=2)
+    emb = hvd.DynamicEmbedding(DIM, name="joined", seed=5, **options)
+    model = torch.nn.ModuleDict({"emb": emb, "unused": torch.nn.Linear(1, 1)})
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, config={
+        "variables": [{"match": "emb.*", "sync": "ps", "optimizer": {"name": "sgd", "lr": 0.5}}]})
+    ref = ReferenceTable(DIM, shards=size, seed=5, rule=("sgd", {"lr": 0.5}), **options)  # SGD: sees the scale
+    pool = _pool()
+
+    def batch(r, step):
+        rng = np.random.default_rng(1000 * r + step)
+        return pool[rng.integers(0, len(pool), size=6)], rng.standard_normal((6, DIM)).astype(np.float32)
+
+    def train(step, active):
+        if rank in active:
+            ids, w = batch(rank, step)
+            opt.zero_grad()
+            (emb(torch.from_numpy(ids)) * torch.from_numpy(w)).sum().backward()
+            opt.step()
+        grads = {}
+        for r in active:
+            ids, w = batch(r, step)
+            for i, g in zip(ids, w):
+                grads[int(i)] = grads.get(int(i), 0) + g.astype(np.float64) / size
+        ref.push(grads)
+
+    steps_of = [2 + 2 * r for r in range(size)]
+    for step in range(max(steps_of)):
+        train(step, [r for r in range(size) if step < steps_of[r]])
+    assert hvd.join() == size - 1
+    for step in range(100, 102):  # together again after the join
+        train(step, range(size))
+    np.testing.assert_allclose(emb.table.read_rows(pool), np.stack([ref.row(int(i)) for i in pool]), rtol=1e-5,
+                               atol=1e-5)
+    stats = hvd.allgather_object(emb.stats())
+    for key in ("stored", "admitted", "evicted", "expired"):
+        want = len(ref.stored_ids()) if key == "stored" else getattr(ref, key)
+        assert sum(s[key] for s in stats) == want, (key, stats)
+    assert ref.evicted > 0 and ref.expired > 0
+    hvd.join()  # every rank at once
+    hvd.shutdown()
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_join_with_a_dynamic_table(np_):
+    run_ranks(__file__, "rank_join", np_, timeout=180, env={"HYBRIDSYNC_TIMEOUT_S": "60"})
 
 
 if __name__ == "__main__":

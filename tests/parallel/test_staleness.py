@@ -195,6 +195,80 @@ def rank_idle_serving_thread_cpu(seconds):
     assert used < 0.1 * wall, f"the idle serving thread used {used:.2f} s of CPU in {wall:.1f} s"
 
 
+def rank_a_bad_bounded_push_is_raised_on_every_rank(k):
+    """The last rank pushes an id out of range on a bounded table (a one-sided push: no round
+    carries its error): it raises at once, every other rank at its next pull -- at the latest
+    k + 1 steps after it, when the bound needs that step -- naming the table, the id and the rank;
+    no row changed, nothing waits, and training goes on."""
+    import numpy as np
+
+    import hybridsync
+    from hybridsync import ps
+
+    k, rank, size = int(k), hybridsync.rank(), hybridsync.size()
+    engine = ps.engine()
+    table = engine.add_table("emb", 12, 2, 0, "cyclic", "sgd", {"lr": 1.0})
+    engine.set_staleness(table, k)
+    bad_rank, bad_step, steps = size - 1, 2, 2 + k + 4
+    def rows():
+        (_, inverse, unique_rows), = engine.pull([table], [np.arange(12)])
+        return np.asarray(unique_rows)[inverse, 0]
+
+    first = rows()
+    raised, pushed = [], 0
+    for step in range(steps):
+        try:
+            engine.pull([table], [np.arange(12)])  # rows from every shard
+            ids = np.array([rank, 1000 if (rank, step) == (bad_rank, bad_step) else 11])
+            engine.push([table], [ids], [np.ones((2, 2), np.float32)], 1.0, False)
+            pushed += 1
+        except (IndexError, RuntimeError) as e:
+            raised.append((step, type(e), str(e)))
+    engine.barrier("end")  # every rank got here: nothing hangs
+    assert len(raised) == 1, raised  # once, though every shard told it
+    step, kind, text = raised[0]
+    assert "table 'emb': id 1000 is out of range [0, 12)" in text, text
+    if rank == bad_rank:
+        assert (step, kind) == (bad_step, IndexError), raised
+    else:
+        assert kind is ps.RemoteError and f"failed on rank {bad_rank}" in text, raised
+        # (a rank may be up to k steps behind the bad one, or k + 1 ahead: then the bound waits for it)
+        assert bad_step - k <= step <= bad_step + k + 1, raised
+    # All or nothing: the bad push changed no row. Each rank lost one step's push (the bad one,
+    # or the one after the pull that raised): row r took rank r's other pushes, row 11 every
+    # rank's but the bad one, which had 1000 in its place.
+    assert pushed == steps - 1, pushed
+    change = rows() - first
+    assert np.array_equal(change[:size], np.full(size, -(steps - 1.0))), change
+    assert change[11] == -size * (steps - 1.0), change
+    print(f"BAD-PUSH rank={rank} raised at step {step}: {text}", flush=True)
+
+
+def rank_a_bad_learning_rate_on_a_bounded_table_raises_on_every_rank():
+    """Through the torch optimizer: the last rank's learning rate turns negative for one step
+    (bad input found before anything is sent); every rank raises once, naming the table; all
+    ranks then train on together."""
+    import hybridsync
+    from hybridsync import ps
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    model, opt = _skipgram(2)
+    raised = []
+    for step in range(8):
+        if rank == size - 1:
+            opt.param_groups[0]["lr"] = -1.0 if step == 2 else 0.5
+        try:
+            _step(model, opt, step, rank)
+        except (ValueError, RuntimeError) as e:
+            raised.append((step, str(e)))
+    ps.engine().barrier("end")  # every rank got here: nothing hangs
+    assert len(raised) == 1, raised
+    assert "learning rate must be >= 0" in raised[0][1] and ".weight'" in raised[0][1], raised
+    if rank != size - 1:
+        assert f"failed on rank {size - 1}" in raised[0][1], raised
+    print(f"BAD-LR rank={rank} raised at step {raised[0][0]}: {raised[0][1]}", flush=True)
+
+
 def test_staleness_zero_is_bit_identical_to_the_synchronous_default():
     run_ranks(__file__, "rank_k0_is_the_synchronous_default", 2)
 
@@ -226,6 +300,17 @@ def test_a_frozen_peer_is_named_while_a_rank_waits_at_the_bound():
     assert f"rank 1 on host {socket.gethostname()} has not been heard from" in out, out
     assert "pull (bounded staleness)" in out, out
     assert time.monotonic() - start < timeout_s + 25, out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_bad_bounded_push_is_raised_on_every_rank(np_):
+    out = run_ranks(__file__, "rank_a_bad_bounded_push_is_raised_on_every_rank", np_, "2", timeout=120)
+    assert out.count("BAD-PUSH") == np_, out
+
+
+def test_a_bad_learning_rate_on_a_bounded_table_raises_on_every_rank():
+    out = run_ranks(__file__, "rank_a_bad_learning_rate_on_a_bounded_table_raises_on_every_rank", 2, timeout=120)
+    assert out.count("BAD-LR") == 2, out
 
 
 def test_the_idle_serving_thread_does_not_spin_a_core():

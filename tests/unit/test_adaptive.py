@@ -52,6 +52,9 @@ def test_each_rule_gives_its_formula(scale):
     assert scaling.adascale(scale, sqr, var, m0) == pytest.approx(expected_gain, rel=1e-12)
     assert scaling.sqrt(scale, sqr, var, m0) == math.sqrt(scale)
     assert scaling.linear(scale, sqr, var, m0) == scale
+    phi = var / sqr
+    assert scaling.adagrad(scale, sqr, var, m0) == pytest.approx(math.sqrt((scale * m0 + phi) / (m0 + phi)), rel=1e-12)
+    assert scaling.adagrad(scale, sqr, var, m0) == pytest.approx(math.sqrt(scale / expected_gain), rel=1e-12)
     assert 1.0 <= scaling.gain(scale, sqr, var, m0) <= scale
 
 
@@ -60,10 +63,38 @@ def test_gain_limits_and_rule_choice():
     assert scaling.gain(4.0, 0.0, 1.0, 8) == 4.0  # all noise: worth `scale` steps
     assert scaling.gain(4.0, math.nan, math.nan, 8) == 1.0  # no statistics yet
     assert rule_for("auto", "SGD") == "adascale"
-    assert rule_for(None, "Adam") == "sqrt" and rule_for("auto", "Adagrad") == "sqrt"
+    assert rule_for(None, "Adam") == "sqrt" and rule_for("auto", "Adagrad") == "adagrad"
     assert rule_for("linear", "Adam") == "linear"
     with pytest.raises(ValueError, match="scaling_rule: unknown rule 'cubic'"):
         rule_for("cubic", "SGD")
+
+
+def _adagrad_displacement(batch, lr, samples, rng, dim=200, signal=0.1, sigma=1.0):
+    """Adagrad on gradients G + per-sample noise (the loss's slope is constant): how far the
+    parameters moved along G after `samples` samples at `batch`."""
+    x, acc = np.zeros(dim), np.zeros(dim)
+    for _ in range(samples // batch):
+        g = signal + rng.normal(size=dim) * sigma / math.sqrt(batch)
+        acc += g * g
+        x -= lr * g / np.sqrt(acc)
+    return -x.mean() / 1.0
+
+
+def test_adagrad_rule_keeps_progress_per_sample():
+    """Adagrad's denominator sums past squared gradients, so a bigger batch's smaller noise
+    already lengthens its steps: the sqrt rule's LR overshoots (twice the displacement of the
+    base batch after the same samples here), the adagrad rule's keeps it within 10%."""
+    rng = np.random.default_rng(0)
+    dim, signal, sigma, m0, scale, samples = 200, 0.1, 1.0, 16, 8, 128 * 200
+    sqr, var = dim * signal ** 2, dim * sigma ** 2  # noise scale 100
+    base = np.mean([_adagrad_displacement(m0, 0.01, samples, rng) for _ in range(4)])
+    for rule, lo, hi in (("adagrad", 0.9, 1.1), ("sqrt", 1.7, 2.3)):
+        lr = 0.01 * scaling.RULES[rule](scale, sqr, var, m0)
+        big = np.mean([_adagrad_displacement(m0 * scale, lr, samples, rng) for _ in range(4)])
+        assert lo < big / base < hi, (rule, big / base)
+    assert scaling.adagrad(scale, 1.0, 0.0, m0) == pytest.approx(math.sqrt(scale))  # no noise: sqrt
+    assert scaling.adagrad(scale, 1e-12, 1.0, m0) == pytest.approx(1.0)  # all noise: 1
+    assert scaling.adagrad(scale, math.nan, math.nan, m0) == 1.0  # no statistics yet
 
 
 def test_controller_lr_factor_and_scale_invariant_progress():
@@ -164,3 +195,31 @@ def test_batches_split_one_permutation_and_follow_the_choice():
     assert sent and a.choice.global_batch == 48
     with pytest.raises(ValueError, match="max_batch_size=8 is below batch_size=12"):
         batches.set_autoscale(8)
+
+
+def test_growth_is_bounded_by_what_was_measured():
+    """With one batch size measured, the step-time lines are a guess: a choice goes at most
+    `explore` times beyond the largest local batch measured, then further once that is measured."""
+    a = Adaptive(AdaptiveConfig(local_batch_size=16, explore=2.0), "SGD", world_size=2)
+    a.throughput.record(2, 16, 0.0001 * 16, 0.05)  # a large sync per step: the biggest batch looks best
+    a.stats.observe("w", 1.0 + 1e6 / 16, 16, 1.0 + 1e6 / 32, 32)  # all noise: no statistical cost
+    first = a.choose(4096, (8, 2048), 1)
+    assert first.local_batch == 32
+    a.set_batch(first.local_batch)
+    a.throughput.record(2, 32, 0.0001 * 32, 0.05)
+    assert a.choose(4096, (8, 2048), 1).local_batch == 64
+
+
+def test_one_measured_size_explores_a_bigger_one_then_the_fit_decides():
+    """From one batch size the step-time lines are unknown: the optimistic guess (all fixed
+    cost) tries a batch twice as big; once measured there with no throughput gained, the fit
+    takes the batch back to the base (better statistical efficiency at the same throughput)."""
+    a = Adaptive(AdaptiveConfig(local_batch_size=16), "SGD", world_size=2)
+    a.stats.observe("w", 1.0 + 200.0 / 16, 16, 1.0 + 200.0 / 32, 32)  # noise scale 200
+    a.throughput.record(2, 16, 0.0001 * 16, 0.0)  # the truth: all per-sample compute
+    first = a.choose(4096, (8, 2048), 1)
+    assert first is not None and first.local_batch == 32
+    a.set_batch(first.local_batch)
+    a.throughput.record(2, 32, 0.0001 * 32, 0.0)
+    back = a.choose(4096, (8, 2048), 1)
+    assert back is not None and back.local_batch == 16

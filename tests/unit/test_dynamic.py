@@ -24,11 +24,14 @@ def test_hash_shard_twin_matches_the_engine_and_spreads_sequential_ids(shards):
     assert counts.min() > 0.9 * 30000 / shards  # no id-mod-shards striping
 
 
+@pytest.mark.parametrize("dim", [5, 16])
 @pytest.mark.parametrize("init", [("normal", 0.5, 2.0), ("uniform", -0.1, 0.3)])
-def test_initial_rows_twin_matches_the_engine(init):
-    ids = _ids()
-    want = np.array(_ps.dynamic_initial_rows(42, ids.tolist(), 5, *init), np.float32).reshape(-1, 5)
-    np.testing.assert_allclose(dyn.initial_rows(42, ids, 5, init), want, rtol=1e-6, atol=1e-6)
+def test_initial_rows_twin_matches_the_engine(init, dim):
+    """The engine's polynomial log / sin / cos against NumPy's float32 functions, over many ids
+    (so the tails of the normal, where r is largest, are in)."""
+    ids = np.concatenate([_ids(), np.random.default_rng(6).integers(-2**63, 2**63 - 1, 20000, np.int64)])
+    want = np.array(_ps.dynamic_initial_rows(42, ids.tolist(), dim, *init), np.float32).reshape(-1, dim)
+    np.testing.assert_allclose(dyn.initial_rows(42, ids, dim, init), want, rtol=1e-6, atol=1e-6)
 
 
 def test_capacity_share_splits_the_remainder_over_the_first_shards():

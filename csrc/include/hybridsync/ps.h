@@ -247,6 +247,8 @@ class Client {
   // skipped, so any world size loads any checkpoint), and its counters.
   DynamicState dynamic_state(int table) const;
   void dynamic_restore(int table, const DynamicState& state);
+  // Empties this rank's shard (before a restore: a load replaces what training stored).
+  void dynamic_clear(int table);
   DynamicStats dynamic_stats(int table) const;
   // The newest complete push round's gradient statistics of `table` this rank has seen.
   RoundStats round_stats(int table) const;
