@@ -9,8 +9,9 @@ in-flight list at the next wait or poll (one 16-byte all-gather when they agree)
 every rank submitted identically is handed to Horovod -- in name order, with the same name on
 every rank. A mismatch of any kind raises on every rank, naming the collective and the ranks.
 
-As on the MPI backend, an async collective starts (negotiates, then goes to Horovod) at the
-first wait or poll of any collective, not at submission.
+An async collective starts (negotiates, then goes to Horovod) at the first wait or poll of any
+collective, not at submission (the MPI backend's progress thread is not used here: Horovod's ops
+would then be started from a thread of ours).
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class HorovodGate(MPICollectives):
     submit(kind, name, start, ...) takes `start(name) -> Horovod handle` as the payload (or the
     object for broadcast_object / allgather_object, moved here over MPI, pickled); a handle's
     result, once synchronize() returns it, is the started Horovod handle."""
+
+    background = False  # agreed at the next wait or poll, on the caller's thread (Horovod's own runs them)
 
     def __init__(self, comm, hvd, error_class):
         super().__init__(comm, fast_path=False)

@@ -1,8 +1,12 @@
 """Dense collectives over MPI (mpi4py) on NumPy buffers, with Horovod's semantics.
 
 Collectives are submitted (allreduce with Sum/Average/Min/Max/Product and pre/post scaling,
-allgather, broadcast, alltoall, reducescatter, barrier, objects) and run at the first
-synchronize() or poll() that needs them. Before data moves the ranks negotiate, as Horovod's
+allgather, broadcast, alltoall, reducescatter, barrier, objects) and run in the background, as
+Horovod's are: a progress thread (hybridsync.comm.progress) negotiates and runs them while the
+caller computes, and synchronize() drives them itself on the calling thread. poll() only reports.
+One lock serialises everything that advances the negotiation (rounds, agreed collectives, join),
+so this communicator's MPI calls keep the same order on every rank whichever thread issues them.
+Before data moves the ranks negotiate, as Horovod's
 coordinator does (hybridsync.comm.negotiation): one small all-gather of a fingerprint of every
 rank's in-flight list, and only when fingerprints differ (or a rank joined) a second exchange of
 the full descriptors. Agreed collectives run in name order, so every rank issues the same MPI
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import threading
 import time
 
 import numpy as np
@@ -26,6 +31,7 @@ from .buckets import check_buffer
 from . import mpi_kernels as k
 from .mpi_kernels import wait_all
 from .negotiation import DUPLICATE, CollectiveMismatchError, Desc, analyze, digest, op_name
+from .progress import CYCLE_S, ProgressThread
 
 __all__ = ["MPICollectives", "CollectiveMismatchError", "DuplicateNameError", "wait_all", "op_name"]
 
@@ -52,7 +58,7 @@ class Handle:
 
 
 class _Round:
-    __slots__ = ("request", "entries", "everyone", "mine")
+    __slots__ = ("request", "entries", "everyone", "mine", "next_check")
 
 
 _MAX_FAST_LAYOUTS = 32  # communicators kept for verified layouts; further layouts are negotiated
@@ -129,6 +135,7 @@ class MPICollectives:
     ranks of its members, which root ranks refer to, as in Horovod)."""
 
     name = "mpi"
+    background = True  # a progress thread runs async collectives (False: at the next wait or poll)
 
     def __init__(self, comm, ranks=None, fast_path=True):
         self.comm = comm.Dup()  # our own channel: never matches the user's or the PS's messages
@@ -138,8 +145,19 @@ class MPICollectives:
         self._pending: dict[str, Handle] = {}
         self._poison: dict[str, str] = {}  # names submitted twice (reported at the next round)
         self._unnamed = collections.Counter()
-        self._round = None  # an exchange posted by poll() and not finished yet
+        self._round = None  # an exchange posted and not finished yet
         self._joined_at = None
+        # _progress_lock: held by whichever thread advances the negotiation (it issues MPI calls
+        # on self.comm). _table_lock: the in-flight table only, so that submitting never waits
+        # for a collective the progress thread is running.
+        self._progress_lock = threading.RLock()
+        self._table_lock = threading.Lock()
+        self._blocked_on: list[str] = []  # what synchronize() calls on this rank wait for
+        self._completed = 0  # ops finished so far (the progress thread backs off while it stays put)
+        self._last_submit = 0.0  # when the newest op was submitted
+        self._first_unposted = None  # when the oldest op not in any round yet was submitted
+        self._thread = (ProgressThread(f"hybridsync-mpi-progress-{id(self):x}", self._background_step,
+                                       lambda: bool(self._pending or self._poison)) if self.background else None)
 
     # -- submitting -----------------------------------------------------------------------------
     def submit(self, kind, name, payload=None, *, dtype="", shape=(), root=-1, op="", scales=(1.0, 1.0)) -> Handle:
@@ -150,12 +168,27 @@ class MPICollectives:
             self._unnamed[kind] += 1
         desc = Desc(kind, name, dtype, tuple(int(x) for x in shape), int(root), op,
                     (float(scales[0]), float(scales[1])))
-        if name in self._pending:
-            self._poison[name] = kind
-            raise DuplicateNameError(f"{kind} '{name}' was submitted on rank {self.rank} while one with that name "
-                                     "is still in flight; names of in-flight collectives must be unique")
-        handle = self._pending[name] = Handle(desc, payload)
+        with self._table_lock:
+            if name in self._pending:
+                self._poison[name] = kind
+                raise DuplicateNameError(f"{kind} '{name}' was submitted on rank {self.rank} while one with that "
+                                         "name is still in flight; names of in-flight collectives must be unique")
+            handle = self._pending[name] = Handle(desc, payload)
+            self._last_submit = time.perf_counter()
+            if self._first_unposted is None:
+                self._first_unposted = self._last_submit
+        if self._thread is not None:
+            self._thread.wake()
         return handle
+
+    def _complete(self, handle, result=None, error=None) -> None:
+        """Out of the in-flight table first: a caller that sees `done` may reuse the name at once."""
+        with self._table_lock:
+            if self._pending.get(handle.desc.name) is handle:
+                del self._pending[handle.desc.name]
+        handle.result, handle.error = result, error
+        handle.done = True
+        self._completed += 1
 
     def allreduce_async_(self, buf, name=None, op="average", prescale_factor=1.0, postscale_factor=1.0,
                          verified_layout=False, dtype=None):
@@ -208,44 +241,101 @@ class MPICollectives:
 
     # -- waiting --------------------------------------------------------------------------------
     def synchronize(self, handle):
-        while not handle.done:
-            self._progress(block=True, waiting=handle.desc.label())
+        if not handle.done:
+            label = handle.desc.label()
+            self._blocked_on.append(label)  # the progress thread's rounds say so too (deadlock check)
+            try:
+                while not handle.done:
+                    with self._progress_lock:
+                        if not handle.done:
+                            self._progress(block=True, waiting=label)
+            finally:
+                self._blocked_on.remove(label)
         if handle.error is not None:
             raise handle.error
         return handle.result
 
     def poll(self, handle) -> bool:
-        if not handle.done:
-            self._progress(block=False, waiting=None)
-        return handle.done
+        """Whether `handle` has finished. Only reports: the progress thread does the work, so a
+        rank that lags its peers still finds a just-submitted op unfinished, as under Horovod.
+        (Without one, a non-blocking step of progress, then the state.)"""
+        if handle.done:
+            return True
+        if self._thread is None:
+            with self._progress_lock:
+                self._progress(block=False, waiting=None)
+            return handle.done
+        self._thread.wake()
+        time.sleep(0)  # a loop of polls holds the GIL: let the progress thread have it
+        return False
 
-    def _progress(self, block: bool, waiting):
+    def _background_step(self) -> bool:
+        """The progress thread's non-blocking step: True when an op finished. An error is handed
+        to every op in flight, for synchronize() to raise, instead of ending the thread. While a
+        synchronize() drives the negotiation itself, the thread stands aside (it would only take
+        the GIL from it at the moment its collective completes)."""
+        if not self._progress_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._round is None and self._first_unposted is not None:
+                # Ops still being submitted (a batch, a duplicate name, a synchronize() right
+                # behind): negotiate them together once submissions pause for a cycle.
+                now = time.perf_counter()
+                if now - self._last_submit < CYCLE_S and now - self._first_unposted < 10 * CYCLE_S:
+                    return False
+            before = self._completed
+            try:
+                self._progress(block=False, waiting=self._blocked_on[-1] if self._blocked_on else None)
+                return self._completed != before
+            except Exception as err:  # e.g. PeerLostError out of an agreed collective's wait
+                self._round = None
+                with self._table_lock:
+                    failed = list(self._pending.values())
+                    self._poison.clear()
+                for handle in failed:
+                    self._complete(handle, error=err)
+                return True
+        finally:
+            self._progress_lock.release()
+
+    def _progress(self, block: bool, waiting) -> bool:
+        """One round of negotiation (and the collectives it agrees on); False when not block
+        and the round has not completed yet. The caller holds _progress_lock."""
         if self.size == 1:
-            self._poison.clear()
-            self._run(sorted((h.desc for h in self._pending.values()), key=lambda d: d.name))
-            return None
+            with self._table_lock:
+                self._poison.clear()
+                descs = sorted((h.desc for h in self._pending.values()), key=lambda d: d.name)
+            self._run(descs)
+            return True
         if self._round is None:
+            if not (self._pending or self._poison):
+                return False  # finished meanwhile (by the other thread)
             self._round = self._post_round()
         if block:
             k.wait([self._round.request], comm=self.comm)
         elif not self._round.request.Test():
-            return None
+            now = time.perf_counter()
+            if now > self._round.next_check:  # (the progress thread's) a lost peer fails the ops, not a hang
+                self._round.next_check = now + k.PEER_CHECK_S
+                k.raise_if_a_peer_is_lost(self.comm)
+            return False
         rnd, self._round = self._round, None
-        return self._finish_round(rnd, waiting)
-
-    def _finish_round_if_done(self) -> None:
-        if self._round is not None and self._round.request.Test():
-            rnd, self._round = self._round, None
-            self._finish_round(rnd, None)
+        self._finish_round(rnd, waiting)
+        return True
 
     def _post_round(self) -> _Round:
-        entries = [h.desc for h in self._pending.values()] + [Desc(DUPLICATE, n, kind) for n, kind in self._poison.items()]
+        with self._table_lock:
+            entries = [h.desc for h in self._pending.values()] + [Desc(DUPLICATE, n, kind)
+                                                                   for n, kind in self._poison.items()]
+            poisoned = bool(self._poison)
+            self._first_unposted = None
         rnd = _Round()
         rnd.entries = sorted(entries, key=lambda d: (d.name, d.kind == DUPLICATE))
-        flags = (1 if self._joined_at is not None else 0) | (2 if self._poison else 0)
+        flags = (1 if self._joined_at is not None else 0) | (2 if poisoned else 0)
         rnd.mine = np.array([digest(rnd.entries), flags], dtype=np.int64)
         rnd.everyone = np.empty((self.size, 2), dtype=np.int64)
         rnd.request = self.comm.Iallgather(rnd.mine, rnd.everyone)
+        rnd.next_check = time.perf_counter() + k.PEER_CHECK_S
         return rnd
 
     def _finish_round(self, rnd: _Round, waiting):
@@ -260,10 +350,11 @@ class MPICollectives:
         if verdict.all_joined:
             return payloads
         for name, message in verdict.failed.items():
-            self._poison.pop(name, None)
-            handle = self._pending.pop(name, None)
+            with self._table_lock:
+                self._poison.pop(name, None)
+                handle = self._pending.get(name)
             if handle is not None:
-                handle.error, handle.done = CollectiveMismatchError(message), True
+                self._complete(handle, error=CollectiveMismatchError(message))
         if verdict.runnable:
             reference = {d.name: d for d in payloads[next(r for r, p in enumerate(payloads) if not p[1])][0]}
             self._run([reference[name] for name in verdict.runnable])
@@ -273,29 +364,30 @@ class MPICollectives:
     def _run(self, descs) -> None:
         """Runs agreed collectives, in the same order on every rank. A rank without a handle for
         one (it called join()) contributes zeros."""
-        items = [(d, self._pending.pop(d.name, None)) for d in descs if d.kind != DUPLICATE]
+        with self._table_lock:  # (they stay in the table while they run: their names are in flight)
+            items = [(d, self._pending.get(d.name)) for d in descs if d.kind != DUPLICATE]
         adasums = [(d, h) for d, h in items if d.kind == "allreduce" and d.op == "adasum"]
         for d, h in adasums:  # one tensor at a time: each has its own coefficients and scales
             array = h.payload if h else np.zeros(d.shape, k.np_dtype(d.dtype))  # a joined rank adds nothing
             k.adasum(self.comm, self.size, self.rank, [array], d.scales)
             if h is not None:
-                h.result, h.done = array, True
+                self._complete(h, array)
         reduces = [(d, h) for d, h in items if d.kind == "allreduce" and d.op != "adasum"]
         if reduces:
             arrays = [h.payload if h else np.zeros(d.shape, k.np_dtype(d.dtype)) for d, h in reduces]
             k.reduce_buckets(self.comm, self.size, arrays, [(d.op, d.scales) for d, _ in reduces])
             for (_, h), array in zip(reduces, arrays):
                 if h is not None:
-                    h.result, h.done = array, True
+                    self._complete(h, array)
         gathers = [h for d, h in items if d.kind == "allgather"]  # never with a joined rank
         if gathers:
             for h, out in zip(gathers, k.allgather_many(self.comm, self.size, [h.payload for h in gathers])):
-                h.result, h.done = out, True
+                self._complete(h, out)
         for d, h in items:
             if d.kind not in ("allreduce", "allgather"):
                 result = getattr(self, f"_run_{d.kind}")(d, h.payload if h else None)
                 if h is not None:
-                    h.result, h.done = result, True
+                    self._complete(h, result)
 
     def _run_broadcast(self, d, array):
         return k.broadcast(self.comm, array, self.ranks.index(d.root))
@@ -340,15 +432,10 @@ class MPICollectives:
             for i, a in enumerate(arrays):
                 k.check_adasum(f"{name}.{i}", a.dtype, self.size)
         if verified_layout and self._fast is not None and opn != "adasum":
-            side_work = None
-            if self._pending and self.size > 1:
-                # A peer may be waiting for one of these collectives before its own step, as
-                # Horovod allows: take part in their negotiation while this step's all-reduce
-                # waits, or the two waits would wait for each other.
-                if self._round is None:
-                    self._round = self._post_round()
-                side_work = self._finish_round_if_done
-            if self._fast.reduce(arrays, keys, side_work):
+            # Collectives still in flight (a peer may wait for one of them before its own step,
+            # as Horovod allows) go on in the progress thread while this step's all-reduce waits,
+            # on its own communicator: it needs no lock.
+            if self._fast.reduce(arrays, keys):
                 return arrays
         handles = [self.submit("allreduce", f"{name}.{i}", a, dtype=k.label(a.dtype), shape=a.shape, op=opn,
                                scales=keys[0][1]) for i, a in enumerate(arrays)]
@@ -369,13 +456,8 @@ class MPICollectives:
         return self._fast.start([check_buffer(a, "hybridsync.fused") for a in arrays], keys)
 
     def finish_allreduce_arrays(self, started) -> None:
-        buckets, requests = started
-        side_work = None
-        if self._pending:  # as in allreduce_arrays: a peer may wait for these before its step
-            if self._round is None:
-                self._round = self._post_round()
-            side_work = self._finish_round_if_done
-        k.wait(requests, while_waiting=side_work, comm=self.comm)
+        buckets, requests = started  # (collectives in flight meanwhile: as in allreduce_arrays)
+        k.wait(requests, comm=self.comm)
         k.finish_buckets(self.size, buckets)
 
     # -- join -----------------------------------------------------------------------------------
@@ -383,10 +465,16 @@ class MPICollectives:
         """Horovod's join: until every rank has called it, this rank takes part in the others'
         all-reduces with zeros (other collectives are then an error on the ranks that submit
         them). Returns the rank that joined last."""
-        for handle in list(self._pending.values()):
+        with self._table_lock:
+            in_flight = list(self._pending.values())
+        for handle in in_flight:
             self.synchronize(handle)
         if self.size == 1:
             return self.ranks[0]
+        with self._progress_lock:
+            return self._join_rounds()
+
+    def _join_rounds(self) -> int:
         self._joined_at = time.time()
         try:
             while True:
@@ -448,6 +536,8 @@ class MPICollectives:
         self.synchronize(self.submit("process_set_remove", name, engine, shape=sorted(ranks)))
 
     def free(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
         if self._fast is not None:
             self._fast.free()
         self.comm.Free()

@@ -6,6 +6,7 @@ Each function runs one agreed collective; every rank of `comm` calls it with mat
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -71,6 +72,15 @@ def scale(array, factor: float) -> None:
         array *= array.dtype.type(factor)
 
 
+_thread_waits = threading.local()
+
+
+def sleep_while_waiting() -> None:
+    """The calling thread's waits sleep at once instead of first polling with sched_yield (a
+    background thread: its polls would take the GIL and a core from the thread doing the work)."""
+    _thread_waits.no_spin = True
+
+
 def wait(requests, any_done=False, while_waiting=None, comm=None) -> None:
     """Waits without sitting in a blocking MPI call: OpenMPI's blocking waits spin, stealing the
     core a peer needs to catch up (measured: 4-5 ms of CPU per step on the ranks that arrive
@@ -87,18 +97,18 @@ def wait(requests, any_done=False, while_waiting=None, comm=None) -> None:
         return MPI.Request.Testany(requests)[1] if any_done else MPI.Request.Testall(requests)
     if done():
         return
-    spin_until = time.perf_counter() + wait_spin_us() * 1e-6
+    spin_us = 0.0 if getattr(_thread_waits, "no_spin", False) else wait_spin_us()
+    spin_until = time.perf_counter() + spin_us * 1e-6
     sleep_s, max_sleep_s = 1e-6, settings().max_sleep_us * 1e-6
-    next_check = time.perf_counter() + 0.5
+    next_check = time.perf_counter() + PEER_CHECK_S
     while not done():
         now = time.perf_counter()
         if now < spin_until:
             os.sched_yield()
             continue
         if now > next_check:  # a peer frozen, cut off or gone would leave this wait hanging forever
-            _raise_if_a_peer_is_silent()
-            _raise_if_a_peer_has_left(comm)
-            next_check = now + 0.5
+            raise_if_a_peer_is_lost(comm)
+            next_check = now + PEER_CHECK_S
         time.sleep(sleep_s)
         sleep_s = min(sleep_s * 2, max_sleep_s)
 
@@ -106,6 +116,15 @@ def wait(requests, any_done=False, while_waiting=None, comm=None) -> None:
 class PeerLostError(RuntimeError):
     """A peer has not been heard from (heartbeat) for HYBRIDSYNC_PEER_TIMEOUT_S, or has shut
     down while this rank waits for a collective it belongs to."""
+
+
+PEER_CHECK_S = 0.5  # how often a wait checks that its peers are still there
+
+
+def raise_if_a_peer_is_lost(comm) -> None:
+    """PeerLostError when a member of comm is silent (frozen, dead, cut off) or has shut down."""
+    _raise_if_a_peer_is_silent()
+    _raise_if_a_peer_has_left(comm)
 
 
 def _raise_if_a_peer_is_silent() -> None:

@@ -39,6 +39,23 @@ def rank_frozen_peer_in_allreduce():
     hvd.allreduce(torch.ones(3), name="waits")  # the MPI backend's wait names the frozen rank
 
 
+def rank_frozen_peer_under_async_ops():
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    hvd.init(backend="mpi")
+    hvd.allreduce(torch.ones(3), name="first")
+    if hybridsync.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    handle = hvd.allreduce_async(torch.ones(3), name="in.background")
+    while not hvd.poll(handle):  # only the progress thread works on it: it must not wait forever
+        time.sleep(0.05)
+    print(f"rank {hybridsync.rank()}: the progress thread gave up on the op", flush=True)
+    hvd.synchronize(handle)  # raises the thread's error naming the frozen rank
+
+
 def rank_frozen_peer_in_horovod_allreduce():
     import torch
 
@@ -105,6 +122,19 @@ def test_a_frozen_peer_is_named_in_a_dense_all_reduce_too():
     start = time.monotonic()
     rc, out = launch(mpirun_prefix(2) + [sys.executable, "-u", __file__, "rank_frozen_peer_in_allreduce"], 120, env)
     assert rc != 0, out
+    assert f"rank 1 on host {socket.gethostname()} has not been heard from" in out, out
+    assert time.monotonic() - start < PEER_TIMEOUT_S + 25, out
+
+
+def test_a_frozen_peer_fails_an_async_op_left_to_the_progress_thread():
+    """Nobody waits on the op, only poll() reads it: the MPI backend's progress thread names the
+    frozen rank and hands that error to the op, instead of leaving a poll loop spinning forever."""
+    env = {"HYBRIDSYNC_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
+    start = time.monotonic()
+    rc, out = launch(mpirun_prefix(2) + [sys.executable, "-u", __file__, "rank_frozen_peer_under_async_ops"], 120,
+                     env)
+    assert rc != 0, out
+    assert "rank 0: the progress thread gave up on the op" in out, out
     assert f"rank 1 on host {socket.gethostname()} has not been heard from" in out, out
     assert time.monotonic() - start < PEER_TIMEOUT_S + 25, out
 
