@@ -7,6 +7,7 @@ that nothing was left behind. Under Horovod the ranks agree before Horovod sees 
 (hybridsync.comm.horovod_gate), so the cases Horovod itself would wait on forever (names that
 differ, a name submitted twice, different kinds under one name) raise too; process sets run
 over MPI under both backends."""
+import contextlib
 import re
 import time
 
@@ -61,10 +62,16 @@ def more_cases(hvd, rank, size, odd):
     me = rank == odd
 
     def duplicate():
-        first = hvd.allreduce_async(torch.ones(2), name="m.dup")
-        if me:  # the duplicating rank is told at once, as by Horovod ...
-            with pytest.raises(ValueError, match="still in flight"):
-                hvd.allreduce_async(torch.ones(2), name="m.dup")
+        # The duplicating rank holds its backend's progress lock across both submissions, so its
+        # progress thread cannot negotiate the first op in between (a descheduled test thread
+        # would otherwise let it run first, and then only the duplicating rank is told, as in
+        # Horovod). This pins the case under test: a duplicate submitted before negotiation.
+        lock = getattr(comm.backend(), "_progress_lock", None)  # the Horovod backend has no thread
+        with lock if me and lock is not None else contextlib.nullcontext():
+            first = hvd.allreduce_async(torch.ones(2), name="m.dup")
+            if me:  # the duplicating rank is told at once, as by Horovod ...
+                with pytest.raises(ValueError, match="still in flight"):
+                    hvd.allreduce_async(torch.ones(2), name="m.dup")
         hvd.synchronize(first)  # ... and every rank when the name is negotiated
 
     def names():
