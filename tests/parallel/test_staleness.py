@@ -100,6 +100,17 @@ def _read_progress(directory, rank):
         return 0
 
 
+def _stall_until_the_others_wait_at(directory, size, bound):
+    """The stalled (last) rank's check: every other rank reaches `bound` steps and goes no further."""
+    deadline = time.monotonic() + 60
+    while any(_read_progress(directory, r) < bound for r in range(size - 1)):
+        assert time.monotonic() < deadline, "the fast ranks did not run k steps ahead"
+        time.sleep(0.01)
+    time.sleep(0.5)  # they would go on now if the bound let them
+    ahead = [_read_progress(directory, r) for r in range(size - 1)]
+    assert ahead == [bound] * (size - 1), f"fast ranks at {ahead}, bound {bound}"
+
+
 def rank_fast_ranks_run_k_steps_ahead_then_wait(k, directory):
     """The last rank stalls outside any PS call after 2 steps: every other rank completes exactly
     k + 1 more steps (its pulls miss at most k of the staller's) and then waits at the bound."""
@@ -111,13 +122,7 @@ def rank_fast_ranks_run_k_steps_ahead_then_wait(k, directory):
     warm, steps = 2, 10
     for step in range(steps):
         if rank == size - 1 and step == warm:
-            deadline = time.monotonic() + 60
-            while any(_read_progress(directory, r) < warm + k + 1 for r in range(size - 1)):
-                assert time.monotonic() < deadline, "the fast ranks did not run k steps ahead"
-                time.sleep(0.01)
-            time.sleep(0.5)  # they would go on now if the bound let them
-            ahead = [_read_progress(directory, r) for r in range(size - 1)]
-            assert ahead == [warm + k + 1] * (size - 1), f"fast ranks at {ahead}, bound {warm + k + 1}"
+            _stall_until_the_others_wait_at(directory, size, warm + k + 1)
         _step(model, opt, step, rank)
         _progress(directory, rank, step + 1)
     for name, table in _tables(opt).items():

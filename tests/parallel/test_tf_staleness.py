@@ -3,12 +3,11 @@ hvd.Embedding tables) under real mpirun: `staleness: 0` trains bit for bit as th
 default; with the last rank stalled the others run exactly k steps ahead of it and then wait,
 and the lag their pulls saw never exceeds k. The torch side: test_staleness.py."""
 import os
-import time
 
 import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
-from tests.parallel.test_staleness import _progress, _read_progress
+from tests.parallel.test_staleness import _progress, _stall_until_the_others_wait_at
 
 VOCAB, DIM, BATCH = 40, 4, 8
 
@@ -70,13 +69,7 @@ def rank_keras_fast_ranks_run_k_steps_ahead_then_wait(k, directory):
     warm, steps = 2, 8
     for step in range(steps):
         if rank == size - 1 and step == warm:
-            deadline = time.monotonic() + 60
-            while any(_read_progress(directory, r) < warm + k + 1 for r in range(size - 1)):
-                assert time.monotonic() < deadline, "the fast ranks did not run k steps ahead"
-                time.sleep(0.01)
-            time.sleep(0.5)  # they would go on now if the bound let them
-            ahead = [_read_progress(directory, r) for r in range(size - 1)]
-            assert ahead == [warm + k + 1] * (size - 1), f"fast ranks at {ahead}, bound {warm + k + 1}"
+            _stall_until_the_others_wait_at(directory, size, warm + k + 1)
         _step(layers, opt, step, rank)
         _progress(directory, rank, step + 1)
     for layer in layers:
