@@ -147,6 +147,7 @@ class MPICollectives:
         self._unnamed = collections.Counter()
         self._round = None  # an exchange posted and not finished yet
         self._joined_at = None
+        self._rounds_joined = 0
         # _progress_lock: held by whichever thread advances the negotiation (it issues MPI calls
         # on self.comm). _table_lock: the in-flight table only, so that submitting never waits
         # for a collective the progress thread is running.
@@ -345,7 +346,7 @@ class MPICollectives:
             self._run(rnd.entries)  # the same collectives everywhere: nothing more to exchange
             return None
         fast = dict(self._fast.rounds) if self._fast is not None else {}
-        payloads = self.comm.allgather((rnd.entries, self._joined_at is not None, waiting, self._joined_at, fast))
+        payloads = self.comm.allgather((rnd.entries, self._joined_at is not None, waiting, self._rounds_joined, fast))
         verdict = analyze([p[0] for p in payloads], [p[1] for p in payloads], [p[2] for p in payloads])
         if verdict.all_joined:
             return payloads
@@ -476,6 +477,7 @@ class MPICollectives:
 
     def _join_rounds(self) -> int:
         self._joined_at = time.time()
+        self._rounds_joined = 0  # rounds are collective: the rank that joined last has seen the fewest
         try:
             while True:
                 if self._fast is not None:
@@ -486,6 +488,7 @@ class MPICollectives:
                        comm=self.comm)
                 if self._round.request.Test():
                     rnd, self._round = self._round, None
+                    self._rounds_joined += 1
                     payloads = self._finish_round(rnd, "join")
                     if payloads is not None:
                         return self._finish_join(payloads)
@@ -498,8 +501,10 @@ class MPICollectives:
             for p in payloads:
                 targets |= collections.Counter(p[4])  # the most rounds any rank took part in
             self._fast.finish(dict(targets))
-        times = [p[3] for p in payloads]
-        return self.ranks[max(range(self.size), key=lambda r: (times[r], r))]
+        # Counted in rounds, not wall-clock times, which hosts' clocks would skew; a tie (joined
+        # in the same round) goes to the higher rank, the same answer on every rank.
+        rounds = [p[3] for p in payloads]
+        return self.ranks[min(range(self.size), key=lambda r: (rounds[r], -r))]
 
     # -- the rest, synchronous ------------------------------------------------------------------
     def allreduce(self, buf, name=None, op="average"):

@@ -292,7 +292,17 @@ def check_join(hvd, rank, size):
         assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="during.join").item() == size - 1
         with pytest.raises(RuntimeError, match="(?i)join"):
             hvd.allgather(torch.ones(1), name="gather.during.join")
-        hvd.join()
+        assert hvd.join() != 0
+    # Horovod's test_horovod_join_broadcast pattern: a collective refused because a rank joined,
+    # then join at once; every rank must name a later joiner (the Horovod backend used to answer
+    # with Horovod's coordinator's order, which could name the first joiner).
+    for first in range(size):
+        if rank == first:
+            assert hvd.join() != first
+        else:
+            with pytest.raises(RuntimeError):
+                hvd.broadcast(torch.ones(17, 17), rank, name=f"refused.{first}")
+            assert hvd.join() != first
 
 
 def rank_surface():
