@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .goodput import allowed, nearest_allowed
+
 
 class AdaptiveBatches:
     def __init__(self, num_samples: int, batch_size: int, rank: int, world: int, shuffle: bool = True,
@@ -30,9 +32,13 @@ class AdaptiveBatches:
         self.autoscale = (int(max_batch_size), (int(lo), int(hi)), max(1, int(max_accumulation)))
 
     def start(self, controller, set_batch) -> None:
-        """Before the first batch: the base batch size, unless a checkpoint restored one."""
+        """Before the first batch: the base batch size, unless a checkpoint restored one (then
+        the allowed batch nearest the restored global batch, which at another world size may
+        not divide evenly or may leave local_bsz_bounds)."""
         if not controller.local_batch:
             set_batch(max(1, self.batch_size // self.world), 1)
+        elif self.autoscale is not None and not allowed(self.world, *controller.sizes(), *self.autoscale):
+            set_batch(*nearest_allowed(self.world, controller.global_batch(), *self.autoscale))
         if not controller.base_batch:
             controller.base_batch = self.batch_size
 

@@ -7,7 +7,7 @@ import math
 
 from . import scaling
 from .gns import GradientStats
-from .goodput import BatchChoice, ThroughputModel, choose_batch, efficiency, goodput
+from .goodput import BatchChoice, ThroughputModel, allowed, choose_batch, efficiency, goodput
 
 
 @dataclasses.dataclass
@@ -121,19 +121,22 @@ class Adaptive:
 
     def choose(self, max_batch: int, local_bounds: tuple[int, int], max_accumulation: int) -> BatchChoice | None:
         """The batch to use from now on, or None to keep the current one: a new one only when
-        its predicted goodput beats the current one's by min_gain. Deterministic in the shared
-        statistics and step times, so every rank decides the same."""
+        its predicted goodput beats the current one's by min_gain (or at once when the batch in
+        force breaks the limits, e.g. one restored at another world size). Deterministic in the
+        shared statistics and step times, so every rank decides the same."""
         if not self.throughput.fitted(self.world) or not self.base_batch:
             return None
         phi = self.noise_scale()
         if math.isnan(phi):  # no statistics yet (inf is fine: all noise)
             return None
         lo, hi = local_bounds
-        hi = max(int(lo), min(int(hi), int(self.throughput.largest_measured(self.world) * self.config.explore)))
-        local_bounds = (lo, hi)
-        best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, local_bounds,
+        explored = max(int(lo), min(int(hi), int(self.throughput.largest_measured(self.world) * self.config.explore)))
+        best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, (lo, explored),
                             max_accumulation)
         current = goodput(self.throughput, self.world, self.local_batch, self.accumulation, self.base_batch, phi)
+        if not allowed(self.world, self.local_batch, self.accumulation, max_batch, local_bounds, max_accumulation):
+            self.choice = best
+            return best
         if (best.local_batch, best.accumulation) == (self.local_batch, self.accumulation) or \
                 best.goodput < current * self.config.min_gain:  # keep the batch in force
             self.choice = BatchChoice(self.local_batch, self.accumulation, self.world, current,

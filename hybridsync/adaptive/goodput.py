@@ -117,6 +117,31 @@ def goodput(model: ThroughputModel, world: int, local_batch: int, accumulation: 
     return model.throughput(world, local_batch, accumulation) * efficiency(batch, base_batch, noise_scale)
 
 
+def allowed(world: int, local_batch: int, accumulation: int, max_batch: int, local_bounds: tuple[int, int],
+            max_accumulation: int) -> bool:
+    """Whether (local batch, accumulation) keeps within the loader's limits at this world size."""
+    lo, hi = int(local_bounds[0]), int(local_bounds[1])
+    return (lo <= local_batch <= hi and 1 <= accumulation <= max(1, int(max_accumulation))
+            and world * local_batch * accumulation <= max_batch)
+
+
+def nearest_allowed(world: int, global_batch: int, max_batch: int, local_bounds: tuple[int, int],
+                    max_accumulation: int) -> tuple[int, int]:
+    """The allowed (local batch, accumulation) whose global batch is nearest `global_batch`
+    (ties: fewer micro-steps, then the smaller batch) -- a batch restored at another world size."""
+    lo, hi = int(local_bounds[0]), int(local_bounds[1])
+    best = None
+    for k in range(1, max(1, int(max_accumulation)) + 1):
+        for b in range(lo, hi + 1):
+            batch = world * b * k
+            if batch > max_batch:
+                break
+            key = (abs(batch - global_batch), k, batch)
+            if best is None or key < best[0]:
+                best = (key, (b, k))
+    return best[1] if best is not None else (lo, 1)
+
+
 def choose_batch(model: ThroughputModel, world: int, base_batch: int, noise_scale: float, max_batch: int,
                  local_bounds: tuple[int, int], max_accumulation: int = 1) -> BatchChoice:
     """The (local batch, accumulation) maximising predicted goodput with the global batch in

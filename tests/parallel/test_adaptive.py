@@ -206,18 +206,18 @@ def rank_loader(mode, path):
         assert kept <= size * opt.adaptive.accumulation, ("the global batch was not kept", opt.adaptive.sizes())
         assert opt.progress == pytest.approx(float(open(f"{path}.progress").read()))
         assert opt.adaptive.world == size
-    history = []
+    history, first_step = [], opt.adaptive.steps
     for ids, x, y in loader:
         opt.zero_grad()
         ((model(ids, x) - y) ** 2).mean().backward()
         opt.step()
         history.append(opt.adaptive.sizes())
-        if len(history) >= 40:
+        if opt.adaptive.steps - first_step >= 24:  # steps, not micro-steps: re-chosen at least twice
             break
     everyone = hvd.allgather_object(history)
     assert all(h == everyone[0] for h in everyone), "ranks disagree on the batch size"
     local, accumulation = opt.adaptive.sizes()
-    assert 2 <= local <= 12 and opt.adaptive.global_batch() <= 96
+    assert 2 <= local <= 12 and opt.adaptive.global_batch() <= 96, (history, loader.changes, opt.adaptive.choice)
     assert opt.adaptive.global_batch() > 12, (loader.changes, opt.adaptive.summary())
     if mode == "load":  # chosen again from this world size's own step times
         assert opt.adaptive.choice is not None and opt.adaptive.choice.world == size, opt.adaptive.choice

@@ -172,6 +172,32 @@ def test_restart_at_another_world_size_keeps_the_global_batch():
     assert c.sizes() == (8, 4) and c.global_batch() == 96
 
 
+def test_a_restored_batch_is_brought_within_the_loaders_limits():
+    """2 x 4 on 2 ranks (16) is 1.3 x 4 per rank on 3, rounded to 1: under local_bsz_bounds
+    (2, 12). The loader starts at the allowed batch nearest the restored one, and choose()
+    replaces a batch that breaks the limits even when no choice beats it by min_gain (the
+    intermittent CI failure of the 2 -> 3 restart test)."""
+    from hybridsync.adaptive.batches import AdaptiveBatches
+    from hybridsync.adaptive.goodput import allowed, nearest_allowed
+
+    a = Adaptive(AdaptiveConfig(local_batch_size=6), "SGD", world_size=2)
+    a.set_batch(2, 4)
+    b = Adaptive(AdaptiveConfig(), "SGD", world_size=3)
+    b.load_state_dict(a.state_dict())
+    assert b.sizes() == (1, 4) and not allowed(3, 1, 4, 96, (2, 12), 8)
+    batches = AdaptiveBatches(4096, 12, 0, 3)
+    batches.set_autoscale(96, (2, 12), 8)
+    batches.start(b, b.set_batch)
+    assert b.sizes() == (4, 1)  # 12: nearest the restored 12, with the fewest micro-steps
+    assert nearest_allowed(3, 88, 96, (2, 12), 8) == (10, 3)  # 90: 87 and 89 cannot be made
+    assert nearest_allowed(3, 500, 96, (2, 12), 8) == (8, 4)  # over max_batch: 96 (fewest micro-steps)
+    b.set_batch(1, 4)  # as if restored without the loader's limits
+    b.throughput.record(3, 1, 0.0, 1.0)  # all fixed cost: a bigger batch is faster ...
+    b.stats.observe("w", 1.0, 1, 1.0, 3)  # ... but with no noise it gains nothing: none beats min_gain
+    chosen = b.choose(96, (2, 12), 8)
+    assert chosen is not None and allowed(3, chosen.local_batch, chosen.accumulation, 96, (2, 12), 8)
+
+
 def test_batches_split_one_permutation_and_follow_the_choice():
     from hybridsync.adaptive.batches import AdaptiveBatches
 
