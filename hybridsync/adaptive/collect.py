@@ -77,13 +77,14 @@ class StepRecorder:
                 raise RuntimeError("hybridsync.adaptive: ranks all-reduced different dense variables this step")
             mean_local = np.mean([g[0] for g in gathered], axis=0) / accum ** 2 / unscale
             small, big = per_rank * accum, per_rank * accum * self.world
+            base = adaptive.base_batch or big
             for name, local in zip(names, mean_local):
                 if name in self._dense_out:
-                    adaptive.stats.observe(name, float(local), small, self._dense_out[name] / unscale, big)
+                    adaptive.stats.observe(name, float(local), small, self._dense_out[name] / unscale, big, big / base)
             for name, local_sq, combined_sq, (b, k) in self._ps:
                 n = self.world
                 adaptive.stats.observe(name, local_sq / n / k ** 2 / unscale, b * k,
-                                       combined_sq / (n * k) ** 2 / unscale, b * k * n)
+                                       combined_sq / (n * k) ** 2 / unscale, b * k * n, b * k * n / base)
         micro_s = max(t[0] for _, t in gathered)  # a step lasts as long as its slowest rank's
         sync_s_all = max(t[1] for _, t in gathered)
         measured_at = gathered[0][1][2]

@@ -5,6 +5,11 @@ A gradient averaged over b samples has E|g_b|^2 = |G|^2 + tr(Sigma)/b. Each rank
 (batch b) and the all-reduced one (batch N*b) give two such equations, solved for both unknowns
 (Pollux, OSDI'21, appendix). One step's solution is very noisy, so each is smoothed by an
 exponential moving average, bias-corrected like Adam's moments (the average starts at zero).
+The average's memory is counted in samples, not steps: a step of `weight` base batches decays it
+by smoothing ** weight (as AdaptDL does), so a big batch's statistics follow training as closely,
+per sample seen, as a small one's. (Per step, a 4096 batch on a 512 base would keep ~20 steps'
+memory -- 160 base steps of training, across which DLRM's noise scale grows ~100x -- and lag far
+behind the state it is choosing for.)
 """
 from __future__ import annotations
 
@@ -24,14 +29,14 @@ def estimate(small_sq: float, small_batch: float, big_sq: float, big_batch: floa
 class _Smoothed:
     """A bias-corrected exponential moving average."""
 
-    __slots__ = ("theta", "biased", "weight")
+    __slots__ = ("biased", "weight")
 
-    def __init__(self, theta: float):
-        self.theta, self.biased, self.weight = theta, 0.0, 0.0
+    def __init__(self):
+        self.biased, self.weight = 0.0, 0.0
 
-    def add(self, x: float) -> None:
-        self.biased = self.theta * self.biased + (1.0 - self.theta) * x
-        self.weight = self.theta * self.weight + (1.0 - self.theta)
+    def add(self, x: float, theta: float) -> None:
+        self.biased = theta * self.biased + (1.0 - theta) * x
+        self.weight = theta * self.weight + (1.0 - theta)
 
     def value(self) -> float:
         return self.biased / self.weight if self.weight > 0 else math.nan
@@ -54,14 +59,19 @@ class GradientStats:
         self._by_variable: dict[str, tuple[_Smoothed, _Smoothed]] = {}
         self.observations = 0
 
-    def observe(self, name: str, small_sq: float, small_batch: float, big_sq: float, big_batch: float) -> None:
-        """One step of variable `name`: mean |g|^2 at small_batch and |g|^2 at big_batch."""
+    def observe(self, name: str, small_sq: float, small_batch: float, big_sq: float, big_batch: float,
+                weight: float = 1.0) -> None:
+        """One step of variable `name`: mean |g|^2 at small_batch and |g|^2 at big_batch; the step
+        counts as `weight` base-batch steps (its global batch / the base batch)."""
+        if not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
         sqr, var = estimate(small_sq, small_batch, big_sq, big_batch)
         pair = self._by_variable.get(name)
         if pair is None:
-            pair = self._by_variable[name] = (_Smoothed(self.smoothing), _Smoothed(self.smoothing))
-        pair[0].add(sqr)
-        pair[1].add(var)
+            pair = self._by_variable[name] = (_Smoothed(), _Smoothed())
+        theta = self.smoothing ** weight
+        pair[0].add(sqr, theta)
+        pair[1].add(var, theta)
         self.observations += 1
 
     def by_variable(self) -> dict:
@@ -91,7 +101,7 @@ class GradientStats:
         self.observations = int(state.get("observations", 0))
         self._by_variable = {}
         for name, (s, v) in state.get("by_variable", {}).items():
-            pair = (_Smoothed(self.smoothing), _Smoothed(self.smoothing))
+            pair = (_Smoothed(), _Smoothed())
             pair[0].load(s)
             pair[1].load(v)
             self._by_variable[name] = pair

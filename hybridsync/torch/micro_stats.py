@@ -70,7 +70,7 @@ class MicroStepStats:
             if len(micro) != k or not b:
                 continue  # a variable without a gradient in some micro-step: no clean pair
             total = _rows_sq(parts) if parts is not None else _sq(grad)
-            controller.stats.observe(name, sum(micro) / k, b, total / k ** 2, k * b)
+            controller.stats.observe(name, sum(micro) / k, b, total / k ** 2, k * b, k * b / (controller.base_batch or k * b))
         self._prev.clear()
         self._staged.clear()
         self._micro_sq.clear()

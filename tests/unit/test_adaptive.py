@@ -45,6 +45,22 @@ def test_bias_correction_gives_the_first_value_unshrunk():
     assert restored.summary() == s
 
 
+def test_the_smoothing_remembers_samples_not_steps():
+    """A step of 4 base batches decays the average as 4 base steps do: after a change of the
+    truth, a big batch's estimate has moved as far per sample as a small one's (per step it
+    would lag 4x behind in samples -- the DLRM large batch's stale noise scale)."""
+    small, big = GradientStats(smoothing=0.9), GradientStats(smoothing=0.9)
+    for sqr in (1.0, 3.0):  # the truth changes after 40 base batches' worth of samples
+        for _ in range(40):
+            small.observe("w", sqr + 5.0 / 8, 8, sqr + 5.0 / 16, 16, weight=1.0)
+        for _ in range(10):
+            big.observe("w", sqr + 5.0 / 32, 32, sqr + 5.0 / 64, 64, weight=4.0)
+    assert big.summary()["sqr"] == pytest.approx(small.summary()["sqr"], rel=1e-9)
+    assert small.summary()["sqr"] == pytest.approx(3.0 - 2.0 * 0.9 ** 40 / (1 + 0.9 ** 40), rel=1e-9)
+    with pytest.raises(ValueError, match="weight must be > 0"):
+        big.observe("w", 1.0, 1, 1.0, 2, weight=0.0)
+
+
 @pytest.mark.parametrize("scale", [1.0, 2.0, 3.5, 8.0])
 def test_each_rule_gives_its_formula(scale):
     sqr, var, m0 = 0.5, 40.0, 16
