@@ -36,11 +36,21 @@ class AdaptiveBatches:
         the allowed batch nearest the restored global batch, which at another world size may
         not divide evenly or may leave local_bsz_bounds)."""
         if not controller.local_batch:
-            set_batch(max(1, self.batch_size // self.world), 1)
+            set_batch(*self._first_batch())
         elif self.autoscale is not None and not allowed(self.world, *controller.sizes(), *self.autoscale):
             set_batch(*nearest_allowed(self.world, controller.global_batch(), *self.autoscale))
         if not controller.base_batch:
             controller.base_batch = self.batch_size
+
+    def _first_batch(self) -> tuple[int, int]:
+        """The base batch. A world of one has no all-reduce to measure the gradient noise with:
+        when accumulation is allowed it takes the base batch in two micro-steps, whose gradients
+        give the statistics (without them no choice is ever made)."""
+        local = max(1, self.batch_size // self.world)
+        if self.world == 1 and self.autoscale is not None and self.autoscale[2] >= 2 and local % 2 == 0 \
+                and local // 2 >= self.autoscale[1][0]:
+            return local // 2, 2
+        return local, 1
 
     def rechoose(self, controller, set_batch, broadcast) -> None:
         """Collective, at the same step on every rank: rank 0's choice (or none) everywhere."""

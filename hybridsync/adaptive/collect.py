@@ -24,6 +24,19 @@ def squared_norm(buffer) -> float:
     return float(np.dot(flat, flat))
 
 
+def rows_squared_norm(parts) -> float:
+    """|g|^2 of a gradient given as (ids, rows) parts, rows of the same id summed first."""
+    if not parts:
+        return 0.0
+    ids = np.concatenate([np.asarray(i).reshape(-1) for i, _ in parts])
+    rows = np.concatenate([np.asarray(g, dtype=np.float64).reshape(len(np.asarray(i).reshape(-1)), -1)
+                           for i, g in parts])
+    unique, inverse = np.unique(ids, return_inverse=True)
+    summed = np.zeros((len(unique), rows.shape[1]))
+    np.add.at(summed, inverse, rows)
+    return float(np.sum(summed * summed))
+
+
 class StepRecorder:
     """Fed by the synchronizers during synchronize(); end_step() turns the step into statistics."""
 

@@ -131,8 +131,10 @@ class Adaptive:
             return None
         lo, hi = local_bounds
         explored = max(int(lo), min(int(hi), int(self.throughput.largest_measured(self.world) * self.config.explore)))
+        # A world of one measures the noise only across micro-steps: it keeps at least two.
+        min_accumulation = 2 if self.world == 1 and max_accumulation >= 2 else 1
         best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, (lo, explored),
-                            max_accumulation)
+                            max_accumulation, min_accumulation)
         current = goodput(self.throughput, self.world, self.local_batch, self.accumulation, self.base_batch, phi)
         if not allowed(self.world, self.local_batch, self.accumulation, max_batch, local_bounds, max_accumulation):
             self.choice = best

@@ -143,15 +143,16 @@ def nearest_allowed(world: int, global_batch: int, max_batch: int, local_bounds:
 
 
 def choose_batch(model: ThroughputModel, world: int, base_batch: int, noise_scale: float, max_batch: int,
-                 local_bounds: tuple[int, int], max_accumulation: int = 1) -> BatchChoice:
+                 local_bounds: tuple[int, int], max_accumulation: int = 1, min_accumulation: int = 1) -> BatchChoice:
     """The (local batch, accumulation) maximising predicted goodput with the global batch in
     [base_batch, max_batch] (never below the base: the LR rules assume scale >= 1) and the local
-    batch within local_bounds. Deterministic: the same inputs give the same choice on every rank."""
+    batch within local_bounds, and min_accumulation..max_accumulation micro-steps. Deterministic:
+    the same inputs give the same choice on every rank."""
     lo, hi = int(local_bounds[0]), int(local_bounds[1])
     if not 1 <= lo <= hi:
         raise ValueError(f"local_bsz_bounds must be 1 <= lo <= hi, got {local_bounds}")
     best = None
-    for k in range(1, max(1, int(max_accumulation)) + 1):
+    for k in range(max(1, int(min_accumulation)), max(1, int(max_accumulation)) + 1):
         for b in _grid(lo, hi):
             batch = world * b * k
             if batch > max_batch or batch < base_batch:
@@ -160,7 +161,8 @@ def choose_batch(model: ThroughputModel, world: int, base_batch: int, noise_scal
             if best is None or g > best.goodput * (1 + 1e-12):
                 best = BatchChoice(b, k, world, g, efficiency(batch, base_batch, noise_scale))
     if best is None:  # no allowed size reaches the base batch: the largest one allowed
-        b = max(lo, min(hi, max_batch // world))
-        best = BatchChoice(b, 1, world, goodput(model, world, b, 1, base_batch, noise_scale),
-                           efficiency(world * b, base_batch, noise_scale))
+        k = max(1, min(int(min_accumulation), int(max_accumulation)))
+        b = max(lo, min(hi, max_batch // (world * k)))
+        best = BatchChoice(b, k, world, goodput(model, world, b, k, base_batch, noise_scale),
+                           efficiency(world * b * k, base_batch, noise_scale))
     return best

@@ -35,5 +35,7 @@ class SparseAllgather(Synchronizer):
                 ids, values = allgather_rows(self.ctx.backend, *got, name=f"hybridsync.{var.name}")
                 if self.ctx.op is ReduceOp.AVERAGE:
                     values = values / values.dtype.type(self.ctx.world_size)
+                if self.ctx.grad_scale != 1.0:  # accumulation micro-steps: their sum becomes their mean
+                    values = values * values.dtype.type(self.ctx.grad_scale)
                 var.access.set_rows(ids, values)
                 accounting.allgather(var.plan, ids, values)

@@ -25,12 +25,11 @@ class AdaptiveDataset:
         world = runtime.world()
         self.batches = AdaptiveBatches(n, batch_size, world.rank, world.size, shuffle, seed, interval, warmup)
 
-    def autoscale_batch_size(self, max_batch_size: int, local_bsz_bounds=None, gradient_accumulation: bool = False):
-        """As AdaptiveDataLoader's; Keras applies once per batch, so no accumulation steps."""
-        if gradient_accumulation:
-            raise NotImplementedError("AdaptiveDataset: gradient_accumulation is PyTorch-only (Keras applies "
-                                      "once per batch)")
-        self.batches.set_autoscale(max_batch_size, local_bsz_bounds, 1)
+    def autoscale_batch_size(self, max_batch_size: int, local_bsz_bounds=None, gradient_accumulation: bool = False,
+                             max_accumulation: int = 8):
+        """As AdaptiveDataLoader's. With gradient_accumulation a step may be several batches
+        (micro-steps): the optimizer's apply() exchanges and applies only at a step's last one."""
+        self.batches.set_autoscale(max_batch_size, local_bsz_bounds, max_accumulation if gradient_accumulation else 1)
 
     @property
     def changes(self) -> list:

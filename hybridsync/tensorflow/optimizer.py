@@ -34,6 +34,7 @@ from . import collectives
 from ..sync import cost_model
 from ..sync.auto import candidates_for
 from .access import AutoKerasAccess, KerasAccess
+from .micro_steps import MicroSteps
 from .server_optimizer import describe, slots
 
 
@@ -56,6 +57,7 @@ class _DistributedKerasOptimizer:
         cfg = AdaptiveConfig.of(adaptive)
         self._hs_adaptive = Adaptive(cfg, type(self).__name__, runtime.world().size) if cfg else None
         self._hs_lr_factor = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="hybridsync_lr_factor")
+        self._hs_micro = MicroSteps() if cfg else None
         self._hs_last_end = None
         self._hs_predivide = gradient_predivide_factor
         self._hs_config = config_mod.load(config if config is not None else runtime.default_config())
@@ -201,18 +203,33 @@ class _DistributedKerasOptimizer:
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
         if self._hs_plan is None:
             self._hs_make_plan(grads, variables)
-        grads, variables = self._hs_synchronize(grads, variables)
-        if not variables:
-            self._iterations.assign_add(1)
-            return None
-        return super().apply(grads, variables)
+        grads, variables, apply_now = self._hs_synchronize(grads, variables)
+        if apply_now is None:
+            if not variables:
+                self._iterations.assign_add(1)
+                return None
+            return super().apply(grads, variables)
+        # Adaptive: an accumulation micro-step other than the step's last applies nothing.
+        if variables and not self.built:
+            self.build(variables)  # (not inside the condition: tf.function creates variables once)
+        base_apply = super().apply
+
+        def update():
+            if variables:
+                base_apply(grads, variables)
+            else:
+                self._iterations.assign_add(1)
+            return tf.constant(True)
+
+        tf.cond(apply_now, update, lambda: tf.constant(False))
+        return None
 
     def _hs_synchronize(self, grads, variables):
         """Exchanges every gradient in one op running the sync core; returns what the Keras
         optimizer should still apply."""
         routes = [var.plan.route for var in self._hs_vars]
         if runtime.world().size == 1 and all(r is Route.ALLREDUCE for r in routes) and self._hs_adaptive is None:
-            return grads, variables
+            return grads, variables, None
         collectives.check_not_xla("gradient exchange")
         inputs, layout = [tf.cast(self._hs_base_lr(), tf.float64)], []
         for g, v, var in zip(grads, variables, self._hs_vars):
@@ -227,18 +244,28 @@ class _DistributedKerasOptimizer:
         out_types = [self._hs_output_types(var, var in self._hs_auto) for var in self._hs_vars]
 
         def exchange(lr, *arrays):
+            per_variable = [(kind, arrays[at - 1:at - 1 + n]) for kind, at, n in layout]
+            if self._hs_adaptive is not None:
+                k = self._hs_adaptive.accumulation
+                self._hs_sync.ctx.grad_scale = 1.0 / k  # the core turns the micro-steps' sum into their mean
+                if k > 1:
+                    self._hs_micro.add(per_variable)
+                    if len(self._hs_micro) < k:
+                        return [np.float32(self._hs_adaptive.last_factor), np.bool_(False), *self._hs_idle(out_types)]
+                    per_variable = self._hs_accumulated(k)
             factor = self._hs_begin_adaptive()
-            for var, (kind, at, n) in zip(self._hs_vars, layout):
-                var.access.begin(kind, arrays[at - 1:at - 1 + n], float(lr) * factor)
+            for var, (kind, parts) in zip(self._hs_vars, per_variable):
+                var.access.begin(kind, parts, float(lr) * factor)
             self._hs_sync.synchronize()
             self._hs_end_adaptive()
-            return [np.float32(factor)] + [a for var, types in zip(self._hs_vars, out_types) for a in var.access.out[:len(types)]]
+            return [np.float32(factor), np.bool_(True)] + [a for var, types in zip(self._hs_vars, out_types)
+                                                           for a in var.access.out[:len(types)]]
 
-        results = tf.numpy_function(exchange, inputs, Tout=[tf.float32] + [t for types in out_types for t in types],
+        results = tf.numpy_function(exchange, inputs,
+                                    Tout=[tf.float32, tf.bool] + [t for types in out_types for t in types],
                                     stateful=True, name="hybridsync_exchange")
-        if not isinstance(results, (list, tuple)):  # (eager gives a single output bare)
-            results = [results]
-        factor, results = results[0], iter(results[1:])
+        factor, apply_now, results = results[0], results[1], iter(results[2:])
+        apply_now.set_shape([])
         keep_g, keep_v, updates = [], [], [self._hs_lr_factor.assign(factor)]  # the Keras update's LR follows
         for i, (v, var) in enumerate(zip(variables, self._hs_vars)):
             route, placement = var.plan.route, var.plan.placement
@@ -269,7 +296,41 @@ class _DistributedKerasOptimizer:
         with tf.control_dependencies(updates):
             keep_g = [tf.identity(g) if not isinstance(g, tf.IndexedSlices) else
                       tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape) for g in keep_g]
-        return keep_g, keep_v
+        return keep_g, keep_v, (apply_now if self._hs_adaptive is not None else None)
+
+    def _hs_accumulated(self, k: int) -> list:
+        """The step's last micro-step: the held gradients' sum per variable. A world of one
+        exchanges nothing, so the core cannot scale its all-reduced and all-gathered gradients:
+        they get the mean here (its PS rows still get the sum: the server scales them); its
+        statistics come from the micro-steps."""
+        summed = self._hs_micro.take()
+        if runtime.world().size > 1:
+            return summed
+        if self._hs_auto:
+            raise NotImplementedError("accumulation micro-steps with `sync: auto` variables on a single rank")
+        self._hs_micro.observe(self._hs_adaptive, [var.name for var in self._hs_vars], self._hs_sync.ctx.loss_scale)
+        out = []
+        for var, (kind, parts) in zip(self._hs_vars, summed):
+            if var.plan.route is not Route.PS:
+                parts = (parts[0] / parts[0].dtype.type(k),) if kind == "dense" else \
+                    (parts[0], parts[1] / parts[1].dtype.type(k))
+            out.append((kind, parts))
+        return out
+
+    def _hs_idle(self, out_types) -> list:
+        """The exchange's outputs on a micro-step that applies nothing: zeros of a dense
+        variable's shape, no rows."""
+        out = []
+        for var, types in zip(self._hs_vars, out_types):
+            dense = var.plan.route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE) and var not in self._hs_auto
+            for t in types:
+                if dense:
+                    out.append(np.zeros(var.plan.shape, t.as_numpy_dtype))
+                elif t == tf.int64:
+                    out.append(np.zeros(0, np.int64))
+                else:
+                    out.append(np.zeros((0, var.access.dim), t.as_numpy_dtype))
+        return out
 
     @staticmethod
     def _hs_rows(g, v, var):

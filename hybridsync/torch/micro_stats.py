@@ -5,23 +5,10 @@ module, the rows its backward staged), so no extra pass is needed; a copy of the
 the dense gradients is kept between micro-steps to tell them apart."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from ..adaptive.collect import rows_squared_norm as _rows_sq
 from .access import StagedRowsAccess
-
-
-def _rows_sq(parts) -> float:
-    """|g|^2 of staged (ids, rows) parts, rows of the same id summed first."""
-    if not parts:
-        return 0.0
-    ids = np.concatenate([np.asarray(i).reshape(-1) for i, _ in parts])
-    rows = np.concatenate([np.asarray(g, dtype=np.float64).reshape(len(np.asarray(i).reshape(-1)), -1)
-                           for i, g in parts])
-    unique, inverse = np.unique(ids, return_inverse=True)
-    summed = np.zeros((len(unique), rows.shape[1]))
-    np.add.at(summed, inverse, rows)
-    return float(np.sum(summed * summed))
 
 
 def _sq(t: torch.Tensor) -> float:

@@ -157,20 +157,22 @@ def rank_accumulation_is_the_mean():
 
     rank, size = hvd.rank(), hvd.size()
     whole = _train(None, 0.05, 8, rank, size)
-    model, (ids, x, y) = _model(), _data()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
-                                   adaptive={"scaling_rule": None, "local_batch_size": 8})
-    opt._hs_adaptive.set_batch(4, 2)
-    for step in range(6):
-        start = (step * size + rank) * 8 % (DATA - 8)
-        for micro in range(2):
-            part = slice(start + 4 * micro, start + 4 * micro + 4)
-            opt.zero_grad()  # a no-op between micro-steps
-            ((model(ids[part], x[part]) - y[part]) ** 2).mean().backward()
-            opt.step()
-    assert opt.adaptive.steps == 6
-    torch.testing.assert_close(torch.from_numpy(model.emb.table.read().copy()), whole[0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(model.lin.weight.detach(), whole[1], rtol=1e-5, atol=1e-6)
+    for config in (None, {"variables": [{"match": "emb*", "sync": "allgather"}]}):
+        model, (ids, x, y) = _model(), _data()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model, config=config,
+                                       adaptive={"scaling_rule": None, "local_batch_size": 8})
+        opt._hs_adaptive.set_batch(4, 2)
+        for step in range(6):
+            start = (step * size + rank) * 8 % (DATA - 8)
+            for micro in range(2):
+                part = slice(start + 4 * micro, start + 4 * micro + 4)
+                opt.zero_grad()  # a no-op between micro-steps
+                ((model(ids[part], x[part]) - y[part]) ** 2).mean().backward()
+                opt.step()
+        assert opt.adaptive.steps == 6
+        rows = model.emb.weight.detach() if config else torch.from_numpy(model.emb.table.read().copy())
+        torch.testing.assert_close(rows, whole[0], rtol=1e-5, atol=1e-6, msg=lambda m: f"{config}: {m}")
+        torch.testing.assert_close(model.lin.weight.detach(), whole[1], rtol=1e-5, atol=1e-6)
 
 
 def rank_stats_and_rules():

@@ -71,13 +71,14 @@ def _stepper(model, opt):
     return step
 
 
-def rank_keras_adaptive():
+def _check_statistics(accumulation=1):
+    """300 steps at LR 0 (the truth stays put) of batch 8 per rank, in `accumulation` micro-steps
+    of 8 each (a single rank's statistics come from them); estimates within 20% of the truth."""
     import keras
     import numpy as np
 
     import hybridsync.tensorflow as hvd
 
-    hvd.init()
     rank, size = hvd.rank(), hvd.size()
     ids, x, y = _data()
     batch = 8
@@ -86,11 +87,13 @@ def rank_keras_adaptive():
         truth = _truth(model, sharded)
         opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.0),
                                        adaptive={"local_batch_size": batch, "smoothing": 0.98})
+        opt.adaptive.set_batch(batch, accumulation)
         rng = np.random.default_rng(100 + rank)
         step = _stepper(model, opt)
-        for _ in range(300):
+        for _ in range(300 * accumulation):
             pick = rng.integers(0, DATA, batch)
             step(ids[pick], x[pick], y[pick])
+        assert opt.adaptive.steps == 300 and int(opt.iterations.numpy()) == 300, "a micro-step was applied"
         per = opt.gradient_stats()["by_variable"]
         got = {"emb": [(v["sqr"], v["var"]) for n, v in per.items() if "emb" in n][0],
                "lin": tuple(sum(v[k] for n, v in per.items() if n.startswith("lin")) for k in ("sqr", "var"))}
@@ -100,6 +103,18 @@ def rank_keras_adaptive():
                 print(f"rank {rank} np {size} sharded={sharded} {layer} {label}: estimated {got[layer][k]:.4g}, "
                       f"true {truth[layer][k]:.4g} ({err:.1%})", flush=True)
                 assert err < 0.2, (sharded, layer, label, got[layer][k], truth[layer][k])
+
+
+def rank_keras_adaptive():
+    import keras
+    import numpy as np
+
+    import hybridsync.tensorflow as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    ids, x, y = _data()
+    _check_statistics()
 
     def train(lr, local, adaptive):
         model = _model(False)
@@ -141,6 +156,66 @@ def rank_keras_adaptive():
     everyone = allgather_object(history)
     assert all(h == everyone[0] for h in everyone), "ranks disagree on the batch size"
     assert opt.adaptive.global_batch() > 4 * size, (dataset.changes, opt.adaptive.summary())
+
+
+def rank_keras_accumulation():
+    """Accumulation micro-steps (AdaptiveDataset(..., gradient_accumulation=True)): k micro-steps
+    of b train as one step of k b (SGD; Adam: no moment moves on a micro-step), a Dense layer and
+    both PS placements, and the all-gather route; on one rank they are where the statistics come from, and the dataset
+    starts with two of them so a choice can be made."""
+    import keras
+    import numpy as np
+
+    import hybridsync.tensorflow as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    ids, x, y = _data()
+    allgather = {"variables": [{"match": "emb*", "sync": "allgather"}]}
+    for sharded, make, config in ((False, keras.optimizers.SGD, None), (True, keras.optimizers.SGD, None),
+                                  (False, keras.optimizers.SGD, allgather), (False, keras.optimizers.Adam, None),
+                                  (True, keras.optimizers.Adam, None)):
+        def train(local, k):
+            model = _model(sharded)
+            opt = hvd.DistributedOptimizer(make(0.05), config=config, adaptive={"scaling_rule": None})
+            opt.adaptive.set_batch(local, k)
+            step = _stepper(model, opt)
+            for s in range(4):
+                for m in range(k):
+                    start = ((s * size + rank) * local * k + m * local) % (DATA - local)
+                    step(ids[start:start + local], x[start:start + local], y[start:start + local])
+            table = model.get_layer("emb").get_table() if sharded else model.get_layer("emb").get_weights()[0]
+            return [table, *model.get_layer("lin").get_weights()], int(opt.iterations.numpy())
+
+        whole, whole_steps = train(8, 1)
+        micro, micro_steps = train(4, 2)
+        assert whole_steps == micro_steps == 4, (whole_steps, micro_steps)
+        for a, b in zip(whole, micro):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=f"sharded={sharded} {make.__name__} {config}")
+    if size == 1:
+        _check_statistics(accumulation=3)
+        rng = np.random.default_rng(5)
+        n = 2048
+        data = (rng.integers(0, ROWS, n), rng.standard_normal((n, FEATURES)).astype("float32"),
+                (200.0 * rng.standard_normal(n)).astype("float32"))
+        model = _model(False)
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1e-6), adaptive=True)
+        dataset = hvd.AdaptiveDataset(data, batch_size=8, optimizer=opt, interval=4, warmup=4)
+        dataset.autoscale_batch_size(64, local_bsz_bounds=(2, 32), gradient_accumulation=True)
+        step = _stepper(model, opt)
+        for i, batch in enumerate(dataset):
+            if i == 0:
+                assert opt.adaptive.sizes() == (4, 2), opt.adaptive.sizes()
+            step(*batch)
+            if opt.adaptive.steps >= 24:
+                break
+        assert opt.adaptive.stats.ready() and opt.adaptive.global_batch() > 8, (dataset.changes, opt.adaptive.summary())
+        assert opt.adaptive.accumulation >= 2  # one rank keeps measuring
+
+
+@pytest.mark.parametrize("np_", [1, 2])
+def test_keras_accumulation_micro_steps(np_):
+    run_ranks(__file__, "rank_keras_accumulation", np_, timeout=300)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
