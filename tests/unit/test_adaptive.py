@@ -214,6 +214,27 @@ def test_a_restored_batch_is_brought_within_the_loaders_limits():
     assert chosen is not None and allowed(3, chosen.local_batch, chosen.accumulation, 96, (2, 12), 8)
 
 
+def test_one_rank_measures_across_micro_steps_so_it_keeps_two():
+    """A world of one has statistics only from accumulation micro-steps: with accumulation
+    allowed it starts at the base batch in two, and no choice drops below two."""
+    from hybridsync.adaptive.batches import AdaptiveBatches
+
+    a = Adaptive(AdaptiveConfig(), "SGD", world_size=1)
+    batches = AdaptiveBatches(1000, 16, 0, 1)
+    batches.set_autoscale(256, (2, 128), 8)
+    batches.start(a, a.set_batch)
+    assert a.sizes() == (8, 2) and a.global_batch() == 16
+    a.throughput.record(1, 8, 0.0, 1.0)  # all fixed cost per step: one big micro-step would be best
+    a.stats.observe("w", 1.0 + 1e6 / 8, 8, 1.0 + 1e6 / 16, 16)
+    chosen = a.choose(256, (2, 128), 8)
+    assert chosen is not None and chosen.accumulation >= 2 and chosen.global_batch > 16
+    no_accumulation = AdaptiveBatches(1000, 16, 0, 1)
+    no_accumulation.set_autoscale(256, (2, 128), 1)
+    b = Adaptive(AdaptiveConfig(), "SGD", world_size=1)
+    no_accumulation.start(b, b.set_batch)
+    assert b.sizes() == (16, 1)
+
+
 def test_batches_split_one_permutation_and_follow_the_choice():
     from hybridsync.adaptive.batches import AdaptiveBatches
 
