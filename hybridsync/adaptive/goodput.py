@@ -56,11 +56,13 @@ class ThroughputModel:
     def __init__(self, window: int = 200):
         self.window = window
         self._samples: dict[int, list] = {}
+        self._fits: dict[int, tuple] = {}  # world -> params(), until the next record (a choice evaluates hundreds)
 
     def record(self, world: int, local_batch: int, micro_s: float, sync_s: float) -> None:
         rows = self._samples.setdefault(int(world), [])
         rows.append((float(local_batch), float(micro_s), float(sync_s)))
         del rows[:-self.window]
+        self._fits.pop(int(world), None)
 
     def largest_measured(self, world: int) -> int:
         """The largest local batch whose step times were measured at this world size (0: none)."""
@@ -70,11 +72,16 @@ class ThroughputModel:
         return bool(self._samples.get(int(world)))
 
     def params(self, world: int) -> tuple[float, float, float, float]:
+        fit = self._fits.get(int(world))
+        if fit is not None:
+            return fit
         rows = self._samples.get(int(world))
         if not rows:
             raise ValueError(f"no step times measured at world size {world} yet")
         b, micro, sync = zip(*rows)
-        return (*_line(b, micro, constant_if_unknown=True), *_line(b, sync, constant_if_unknown=True))
+        fit = self._fits[int(world)] = (*_line(b, micro, constant_if_unknown=True),
+                                        *_line(b, sync, constant_if_unknown=True))
+        return fit
 
     def step_time(self, world: int, local_batch: float, accumulation: int = 1) -> float:
         ac, bc, as_, bs = self.params(world)
@@ -89,6 +96,7 @@ class ThroughputModel:
     def load_state_dict(self, state: dict) -> None:
         self.window = int(state.get("window", self.window))
         self._samples = {int(k): [tuple(r) for r in v] for k, v in state.get("samples", {}).items()}
+        self._fits = {}
 
 
 @dataclasses.dataclass(frozen=True)
