@@ -78,9 +78,18 @@ class ThroughputModel:
         rows = self._samples.get(int(world))
         if not rows:
             raise ValueError(f"no step times measured at world size {world} yet")
-        b, micro, sync = zip(*rows)
-        fit = self._fits[int(world)] = (*_line(b, micro, constant_if_unknown=True),
-                                        *_line(b, sync, constant_if_unknown=True))
+        # Each batch size's median step, then lines through those: a step that also ran an
+        # evaluation, a checkpoint or a collection is an outlier, and it comes every so many
+        # samples, so more often per step at a bigger batch -- a least-squares fit through the
+        # raw steps took it as a cost of the batch and led the choice away from big batches.
+        by_size: dict[float, list] = {}
+        for b, micro, sync in rows:
+            by_size.setdefault(b, []).append((micro, sync))
+        sizes = sorted(by_size)
+        micro = [float(np.median([m for m, _ in by_size[b]])) for b in sizes]
+        sync = [float(np.median([s_ for _, s_ in by_size[b]])) for b in sizes]
+        fit = self._fits[int(world)] = (*_line(sizes, micro, constant_if_unknown=True),
+                                        *_line(sizes, sync, constant_if_unknown=True))
         return fit
 
     def step_time(self, world: int, local_batch: float, accumulation: int = 1) -> float:
