@@ -50,7 +50,7 @@ class StepRecorder:
         self._sizes_pushed = None  # (samples per rank, accumulation) of the previous push
         self._sync_start = None
         self.loss_scale = 1.0  # gradients arrive multiplied by this (Keras loss scaling)
-        self.last_times = (0.0, 0.0, 0)  # this rank's (micro-step s, sync s, local batch) of the previous step
+        self.last_times = (0.0, 0.0, 0, 1)  # the previous step here: (s per micro-step, sync s, local batch, micro-steps)
 
     # -- fed by the synchronizers ---------------------------------------------------------------
     def begin_sync(self) -> None:
@@ -98,8 +98,12 @@ class StepRecorder:
                 n = self.world
                 adaptive.stats.observe(name, local_sq / n / k ** 2 / unscale, b * k,
                                        combined_sq / (n * k) ** 2 / unscale, b * k * n, b * k * n / base)
-        micro_s = max(t[0] for _, t in gathered)  # a step lasts as long as its slowest rank's
-        sync_s_all = max(t[1] for _, t in gathered)
+        # A step lasts as long as its slowest rank's: its compute is the slowest rank's, and its
+        # sync the rest of the longest step. (The largest sync is mostly a fast rank waiting for
+        # the slow one's compute: adding the two maxima counted that wait twice.)
+        micro_s = max(t[0] for _, t in gathered)
+        measured_k = max(1, int(gathered[0][1][3]))
+        sync_s_all = max(0.0, max(t[0] * measured_k + t[1] for _, t in gathered) - micro_s * measured_k)
         measured_at = gathered[0][1][2]
         if micro_s > 0 and measured_at:
             adaptive.throughput.record(self.world, measured_at, micro_s, sync_s_all)
@@ -114,4 +118,4 @@ class StepRecorder:
         the part outside synchronize, per micro-step, and synchronize's."""
         sync_s = getattr(self, "_pending_sync_s", 0.0)
         accum = max(1, self.adaptive.accumulation)
-        self.last_times = (max(step_s - sync_s, 0.0) / accum, sync_s, self.adaptive.local_batch)
+        self.last_times = (max(step_s - sync_s, 0.0) / accum, sync_s, self.adaptive.local_batch, accum)

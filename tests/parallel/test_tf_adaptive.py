@@ -71,6 +71,23 @@ def _stepper(model, opt):
     return step
 
 
+def _noisy_dataset(batch_size):
+    """A model, its adaptive optimizer and an AdaptiveDataset of noise-dominated data (a big
+    batch is nearly free of statistical cost, so the batch should grow)."""
+    import keras
+    import numpy as np
+
+    import hybridsync.tensorflow as hvd
+
+    rng = np.random.default_rng(5)
+    n = 2048
+    data = (rng.integers(0, ROWS, n), rng.standard_normal((n, FEATURES)).astype("float32"),
+            (200.0 * rng.standard_normal(n)).astype("float32"))
+    model = _model(False)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1e-6), adaptive=True)
+    return model, opt, hvd.AdaptiveDataset(data, batch_size=batch_size, optimizer=opt, interval=4, warmup=4)
+
+
 def _check_statistics(accumulation=1):
     """300 steps at LR 0 (the truth stays put) of batch 8 per rank, in `accumulation` micro-steps
     of 8 each (a single rank's statistics come from them); estimates within 20% of the truth."""
@@ -136,13 +153,7 @@ def rank_keras_adaptive():
     assert all(np.array_equal(a, b) for a, b in zip(doubled, linear)), "the linear rule's LR did not reach both paths"
 
     # AdaptiveDataset: on noise-dominated data the batch grows, the same on every rank.
-    rng = np.random.default_rng(5)
-    n = 2048
-    data = (rng.integers(0, ROWS, n), rng.standard_normal((n, FEATURES)).astype("float32"),
-            (200.0 * rng.standard_normal(n)).astype("float32"))
-    model = _model(False)
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1e-6), adaptive=True)
-    dataset = hvd.AdaptiveDataset(data, batch_size=4 * size, optimizer=opt, interval=4, warmup=4)
+    model, opt, dataset = _noisy_dataset(4 * size)
     dataset.autoscale_batch_size(32 * size, local_bsz_bounds=(2, 32))
     history = []
     step = _stepper(model, opt)
@@ -194,13 +205,7 @@ def rank_keras_accumulation():
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=f"sharded={sharded} {make.__name__} {config}")
     if size == 1:
         _check_statistics(accumulation=3)
-        rng = np.random.default_rng(5)
-        n = 2048
-        data = (rng.integers(0, ROWS, n), rng.standard_normal((n, FEATURES)).astype("float32"),
-                (200.0 * rng.standard_normal(n)).astype("float32"))
-        model = _model(False)
-        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1e-6), adaptive=True)
-        dataset = hvd.AdaptiveDataset(data, batch_size=8, optimizer=opt, interval=4, warmup=4)
+        model, opt, dataset = _noisy_dataset(8)
         dataset.autoscale_batch_size(64, local_bsz_bounds=(2, 32), gradient_accumulation=True)
         step = _stepper(model, opt)
         for i, batch in enumerate(dataset):

@@ -164,6 +164,19 @@ def test_an_evaluation_every_so_many_samples_is_not_a_cost_of_the_batch():
     assert np.polyfit(b, micro, 1)[0] > 3e-5  # what the raw fit made of it
 
 
+def test_a_fast_ranks_wait_is_not_counted_twice():
+    """Rank 0 computes 15 ms and syncs 4; rank 1 computes 4 and waits 15 for rank 0: the step
+    took 19 ms, of which 15 compute (adding the two ranks' maxima made it 30)."""
+    from hybridsync.adaptive.collect import StepRecorder
+
+    a = Adaptive(AdaptiveConfig(local_batch_size=8), "SGD", world_size=2)
+    recorder = StepRecorder(a, 2)
+    times = [([], (0.015, 0.004, 8, 1)), ([], (0.004, 0.015, 8, 1))]
+    recorder.end_step(lambda mine: times)
+    assert a.throughput._samples[2] == [(8.0, 0.015, pytest.approx(0.004))]
+    assert a.throughput.step_time(2, 8) == pytest.approx(0.019)
+
+
 def test_choice_grows_the_batch_with_the_noise_scale_and_respects_bounds():
     m = ThroughputModel()
     for b in (8, 16, 32):  # a fixed 10 ms sync per step: bigger batches amortise it
