@@ -23,9 +23,10 @@ class AdaptiveConfig:
     smoothing: the statistics' moving-average factor (closer to 1: smoother, slower).
     min_gain: a new batch size is taken only if its predicted goodput beats the current one's
         by this factor.
-    explore: how far beyond the largest local batch measured so far (at this world size) a
-        choice may go: the step-time lines are extrapolations there, so the batch grows by at
-        most this factor per decision and is measured before growing further.
+    explore: how far outside the local batch sizes measured so far (at this world size) a
+        choice may go, up or down: the step-time lines are extrapolations there, so the batch
+        grows (or shrinks) by at most this factor per decision and is measured before moving
+        further.
     """
 
     scaling_rule: str | None = "auto"
@@ -130,10 +131,14 @@ class Adaptive:
         if math.isnan(phi):  # no statistics yet (inf is fine: all noise)
             return None
         lo, hi = local_bounds
+        # Only within `explore` of the sizes measured here: outside them the lines are guesses.
+        # (Downwards too: a line through the origin fitted at big batches -- no per-step cost
+        # seen -- made the smallest batch look free, and word2vec jumped from 2979 to 534.)
         explored = max(int(lo), min(int(hi), int(self.throughput.largest_measured(self.world) * self.config.explore)))
+        lowest = max(int(lo), min(explored, math.ceil(self.throughput.smallest_measured(self.world) / self.config.explore)))
         # A world of one measures the noise only across micro-steps: it keeps at least two.
         min_accumulation = 2 if self.world == 1 and max_accumulation >= 2 else 1
-        best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, (lo, explored),
+        best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, (lowest, explored),
                             max_accumulation, min_accumulation)
         current = goodput(self.throughput, self.world, self.local_batch, self.accumulation, self.base_batch, phi)
         if not allowed(self.world, self.local_batch, self.accumulation, max_batch, local_bounds, max_accumulation):

@@ -68,6 +68,10 @@ class ThroughputModel:
         """The largest local batch whose step times were measured at this world size (0: none)."""
         return int(max((r[0] for r in self._samples.get(int(world), [])), default=0))
 
+    def smallest_measured(self, world: int) -> int:
+        """The smallest local batch whose step times were measured at this world size (0: none)."""
+        return int(min((r[0] for r in self._samples.get(int(world), [])), default=0))
+
     def fitted(self, world: int) -> bool:
         return bool(self._samples.get(int(world)))
 

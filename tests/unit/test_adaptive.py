@@ -300,6 +300,21 @@ def test_growth_is_bounded_by_what_was_measured():
     assert a.choose(4096, (8, 2048), 1).local_batch == 64
 
 
+def test_shrinking_is_bounded_by_what_was_measured_too():
+    """Step times measured only at big batches and all per-sample (a line through the origin)
+    make a small batch look as fast per sample; with much noise it then looks best. The choice
+    still goes at most `explore` times below the smallest batch measured (word2vec jumped from
+    2979 to 534 on such a fit, then back up on the next)."""
+    a = Adaptive(AdaptiveConfig(local_batch_size=8, explore=2.0), "SGD", world_size=2)  # base: 16
+    for b in (512, 1024):
+        for _ in range(5):
+            a.throughput.record(2, b, 2e-6 * b, 0.0)
+    a.stats.observe("w", 1.0 + 200.0 / 512, 512, 1.0 + 200.0 / 1024, 1024)  # noise scale 200: small is efficient
+    a.set_batch(1024)
+    choice = a.choose(1 << 20, (8, 4096), 1)
+    assert choice is not None and choice.local_batch == 256  # not 8: half the smallest measured
+
+
 def test_one_measured_size_explores_a_bigger_one_then_the_fit_decides():
     """From one batch size the step-time lines are unknown: the optimistic guess (all fixed
     cost) tries a batch twice as big; once measured there with no throughput gained, the fit
