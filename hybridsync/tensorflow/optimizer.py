@@ -301,13 +301,11 @@ class _DistributedKerasOptimizer:
     def _hs_accumulated(self, k: int) -> list:
         """The step's last micro-step: the held gradients' sum per variable. A world of one
         exchanges nothing, so the core cannot scale its all-reduced and all-gathered gradients:
-        they get the mean here (its PS rows still get the sum: the server scales them); its
-        statistics come from the micro-steps."""
+        they get the mean here (its PS rows still get the sum: the server scales them; `sync:
+        auto` plans the PS on one rank); its statistics come from the micro-steps."""
         summed = self._hs_micro.take()
         if runtime.world().size > 1:
             return summed
-        if self._hs_auto:
-            raise NotImplementedError("accumulation micro-steps with `sync: auto` variables on a single rank")
         self._hs_micro.observe(self._hs_adaptive, [var.name for var in self._hs_vars], self._hs_sync.ctx.loss_scale)
         out = []
         for var, (kind, parts) in zip(self._hs_vars, summed):

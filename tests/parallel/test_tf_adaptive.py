@@ -183,9 +183,10 @@ def rank_keras_accumulation():
     rank, size = hvd.rank(), hvd.size()
     ids, x, y = _data()
     allgather = {"variables": [{"match": "emb*", "sync": "allgather"}]}
+    auto = {"auto_steps": 2, "variables": [{"match": "emb*", "sync": "auto"}]}  # decides after 2 of the 4 steps
     for sharded, make, config in ((False, keras.optimizers.SGD, None), (True, keras.optimizers.SGD, None),
                                   (False, keras.optimizers.SGD, allgather), (False, keras.optimizers.Adam, None),
-                                  (True, keras.optimizers.Adam, None)):
+                                  (True, keras.optimizers.Adam, None), (False, keras.optimizers.SGD, auto)):
         def train(local, k):
             model = _model(sharded)
             opt = hvd.DistributedOptimizer(make(0.05), config=config, adaptive={"scaling_rule": None})
@@ -195,6 +196,9 @@ def rank_keras_accumulation():
                 for m in range(k):
                     start = ((s * size + rank) * local * k + m * local) % (DATA - local)
                     step(ids[start:start + local], x[start:start + local], y[start:start + local])
+            if config is auto:  # several ranks: measured for 2 steps, then on the route chosen; one rank: the PS
+                emb = [v for v in opt.plan.variables if v.name.startswith("emb")]
+                assert len(emb) == 1 and (bool(emb[0].auto) if size > 1 else "one rank" in emb[0].reason), emb
             table = model.get_layer("emb").get_table() if sharded else model.get_layer("emb").get_weights()[0]
             return [table, *model.get_layer("lin").get_weights()], int(opt.iterations.numpy())
 
