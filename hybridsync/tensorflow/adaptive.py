@@ -42,7 +42,12 @@ class AdaptiveDataset:
         controller = self.optimizer.adaptive
         self.batches.start(controller, self._set_batch)
         broadcast = lambda obj: comm.objects().broadcast_object(obj, 0, name="hybridsync.adaptive.batch")
-        for idx in self.batches.epoch_batches(controller, self._set_batch, broadcast):
+        batches = self.batches.epoch_batches(controller, self._set_batch, broadcast)
+        while True:
+            self.optimizer._hs_step_started()  # runs when the loop asks for the next batch (no-op mid-step)
+            idx = next(batches, None)
+            if idx is None:
+                return
             batch = tuple(a[idx] for a in self.arrays)
             yield batch if len(batch) > 1 else batch[0]
 

@@ -14,7 +14,6 @@ are known (tf.IndexedSlices from Embedding / tf.gather are sparse):
 """
 from __future__ import annotations
 
-import time
 
 import keras
 import numpy as np
@@ -58,7 +57,6 @@ class _DistributedKerasOptimizer:
         self._hs_adaptive = Adaptive(cfg, type(self).__name__, runtime.world().size) if cfg else None
         self._hs_lr_factor = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="hybridsync_lr_factor")
         self._hs_micro = MicroSteps() if cfg else None
-        self._hs_last_end = None
         self._hs_predivide = gradient_predivide_factor
         self._hs_config = config_mod.load(config if config is not None else runtime.default_config())
         self._hs_op = op
@@ -110,10 +108,13 @@ class _DistributedKerasOptimizer:
         if ad is None:
             return
         ad.step_done()
-        now = time.perf_counter()
-        if self._hs_last_end is not None:
-            self._hs_sync.ctx.stats.step_times(now - self._hs_last_end)
-        self._hs_last_end = now
+        self._hs_sync.ctx.stats.step_ended()
+
+    def _hs_step_started(self) -> None:
+        """The adaptive dataset was asked for a batch (the step clock: collect.StepRecorder)."""
+        sync = getattr(self, "_hs_sync", None)  # None until the first apply plans the exchange
+        if sync is not None and sync.ctx.stats is not None:
+            sync.ctx.stats.step_started()
 
     @property
     def plan(self) -> Plan:

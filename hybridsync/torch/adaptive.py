@@ -4,7 +4,6 @@ goodput-maximising choice. The decisions themselves are in hybridsync/adaptive."
 from __future__ import annotations
 
 import math
-import time
 import weakref
 
 import torch
@@ -36,7 +35,6 @@ class AdaptiveStep:
         self.controller = Adaptive(cfg, type(optimizer).__name__, world_size) if self.enabled else None
         self._micro = 0
         self._saved_lrs = None
-        self._last_end = None
         if self.enabled:
             self.recorder = ctx.stats = StepRecorder(self.controller, world_size)
             # a world of one has no all-reduce: its statistics come from accumulation micro-steps
@@ -102,10 +100,7 @@ class AdaptiveStep:
                 group["lr"] = lr
             self._saved_lrs = None
         self.controller.step_done()
-        now = time.perf_counter()
-        if self._last_end is not None:
-            self.recorder.step_times(now - self._last_end)
-        self._last_end = now
+        self.recorder.step_ended()
         tl = timeline.get()
         if tl is not None:
             s = self.controller.summary()
@@ -116,7 +111,7 @@ class AdaptiveStep:
         self.controller.load_state_dict(state)
         if self.controller.local_batch:
             self.set_batch(self.controller.local_batch, self.controller.accumulation)
-        self._last_end = None
+        self.recorder.reset_clock()
 
 
 def _finite(x: float) -> float:
@@ -187,7 +182,12 @@ class AdaptiveDataLoader:
         step = self._step()
         self.batches.start(step.controller, step.set_batch)
         broadcast = lambda obj: comm.objects().broadcast_object(obj, 0, name="hybridsync.adaptive.batch")
-        for idx in self.batches.epoch_batches(step.controller, step.set_batch, broadcast):
+        batches = self.batches.epoch_batches(step.controller, step.set_batch, broadcast)
+        while True:
+            step.recorder.step_started()  # runs when the loop asks for the next batch (no-op mid-step)
+            idx = next(batches, None)
+            if idx is None:
+                return
             yield self._batch(idx)
 
     def __len__(self) -> int:

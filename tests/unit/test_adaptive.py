@@ -177,6 +177,39 @@ def test_a_fast_ranks_wait_is_not_counted_twice():
     assert a.throughput.step_time(2, 8) == pytest.approx(0.019)
 
 
+def test_the_step_clock_leaves_out_what_the_loop_does_between_steps(monkeypatch):
+    """A step is timed from the loader's request for its first batch to its end: an evaluation
+    between one step's end and the next request is not charged to the batch (timed from the
+    previous end, the benchmark's evaluation landed in every other step at batch 4096). A
+    request in the middle of a step (the next micro-batch) does not restart the clock; without
+    the loader's requests the clock runs from the previous step's end."""
+    from hybridsync.adaptive import collect
+
+    now = [100.0]
+    monkeypatch.setattr(collect.time, "perf_counter", lambda: now[0])
+    a = Adaptive(AdaptiveConfig(local_batch_size=8), "SGD", world_size=2)
+    a.set_batch(8, 2)
+    recorder = collect.StepRecorder(a, 2)
+
+    def step(evaluation_s, compute_s, requests=2):
+        now[0] += evaluation_s  # the loop's own work after the previous step
+        for _ in range(requests):  # micro-batch requests, compute in between
+            recorder.step_started()
+            now[0] += compute_s / requests
+        now[0] += 0.0 if requests else compute_s
+        recorder.step_ended()
+
+    step(0.0, 0.020)
+    assert recorder.last_times[0] == pytest.approx(0.010)  # per micro-step
+    step(0.500, 0.020)
+    assert recorder.last_times[0] == pytest.approx(0.010)
+    step(0.030, 0.020, requests=0)  # a hand-written loop: from the previous end
+    assert recorder.last_times[0] == pytest.approx(0.025)
+    recorder.reset_clock()
+    step(0.0, 0.020, requests=0)  # nothing to time from after a reset
+    assert recorder.last_times[0] == pytest.approx(0.025)
+
+
 def test_choice_grows_the_batch_with_the_noise_scale_and_respects_bounds():
     m = ThroughputModel()
     for b in (8, 16, 32):  # a fixed 10 ms sync per step: bigger batches amortise it
