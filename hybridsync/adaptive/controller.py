@@ -32,7 +32,7 @@ class AdaptiveConfig:
     scaling_rule: str | None = "auto"
     local_batch_size: int | None = None
     base_batch_size: int | None = None
-    smoothing: float = 0.95
+    smoothing: float = 0.8  # per base batch: ~5 base batches of memory (see docs/adaptive.md)
     min_gain: float = 1.05
     explore: float = 2.0
 

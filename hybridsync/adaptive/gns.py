@@ -52,7 +52,7 @@ class GradientStats:
     """Smoothed |G|^2 and tr(Sigma) per variable; the model's are the sums over variables (the
     gradient is the concatenation of theirs)."""
 
-    def __init__(self, smoothing: float = 0.95):
+    def __init__(self, smoothing: float = 0.8):
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
         self.smoothing = smoothing
