@@ -13,7 +13,8 @@ Each run trains for at most --budget seconds of training time on a fixed in-memo
 smaller than the examples' so a run is short) and measures the loss on a fixed held-out set of
 HELD_OUT samples every `eval_every` global samples (evaluation time is not counted). Every
 configuration uses Adagrad with the same learning rate, written for the default batch, and the
-same scaling rule ('auto': the adagrad rule) through hybridsync.torch.AdaptiveDataLoader: the
+same scaling rule ('auto': Adagrad's LR unscaled, its best setting for the fixed sizes too) through
+hybridsync.torch.AdaptiveDataLoader: the
 fixed sizes with autoscale off, `adaptive` starting at the default batch with
 loader.autoscale_batch_size() choosing the batch from the measured noise scale and step times.
 The time to a target is the training time at the first evaluation at or below it; each run
@@ -115,8 +116,9 @@ def worker(args) -> None:
     spec = MODELS[args.model]
     model, train, held, loss_of = (_dlrm if args.model == "dlrm" else _word2vec)(rank)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    # Every configuration: the learning rate written for the default batch, scaled by the rule
-    # Adagrad gets ('auto': hybridsync.adaptive.scaling.adagrad) at other sizes. `adaptive` starts
+    # Every configuration: the learning rate written for the default batch, with the rule Adagrad
+    # gets ('auto': 'none', the LR unscaled; the opt-in 'adagrad' rule made the large batch ~1.7x
+    # slower to DLRM's targets, docs/adaptive.md). `adaptive` starts
     # at the default batch (AdaptDL's semantics: batch_size is the smallest batch, the batch
     # only grows, when predicted goodput says so).
     batch = spec["fixed"][ADAPTIVE.get(args.config, args.config)]

@@ -14,9 +14,9 @@ from .goodput import BatchChoice, ThroughputModel, allowed, choose_batch, effici
 class AdaptiveConfig:
     """DistributedOptimizer(..., adaptive=AdaptiveConfig(...)) (or True for the defaults).
 
-    scaling_rule: 'auto' (adascale for SGD-like optimizers, adagrad for Adagrad, sqrt for the
-        other adaptive ones), 'adascale', 'adagrad', 'sqrt', 'linear', or None (statistics only:
-        the learning rate is left alone).
+    scaling_rule: 'auto' (adascale for SGD-like optimizers, none for Adagrad, sqrt for the
+        other adaptive ones), 'adascale', 'sqrt', 'none' (factor 1), 'adagrad' (opt-in; see
+        scaling.py), 'linear', or None (statistics only: the learning rate is left alone).
     local_batch_size: samples per rank per backward pass (an AdaptiveDataLoader sets it).
     base_batch_size: the global batch the learning rate (and its schedule) was written for
         (default: the first global batch seen).

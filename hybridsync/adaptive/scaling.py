@@ -4,13 +4,19 @@ batch size M0) is multiplied by when the batch is M = scale * M0.
 adascale  AdaScale's gain (Johnson et al. 2020), for SGD: r = (tr(Sigma)/M0 + |G|^2) / (tr(Sigma)/M + |G|^2),
           between 1 (no noise: a bigger batch buys nothing) and scale (all noise: linear scaling)
 sqrt      sqrt(scale), for adaptive optimizers with a moving-average denominator (Adam, RMSprop)
-adagrad   sqrt((M + phi) / (M0 + phi)) = sqrt(scale / gain), phi the noise scale, for Adagrad: its
-          denominator is the *sum* of past squared gradients, which already shrinks with the
-          batch's noise. With gradients g_t = G + noise of variance sigma^2 / M, T = N / M steps
-          of lr g_t / sqrt(sum of g^2) move the parameters along G by about
-          2 lr G sqrt(N) / sqrt(M |G|^2 + sigma^2): the same after N samples whatever M when the
-          noise dominates (M << phi: factor 1), down by sqrt(scale) when it does not (factor
-          sqrt(scale)). This factor keeps that displacement per sample equal to the base batch's.
+none      1, for Adagrad (what 'auto' picks for it): its denominator is the *sum* of past squared
+          gradients, and a bigger batch's gradients are less noisy, so its steps already grow with
+          the batch. With gradients g_t = G + noise of variance sigma^2 / M, T = N / M steps of
+          lr g_t / sqrt(sum of g^2) move the parameters along G by about
+          2 lr G sqrt(N) / sqrt(M |G|^2 + sigma^2): the same per sample whatever M while the noise
+          dominates (one step is worth `scale` base steps, AdaScale's gain there), and one base
+          step per step when it does not (gain 1) -- the gain's two limits, with the LR unchanged.
+adagrad   sqrt((M + phi) / (M0 + phi)) = sqrt(scale / gain), phi the noise scale: keeps Adagrad's
+          displacement per sample equal to the base batch's in the formula above, also where the
+          noise does not dominate. Opt-in only: the factor *rises* as the noise scale falls, and a
+          loss spike raises |G|^2 and lowers the measured noise scale, so the LR climbs while the
+          loss does (measured on DLRM at batch 7496: factor 1.3 -> 3.8 in four steps, held-out loss
+          0.26 -> 0.82; docs/adaptive.md).
 linear    scale (Goyal et al.)
 
 Whatever the rule, progress is counted in scale-invariant steps: a step at batch M advances it by
@@ -53,11 +59,15 @@ def adagrad(scale: float, sqr: float, var: float, base_batch: float) -> float:
     return math.sqrt((scale * base_batch + phi) / (base_batch + phi))
 
 
+def none(scale: float, sqr: float, var: float, base_batch: float) -> float:
+    return 1.0
+
+
 def linear(scale: float, sqr: float, var: float, base_batch: float) -> float:
     return float(scale)
 
 
-RULES = {"adascale": adascale, "sqrt": sqrt, "adagrad": adagrad, "linear": linear}
+RULES = {"adascale": adascale, "sqrt": sqrt, "adagrad": adagrad, "none": none, "linear": linear}
 
 # Optimizers whose step size does not scale with the gradient (a square root suits them).
 _ADAPTIVE_OPTIMIZERS = ("adam", "adagrad", "rmsprop", "adadelta", "adamax", "nadam", "lamb", "adafactor")
@@ -65,11 +75,11 @@ _ADAPTIVE_OPTIMIZERS = ("adam", "adagrad", "rmsprop", "adadelta", "adamax", "nad
 
 def rule_for(name: str | None, optimizer_class_name: str) -> str:
     """The rule's name: `name` when given ('auto' or None: adascale for SGD-like optimizers,
-    adagrad for Adagrad, sqrt for the other adaptive ones)."""
+    none for Adagrad, sqrt for the other adaptive ones)."""
     if name in (None, "auto"):
         lowered = optimizer_class_name.lower()
         if "adagrad" in lowered:
-            return "adagrad"
+            return "none"
         return "sqrt" if any(k in lowered for k in _ADAPTIVE_OPTIMIZERS) else "adascale"
     if name not in RULES:
         raise ValueError(f"AdaptiveConfig.scaling_rule: unknown rule '{name}'; choose one of "

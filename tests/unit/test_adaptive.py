@@ -79,7 +79,8 @@ def test_gain_limits_and_rule_choice():
     assert scaling.gain(4.0, 0.0, 1.0, 8) == 4.0  # all noise: worth `scale` steps
     assert scaling.gain(4.0, math.nan, math.nan, 8) == 1.0  # no statistics yet
     assert rule_for("auto", "SGD") == "adascale"
-    assert rule_for(None, "Adam") == "sqrt" and rule_for("auto", "Adagrad") == "adagrad"
+    assert rule_for(None, "Adam") == "sqrt" and rule_for("auto", "Adagrad") == "none"
+    assert scaling.none(8.0, 1.0, 1.0, 16) == 1.0
     assert rule_for("linear", "Adam") == "linear"
     with pytest.raises(ValueError, match="scaling_rule: unknown rule 'cubic'"):
         rule_for("cubic", "SGD")
@@ -111,6 +112,22 @@ def test_adagrad_rule_keeps_progress_per_sample():
     assert scaling.adagrad(scale, 1.0, 0.0, m0) == pytest.approx(math.sqrt(scale))  # no noise: sqrt
     assert scaling.adagrad(scale, 1e-12, 1.0, m0) == pytest.approx(1.0)  # all noise: 1
     assert scaling.adagrad(scale, math.nan, math.nan, m0) == 1.0  # no statistics yet
+
+
+@pytest.mark.parametrize("signal, sigma", [(0.01, 1.0), (0.1, 1.0), (1.0, 0.01)])  # noise scale 1e4, 100, 1e-4
+def test_adagrad_at_an_unscaled_lr_makes_gain_base_steps_per_step(signal, sigma):
+    """Why 'auto' leaves Adagrad's LR alone: at factor 1, T steps at 8x the base batch move the
+    parameters as far as gain * T base steps do -- AdaScale's notion of progress, which the
+    scale-invariant steps count -- whether the noise dominates (gain ~8), does not (gain 1) or
+    neither (gain ~4)."""
+    rng = np.random.default_rng(1)
+    dim, m0, scale, steps = 200, 16, 8, 200
+    gain = scaling.gain(scale, dim * signal ** 2, dim * sigma ** 2, m0)
+    big = np.mean([_adagrad_displacement(m0 * scale, 0.01, m0 * scale * steps, rng, dim, signal, sigma)
+                   for _ in range(8)])
+    base = np.mean([_adagrad_displacement(m0, 0.01, m0 * round(gain * steps), rng, dim, signal, sigma)
+                    for _ in range(8)])
+    assert 0.9 < big / base < 1.1, (gain, big / base)
 
 
 def test_controller_lr_factor_and_scale_invariant_progress():
