@@ -387,6 +387,12 @@ PYBIND11_MODULE(_ps, m) {
       }, py::arg("comm"), py::arg("interval_s"), py::arg("abort_after_s") = 0.0,
       "Collective: starts this process's heartbeat thread (peers' liveness, see silent_peers); "
       "abort_after_s > 0: a peer silent that long aborts the job, naming it.");
+  m.def("set_lost_host_last_words", &set_lost_host_last_words, py::arg("advice"), py::arg("advice_claim"),
+        py::arg("backstop"), py::arg("backstop_note"),
+        "What the heartbeat's watchdog writes and starts just before it aborts the job over a peer on another "
+        "host (hybridsync/liveness.h); empty strings and list: nothing.");
+  m.def("first_on_this_host", &first_on_this_host, py::arg("name"),
+        "Whether this process is the first on its host to claim `name` (held until it ends).");
   m.def("stop_heartbeat", [] { nogil([] { stop_heartbeat(); }); });
   m.def("silent_peers", [](double timeout_s) {
         py::list out;

@@ -11,6 +11,7 @@
 #include "ps/dynamic_store.h"
 #include "ps/partitioner.h"
 #include "ps/shard.h"
+#include "transport/heartbeat.h"
 
 namespace py = pybind11;
 using namespace hybridsync;
@@ -91,6 +92,7 @@ class PyShard {
 }  // namespace
 
 void add_testing_bindings(py::module_& m) {
+  m.def("say_lost_host_last_words", [] { say_lost_host_last_words(); });
   // The C++ sides of hybridsync/dynamic.py's twins.
   m.def("hash_shard", [](const std::vector<int64_t>& ids, int shards) {
     std::vector<int64_t> out;

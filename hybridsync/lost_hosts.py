@@ -13,11 +13,11 @@ Two things end it sooner, both framework-neutral (docs/lost-hosts.md):
   the abort puts the kill message on the link. keepalive_mca() computes them from the peer
   timeout; launcher_advice() says how to pass them to mpirun and horovodrun when a rank finds
   them missing (mpirun hands its MCA parameters to the ranks as OMPI_MCA_* variables).
-- A backstop on the ranks (prepare_for_abort()): a rank about to abort the job over a peer
-  lost on another host (its excepthook; or watch_for_the_watchdog(), just before the heartbeat's
-  C++ watchdog does) leaves a small detached process behind which, if the launcher process that
-  started the rank (orted, or mpirun itself) is still there a few seconds later, kills it. Where
-  mpirun runs on a host with ranks (their parent), the job then ends, non-zero.
+- A backstop on the ranks: a rank about to abort the job over a peer lost on another host (its
+  excepthook: prepare_for_abort(); or the heartbeat's C++ watchdog, with the words
+  watchdog_last_words() gave it) leaves a small detached process behind which, if the launcher
+  process that started the rank (orted, or mpirun itself) is still there a few seconds later,
+  kills it. Where mpirun runs on a host with ranks (their parent), the job then ends, non-zero.
 """
 from __future__ import annotations
 
@@ -134,40 +134,44 @@ def arm_backstop(delay_s: float = BACKSTOP_DELAY_S) -> int | None:
     return target
 
 
-def watch_for_the_watchdog(silent_peers, my_host: str, peer_timeout_s: float, abort_after_s: float, on_lost):
-    """Where nothing can raise (a rank blocked in Horovod's own collectives), the heartbeat's C++
-    watchdog aborts the job at abort_after_s of silence, past any Python hook: this thread calls
-    on_lost(host) just before, for a peer silent that long on another host. silent_peers:
-    timeout -> [(rank, host, seconds)]. Returns the threading.Event that stops it."""
-    import threading
-
-    stop = threading.Event()
-
-    def watch():
-        while not stop.wait(0.5):
-            for _, host, seconds in silent_peers(peer_timeout_s):
-                if host != my_host and seconds >= abort_after_s - 0.6:
-                    on_lost(host)
-                    return
-
-    threading.Thread(target=watch, name="hybridsync-lost-host-watch", daemon=True).start()
-    return stop
+def backstop_note(target: int) -> str:
+    """The line that says a backstop now watches launcher process `target`."""
+    return (f"hybridsync: if the job still runs {BACKSTOP_DELAY_S:g} s after this abort, this rank's "
+            f"launcher process ({shlex.quote(_name(target))}, pid {target}) is killed")
 
 
-def prepare_for_abort(lost_host: str, my_host: str, peer_timeout_s: float, advise: bool = True,
+def advice_claim(job_key: str) -> str:
+    """The name under which one rank per host claims the advice (_ps.first_on_this_host): the
+    job's key (the same on every rank) keeps jobs sharing a host apart."""
+    return f"hybridsync-lost-host-advice-{job_key}"
+
+
+def watchdog_last_words(peer_timeout_s: float, job_key: str, backstop: bool = True, env=None):
+    """The heartbeat watchdog's last words (_ps.set_lost_host_last_words), computed when it starts:
+    where nothing can raise (a rank blocked in Horovod's own collectives) the C++ watchdog aborts
+    the job, past every Python hook, so it says the advice (the first rank on its host to get
+    there) and starts the backstop itself. Returns (advice, advice_claim, backstop argv, note)."""
+    advice = launcher_advice(peer_timeout_s, os.environ if env is None else env) or ""
+    target = launcher_process() if backstop else None
+    if target is None:
+        return advice, advice_claim(job_key), [], ""
+    return advice, advice_claim(job_key), backstop_command(target, BACKSTOP_DELAY_S), backstop_note(target)
+
+
+def prepare_for_abort(lost_host: str, my_host: str, peer_timeout_s: float, first_to_advise=lambda: True,
                       backstop: bool = True, env=None) -> None:
     """A peer on another host went silent and this rank is about to abort the job: say what the
-    launcher needs when it lacks it (advise: one rank per host does) and arm the backstop
-    (unless HYBRIDSYNC_LOST_HOST_BACKSTOP=0)."""
+    launcher needs when it lacks it (if first_to_advise(): one rank per host does) and arm the
+    backstop (unless HYBRIDSYNC_LOST_HOST_BACKSTOP=0)."""
     if lost_host == my_host:
         return  # a frozen peer on this host: its daemon is reachable and ends it
-    advice = launcher_advice(peer_timeout_s, os.environ if env is None else env) if advise else None
-    if advice:
+    advice = launcher_advice(peer_timeout_s, os.environ if env is None else env)
+    advise = bool(advice) and first_to_advise()
+    if advise:
         sys.stderr.write(advice + "\n")
     target = arm_backstop() if backstop else None
     if target is not None and advise:
-        sys.stderr.write(f"hybridsync: if the job still runs {BACKSTOP_DELAY_S:g} s after this abort, this rank's "
-                         f"launcher process ({shlex.quote(_name(target))}, pid {target}) is killed\n")
+        sys.stderr.write(backstop_note(target) + "\n")
     sys.stderr.flush()
 
 

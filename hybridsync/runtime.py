@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 
 from .settings import gloo_world, launched_by_gloo
 
@@ -170,13 +171,16 @@ def _start_heartbeat(comm) -> None:
         abort_after_s = timeout + max(5.0, timeout / 4)
         _ps.start_heartbeat(comm, min(1.0, max(0.05, timeout / 10)), abort_after_s=abort_after_s)
         on_shutdown(_ps.stop_heartbeat)
-        from mpi4py import MPI
-
         from . import lost_hosts
 
-        watch = lost_hosts.watch_for_the_watchdog(_ps.silent_peers, MPI.Get_processor_name(), timeout,
-                                                  abort_after_s, _prepare_for_abort)
-        on_shutdown(watch.set)
+        # The same on every rank, different for every job (two jobs may share a host): one rank
+        # per host claims the lost-host advice under it, whichever aborts first.
+        global _job_key
+        _job_key = comm.bcast(uuid.uuid4().hex if comm.Get_rank() == 0 else None, root=0)
+        # Said by the watchdog itself: the rank it runs in may be blocked where Python never runs
+        # again.
+        _ps.set_lost_host_last_words(*lost_hosts.watchdog_last_words(timeout, _job_key,
+                                                                      backstop=settings().lost_host_backstop))
 
 
 def _abort_job_on_uncaught_exception(comm) -> None:
@@ -208,26 +212,22 @@ def _on_lost_peer(exc) -> None:
         _prepare_for_abort(lost[1])
 
 
-_abort_prepared: list[bool] = []  # under _lock_abort: the excepthook and the watch may both get here
-_lock_abort = threading.Lock()
+_job_key = ""  # set with the heartbeat (_start_heartbeat)
 
 
 def _prepare_for_abort(lost_host: str) -> None:
-    """A peer on another host went silent and the job is about to be aborted (by the excepthook,
-    or by the heartbeat's watchdog): mpirun may then wait ~15 minutes on that host's daemon. Say
-    what the launcher needs (one rank per host) and leave the backstop; once per process."""
-    with _lock_abort:
-        if _abort_prepared:
-            return
-        _abort_prepared.append(True)
+    """A peer on another host went silent and the excepthook is about to abort the job: mpirun
+    may then wait ~15 minutes on that host's daemon. Say what the launcher needs (one rank per
+    host) and leave the backstop, in place of the heartbeat watchdog's last words."""
     from mpi4py import MPI
 
-    from . import lost_hosts
+    from . import _ps, lost_hosts
     from .settings import settings
 
     try:
         lost_hosts.prepare_for_abort(lost_host, MPI.Get_processor_name(), settings().peer_timeout_s,
-                                     advise=_world is None or _world.local_rank == 0,
+                                     first_to_advise=lambda: _ps.first_on_this_host(lost_hosts.advice_claim(_job_key)),
                                      backstop=settings().lost_host_backstop)
+        _ps.set_lost_host_last_words("", "", [], "")  # said and armed: the watchdog must not do it again
     except Exception as err:  # aborting anyway: the abort must not fail on this
         sys.stderr.write(f"hybridsync: could not arm the lost-host backstop: {err}\n")

@@ -1,6 +1,14 @@
 #include "heartbeat.h"
 
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <spawn.h>
+#include <unistd.h>  // environ
+
+#include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -14,6 +22,37 @@ namespace {
 
 constexpr int kTagHeartbeat = 105;
 constexpr int kTagGoodbye = 106;  // a peer leaving normally: never report it silent
+
+// Set from Python (set_lost_host_last_words): what to say and start before a watchdog abort over a
+// peer on another host. Its own lock: stop_heartbeat() holds g_lock while the thread finishes.
+struct LastWords {
+  std::string advice;
+  std::string advice_claim;
+  std::vector<std::string> backstop;
+  std::string backstop_note;
+};
+std::mutex g_last_words_lock;
+LastWords g_last_words;
+
+// Starts argv (an absolute path first) in a session of its own, stdio on /dev/null and nothing
+// else inherited (the rank's pipes to its launcher and its MPI sockets stay with the rank).
+bool spawn_detached(const std::vector<std::string>& argv) {
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawnattr_t attr;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawnattr_init(&attr);
+  for (int fd = 0; fd < 3; ++fd) posix_spawn_file_actions_addopen(&actions, fd, "/dev/null", fd ? O_WRONLY : O_RDONLY, 0);
+  posix_spawn_file_actions_addclosefrom_np(&actions, 3);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSID);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, args[0], &actions, &attr, args.data(), environ);
+  posix_spawnattr_destroy(&attr);
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0;
+}
 
 int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -134,6 +173,7 @@ class Heartbeat {
                      "unreachable); rank %d is blocked where no error can be raised: aborting the job\n",
                      p, hosts_[p].c_str(), static_cast<double>(silent) / 1e6, rank_);
         std::fflush(stderr);
+        if (hosts_[p] != hosts_[rank_]) say_lost_host_last_words();  // on this host, its daemon ends the frozen peer
         MPI_Abort(MPI_COMM_WORLD, 1);
       }
     }
@@ -161,6 +201,36 @@ std::unique_ptr<Heartbeat> g_heartbeat;
 void start_heartbeat(MPI_Comm comm, double interval_s, double abort_after_s) {
   std::lock_guard<std::mutex> lock(g_lock);
   if (!g_heartbeat) g_heartbeat = std::make_unique<Heartbeat>(comm, interval_s, abort_after_s);
+}
+
+void set_lost_host_last_words(const std::string& advice, const std::string& advice_claim,
+                              const std::vector<std::string>& backstop, const std::string& backstop_note) {
+  std::lock_guard<std::mutex> lock(g_last_words_lock);
+  g_last_words = LastWords{advice, advice_claim, backstop, backstop_note};
+}
+
+bool first_on_this_host(const std::string& name) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;  // cannot tell: better said twice than not at all
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const size_t n = std::min(name.size(), sizeof(addr.sun_path) - 1);
+  std::memcpy(addr.sun_path + 1, name.data(), n);  // sun_path[0] == 0: the abstract namespace
+  if (bind(fd, reinterpret_cast<const sockaddr*>(&addr), static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n)) == 0)
+    return true;  // the socket stays open: the claim lasts as long as this process
+  close(fd);
+  return false;
+}
+
+void say_lost_host_last_words() {
+  std::lock_guard<std::mutex> lock(g_last_words_lock);
+  const LastWords& words = g_last_words;
+  const bool advised = !words.advice.empty() && (words.advice_claim.empty() || first_on_this_host(words.advice_claim));
+  if (advised) std::fprintf(stderr, "%s\n", words.advice.c_str());
+  if (!words.backstop.empty() && spawn_detached(words.backstop) && advised && !words.backstop_note.empty())
+    std::fprintf(stderr, "%s\n", words.backstop_note.c_str());
+  std::fflush(stderr);
+  g_last_words = LastWords{};  // once: a second call (a second silent peer) must not arm a second backstop
 }
 
 void stop_heartbeat() {

@@ -145,8 +145,10 @@ def test_plain_mpirun_is_told_what_to_pass_and_the_ranks_backstop_ends_it(hosts,
     run = _lose_the_second_host(hosts, cmd, _env(hosts, HYBRIDSYNC_LOST_HOST_BACKSTOP="1"))
     # Without the flags, mpirun is not the one that notices: the ranks name the host ...
     assert f"on host {lost} has not been heard from" in run.output, run.output
-    # ... say exactly what mpirun and horovodrun need next time ...
+    # ... say exactly what mpirun and horovodrun need next time (one rank of the host up does,
+    # whichever aborts first) ...
     assert f"pass mpirun `{lost_hosts.mpirun_flags(PEER_TIMEOUT_S)}`" in run.output, run.output
+    assert run.output.count("pass mpirun `") == 1, run.output
     assert f"before horovodrun `{lost_hosts.exports(PEER_TIMEOUT_S)}`" in run.output, run.output
     # ... and their backstop ends the launcher process on their host: mpirun itself, killed
     # (137; without the backstop this mpirun waits out TCP's ~15 minutes).

@@ -1,14 +1,19 @@
 """hybridsync/lost_hosts.py: the keepalives mpirun needs to end a job whose host was lost, the
 advice a rank prints when they are missing, and the backstop that ends a launcher process.
 The whole story on real launchers: tests/parallel/test_cluster.py (the lost-host tests)."""
+import json
 import os
 import shutil
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from hybridsync import lost_hosts
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_keepalives_notice_a_lost_daemon_within_the_peer_timeout():
@@ -65,39 +70,85 @@ def test_a_frozen_peer_on_this_host_arms_nothing_and_says_nothing(capsys):
 
 
 def test_a_peer_lost_on_another_host_gets_the_advice_from_one_rank_per_host(capsys):
-    lost_hosts.prepare_for_abort("node-b", "node-a", 60, advise=True, backstop=False, env={})
+    lost_hosts.prepare_for_abort("node-b", "node-a", 60, first_to_advise=lambda: True, backstop=False, env={})
     assert "pass mpirun `--mca oob_tcp_keepalive_time 6" in capsys.readouterr().err
-    lost_hosts.prepare_for_abort("node-b", "node-a", 60, advise=False, backstop=False, env={})  # another rank
+    lost_hosts.prepare_for_abort("node-b", "node-a", 60, first_to_advise=lambda: False, backstop=False,
+                                 env={})  # another rank of the host said it
     assert capsys.readouterr().err == ""
     given = {f"OMPI_MCA_{k}": str(v) for k, v in lost_hosts.keepalive_mca(60).items()}
-    lost_hosts.prepare_for_abort("node-b", "node-a", 60, advise=True, backstop=False, env=given)  # launched right
-    assert capsys.readouterr().err == ""
+    asked = []
+    lost_hosts.prepare_for_abort("node-b", "node-a", 60, first_to_advise=lambda: asked.append(1) or True,
+                                 backstop=False, env=given)  # launched right: nothing to say, no claim taken
+    assert capsys.readouterr().err == "" and asked == []
 
 
-def test_the_watch_calls_back_just_before_the_watchdog_for_a_peer_on_another_host():
-    import threading
+def test_one_process_per_host_claims_a_name_and_the_claim_ends_with_it():
+    from hybridsync import _ps
 
-    silence = {"seconds": 0.0}
-    called = []
-    done = threading.Event()
+    name = f"hybridsync-test-claim-{os.getpid()}-{time.monotonic_ns()}"
+    claim = [sys.executable, "-c", f"import sys; from hybridsync import _ps; sys.exit(0 if _ps.first_on_this_host({name!r}) else 3)"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    assert subprocess.run(claim, env=env).returncode == 0  # first: claimed, and released as it ended
+    assert _ps.first_on_this_host(name)
+    assert not _ps.first_on_this_host(name)  # the same process again
+    assert subprocess.run(claim, env=env).returncode == 3  # another process on this host
 
-    def silent_peers(timeout):
-        rows = [(1, "here", 99.0)]  # a frozen peer on this host: its daemon ends it, not our business
-        if silence["seconds"] > timeout:
-            rows.append((3, "node-b", silence["seconds"]))
-        return rows
 
-    stop = lost_hosts.watch_for_the_watchdog(silent_peers, "here", 10, 15, lambda host: (called.append(host),
-                                                                                            done.set()))
+# What the backstop saw of itself: its session, its descriptors.
+_SELF_REPORT = """import json, os, sys
+fds = {}
+for fd in range(64):
     try:
-        silence["seconds"] = 12.0  # past the peer timeout, but the watchdog is 3 s away
-        time.sleep(1.2)
-        assert called == []
-        silence["seconds"] = 14.5
-        assert done.wait(5), "the watch never called back"
-        assert called == ["node-b"]
-    finally:
-        stop.set()
+        os.fstat(fd)
+    except OSError:
+        continue
+    fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+json.dump({"own_session": os.getsid(0) == os.getpid(), "fds": fds}, open(sys.argv[1], "w"))
+"""
+
+
+def test_the_watchdogs_last_words_start_a_detached_backstop_and_advise_once_per_host(tmp_path, capfd):
+    from hybridsync import _ps
+
+    report = tmp_path / "report.json"
+    claim = f"hybridsync-test-advice-{os.getpid()}-{time.monotonic_ns()}"
+    backstop = [sys.executable, "-c", _SELF_REPORT, str(report)]
+    _ps.set_lost_host_last_words("ADVICE: pass mpirun the flags", claim, backstop, "NOTE: the backstop is armed")
+    _ps.say_lost_host_last_words()
+    err = capfd.readouterr().err
+    assert "ADVICE: pass mpirun the flags\n" in err and "NOTE: the backstop is armed\n" in err, err
+    for _ in range(100):
+        if report.exists() and report.stat().st_size:
+            break
+        time.sleep(0.05)
+    seen = json.loads(report.read_text())
+    # Detached: the daemon's kill of the rank's process group misses it, and it holds none of the
+    # rank's pipes to its launcher or its sockets.
+    assert seen["own_session"], seen
+    assert seen["fds"] == {"0": "/dev/null", "1": "/dev/null", "2": "/dev/null"}, seen
+    # Once: a second silent peer arms nothing more.
+    report.unlink()
+    _ps.say_lost_host_last_words()
+    time.sleep(0.5)
+    assert capfd.readouterr().err == "" and not report.exists()
+    # Another rank of this host advised first (it holds the claim): only the backstop, silently.
+    _ps.set_lost_host_last_words("ADVICE", claim, backstop, "NOTE")
+    _ps.say_lost_host_last_words()
+    assert capfd.readouterr().err == ""
+    for _ in range(100):
+        if report.exists() and report.stat().st_size:
+            break
+        time.sleep(0.05)
+    assert report.exists(), "the backstop did not start"
+
+
+def test_the_watchdogs_last_words_are_the_advice_and_the_backstop_of_this_rank():
+    advice, claim, backstop, note = lost_hosts.watchdog_last_words(60, "job7", backstop=True, env={})
+    assert advice == lost_hosts.launcher_advice(60, {}) and claim == lost_hosts.advice_claim("job7")
+    assert (backstop, note) == ([], "")  # under pytest the parent is no launcher: nothing to end
+    given = {f"OMPI_MCA_{k}": str(v) for k, v in lost_hosts.keepalive_mca(60).items()}
+    assert lost_hosts.watchdog_last_words(60, "job7", env=given)[0] == ""  # launched right: nothing to say
+    assert lost_hosts.advice_claim("job7") != lost_hosts.advice_claim("job8")
 
 
 def test_only_an_openmpi_launcher_process_is_a_backstop_target():

@@ -23,6 +23,19 @@ struct SilentPeer {
 // the thread a watchdog too: a peer silent that long ends the job (MPI_Abort) with a message
 // naming it, whatever this rank is blocked in (a Horovod collective, user MPI code).
 void start_heartbeat(MPI_Comm comm, double interval_s, double abort_after_s = 0.0);
+// What the watchdog does just before it aborts the job over a peer on another host (a lost host,
+// whose launcher daemon may keep mpirun waiting long after the abort): writes `advice` to stderr
+// when it is not empty and first_on_this_host(advice_claim) (one rank per host says it), then
+// starts `backstop` (argv, absolute path first; skipped when empty) detached, in a session of its
+// own with stdio on /dev/null and no other descriptor, and if it started and the advice was
+// written, writes `backstop_note`. Done here, not from Python: the rank is then blocked where
+// Python may never run again, and the rank that aborts first must be the one that says it.
+void set_lost_host_last_words(const std::string& advice, const std::string& advice_claim,
+                              const std::vector<std::string>& backstop, const std::string& backstop_note);
+// Whether this process is the first on its host (network namespace) to claim `name` (at most 100
+// characters): an abstract Unix socket bound under it, held until the process ends, so the claim
+// leaves no file behind. A second claim, by any process there, is refused.
+bool first_on_this_host(const std::string& name);
 // Tells every peer this rank is leaving (it is then never reported silent), stops the thread
 // and frees its communicator (at shutdown).
 void stop_heartbeat();
