@@ -167,10 +167,10 @@ Client::Client(std::unique_ptr<detail::ClientState> state, bool serve_in_backgro
   c.queues.resize(static_cast<size_t>(c.size()));
   c.deferred.resize(static_cast<size_t>(c.size()));
   if (serve_in_background && c.size() > 1) {
-    c.serving = std::thread([&c] {
-      pthread_setname_np(pthread_self(), "hybridsync-ps");  // findable in /proc/<pid>/task (its CPU time)
-      c.serve_in_background();
-    });
+    c.serving = std::thread([&c] { c.serve_in_background(); });
+    // Named here, before the engine is handed out, not by the thread itself (which may not have
+    // run yet): findable in /proc/<pid>/task (its CPU time) as soon as the engine exists.
+    pthread_setname_np(c.serving.native_handle(), "hybridsync-ps");
   }
 }
 
