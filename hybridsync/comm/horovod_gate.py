@@ -96,7 +96,7 @@ class HorovodGate(MPICollectives):
         this rank waits for (Horovod would run both in the background)."""
         sleep_s = 1e-5
         while (self._pending or self._round is not None) and not done():
-            self._progress(block=False, waiting=None)
+            self._progress(block=False)
             time.sleep(sleep_s)
             sleep_s = min(2 * sleep_s, 2e-4)
 

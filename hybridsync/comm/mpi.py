@@ -58,7 +58,12 @@ class Handle:
 
 
 class _Round:
-    __slots__ = ("request", "entries", "everyone", "mine", "next_check")
+    """One negotiation exchange as this rank posted it. Everything it tells the others is read
+    together, at post time: `entries`, whether this rank had joined, and `waiting`, the collective
+    a caller on this rank is blocked on when it is one of `entries` (a wait that began later is
+    for the next round to report, with that op among its entries)."""
+
+    __slots__ = ("request", "entries", "joined", "waiting", "everyone", "mine", "next_check")
 
 
 _MAX_FAST_LAYOUTS = 32  # communicators kept for verified layouts; further layouts are negotiated
@@ -71,6 +76,9 @@ class _FastPath:
 
     def __init__(self, comm, size):
         self.parent, self.size = comm.Dup(), size
+        # The hook thread starts rounds (start()) while the progress thread reads the counts
+        # (counts()): _lock guards layouts and rounds; no MPI call is made under it.
+        self._lock = threading.Lock()
         self.layouts: dict = {}  # digest -> (communicator, shapes, key)
         self.rounds = collections.Counter()  # digest -> rounds this rank took part in (run or posted)
         self.posted: dict = {}  # digest -> [(requests, buffers)]: this joined rank's zeros in flight
@@ -87,27 +95,40 @@ class _FastPath:
         """Posts one fused round; (buckets, requests), or None when no layout is left."""
         shapes = tuple((a.dtype.str, a.shape) for a in arrays)
         digest_ = _layout_digest((shapes, keys[0]))
-        entry = self.layouts.get(digest_)
-        if entry is None:
-            if len(self.layouts) >= _MAX_FAST_LAYOUTS:
+        with self._lock:
+            entry = self.layouts.get(digest_)
+            if entry is None and len(self.layouts) >= _MAX_FAST_LAYOUTS:
                 return None
+        if entry is None:
             # Collective, and safe here: every rank reaches an optimizer's first verified step
             # together, right after agreeing on its plan (which a joined rank refuses).
-            entry = self.layouts[digest_] = (self.parent.Dup(), shapes, keys[0])
-        self.rounds[digest_] += 1
+            entry = (self.parent.Dup(), shapes, keys[0])
+            with self._lock:
+                self.layouts[digest_] = entry
+        with self._lock:
+            self.rounds[digest_] += 1
         return k.start_buckets(entry[0], self.size, arrays, keys)
 
+    def counts(self) -> dict:
+        """digest -> rounds this rank took part in so far (a copy, safe from any thread)."""
+        with self._lock:
+            return dict(self.rounds)
+
     def _post(self, digest_) -> None:
-        comm, shapes, key = self.layouts[digest_]
+        with self._lock:
+            comm, shapes, key = self.layouts[digest_]
         self.posted.setdefault(digest_, []).append(k.post_zero_buckets(comm, shapes, key))
-        self.rounds[digest_] += 1
+        with self._lock:
+            self.rounds[digest_] += 1
 
     def requests(self) -> list:
         return [r for groups in self.posted.values() for requests, _ in groups for r in requests]
 
     def stand_ready(self) -> None:
         """One zero round in flight for every layout: done ones mean the others ran a step."""
-        for digest_ in self.layouts:
+        with self._lock:
+            digests = list(self.layouts)
+        for digest_ in digests:
             groups = [g for g in self.posted.get(digest_, []) if not MPI.Request.Testall(g[0])]
             self.posted[digest_] = groups
             if not groups:
@@ -117,9 +138,11 @@ class _FastPath:
         """Every rank has joined: each brings its rounds of every layout up to the most any rank
         took part in (the k-th rounds pair up on each layout's communicator), then waits."""
         for digest_, target in targets.items():
-            if digest_ not in self.layouts:
+            with self._lock:
+                known, done = digest_ in self.layouts, self.rounds[digest_]
+            if not known:
                 raise RuntimeError("join: another rank ran a fused all-reduce this rank never saw")
-            while self.rounds[digest_] < target:
+            for _ in range(target - done):
                 self._post(digest_)
         k.wait(self.requests(), comm=self.parent)
         self.posted.clear()
@@ -149,11 +172,12 @@ class MPICollectives:
         self._joined_at = None
         self._rounds_joined = 0
         # _progress_lock: held by whichever thread advances the negotiation (it issues MPI calls
-        # on self.comm). _table_lock: the in-flight table only, so that submitting never waits
-        # for a collective the progress thread is running.
+        # on self.comm). _table_lock: the in-flight table and the waits on it (_pending,
+        # _poison, _blocked_on), so that submitting never waits for a collective the progress
+        # thread is running.
         self._progress_lock = threading.RLock()
         self._table_lock = threading.Lock()
-        self._blocked_on: list[str] = []  # what synchronize() calls on this rank wait for
+        self._blocked_on: list[Handle] = []  # what synchronize() calls on this rank wait for
         self._completed = 0  # ops finished so far (the progress thread backs off while it stays put)
         self._last_submit = 0.0  # when the newest op was submitted
         self._first_unposted = None  # when the oldest op not in any round yet was submitted
@@ -243,15 +267,16 @@ class MPICollectives:
     # -- waiting --------------------------------------------------------------------------------
     def synchronize(self, handle):
         if not handle.done:
-            label = handle.desc.label()
-            self._blocked_on.append(label)  # the progress thread's rounds say so too (deadlock check)
+            with self._table_lock:  # the rounds posted from now on say so (deadlock check)
+                self._blocked_on.append(handle)
             try:
                 while not handle.done:
                     with self._progress_lock:
                         if not handle.done:
-                            self._progress(block=True, waiting=label)
+                            self._progress(block=True)
             finally:
-                self._blocked_on.remove(label)
+                with self._table_lock:
+                    self._blocked_on.remove(handle)
         if handle.error is not None:
             raise handle.error
         return handle.result
@@ -264,7 +289,7 @@ class MPICollectives:
             return True
         if self._thread is None:
             with self._progress_lock:
-                self._progress(block=False, waiting=None)
+                self._progress(block=False)
             return handle.done
         self._thread.wake()
         time.sleep(0)  # a loop of polls holds the GIL: let the progress thread have it
@@ -286,7 +311,7 @@ class MPICollectives:
                     return False
             before = self._completed
             try:
-                self._progress(block=False, waiting=self._blocked_on[-1] if self._blocked_on else None)
+                self._progress(block=False)
                 return self._completed != before
             except Exception as err:  # e.g. PeerLostError out of an agreed collective's wait
                 self._round = None
@@ -299,7 +324,7 @@ class MPICollectives:
         finally:
             self._progress_lock.release()
 
-    def _progress(self, block: bool, waiting) -> bool:
+    def _progress(self, block: bool) -> bool:
         """One round of negotiation (and the collectives it agrees on); False when not block
         and the round has not completed yet. The caller holds _progress_lock."""
         if self.size == 1:
@@ -321,7 +346,7 @@ class MPICollectives:
                 k.raise_if_a_peer_is_lost(self.comm)
             return False
         rnd, self._round = self._round, None
-        self._finish_round(rnd, waiting)
+        self._finish_round(rnd)
         return True
 
     def _post_round(self) -> _Round:
@@ -330,23 +355,28 @@ class MPICollectives:
                                                                    for n, kind in self._poison.items()]
             poisoned = bool(self._poison)
             self._first_unposted = None
+            # Blocked on an op of this very round (still in flight, so among `entries`); the
+            # newest wait when several threads wait.
+            waits = [h for h in self._blocked_on if self._pending.get(h.desc.name) is h]
         rnd = _Round()
         rnd.entries = sorted(entries, key=lambda d: (d.name, d.kind == DUPLICATE))
-        flags = (1 if self._joined_at is not None else 0) | (2 if poisoned else 0)
+        rnd.joined = self._joined_at is not None
+        rnd.waiting = "join" if rnd.joined else (waits[-1].desc.label() if waits else None)
+        flags = (1 if rnd.joined else 0) | (2 if poisoned else 0)
         rnd.mine = np.array([digest(rnd.entries), flags], dtype=np.int64)
         rnd.everyone = np.empty((self.size, 2), dtype=np.int64)
         rnd.request = self.comm.Iallgather(rnd.mine, rnd.everyone)
         rnd.next_check = time.perf_counter() + k.PEER_CHECK_S
         return rnd
 
-    def _finish_round(self, rnd: _Round, waiting):
+    def _finish_round(self, rnd: _Round):
         """Returns every rank's phase-2 payload when every rank has joined, else None."""
         e = rnd.everyone
         if not e[:, 1].any() and (e[:, 0] == e[0, 0]).all():
             self._run(rnd.entries)  # the same collectives everywhere: nothing more to exchange
             return None
-        fast = dict(self._fast.rounds) if self._fast is not None else {}
-        payloads = self.comm.allgather((rnd.entries, self._joined_at is not None, waiting, self._rounds_joined, fast))
+        fast = self._fast.counts() if self._fast is not None else {}
+        payloads = self.comm.allgather((rnd.entries, rnd.joined, rnd.waiting, self._rounds_joined, fast))
         verdict = analyze([p[0] for p in payloads], [p[1] for p in payloads], [p[2] for p in payloads])
         if verdict.all_joined:
             return payloads
@@ -489,7 +519,7 @@ class MPICollectives:
                 if self._round.request.Test():
                     rnd, self._round = self._round, None
                     self._rounds_joined += 1
-                    payloads = self._finish_round(rnd, "join")
+                    payloads = self._finish_round(rnd)
                     if payloads is not None:
                         return self._finish_join(payloads)
         finally:

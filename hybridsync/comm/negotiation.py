@@ -92,9 +92,11 @@ def _disagreement(label: str, by_rank: dict) -> str | None:
 
 
 def analyze(entries: list[list[Desc]], joined: list[bool], waiting: list[str | None]) -> Verdict:
-    """The verdict every rank reaches from every rank's in-flight list. waiting[r]: what rank r
-    is blocked on, or None when it only polls (then nothing runnable is no deadlock: it may
-    still submit what the others wait for)."""
+    """The verdict every rank reaches from every rank's in-flight list. waiting[r]: the label of
+    what rank r is blocked on, or None when it only polls (then nothing runnable is no deadlock:
+    it may still submit what the others wait for). A rank counts as blocked only on one of its
+    own entries: one that waits for something it has not offered in this exchange may still
+    offer it in the next (an async op started before it, awaited after it, as Horovod allows)."""
     size = len(entries)
     active = [r for r in range(size) if not joined[r]]
     verdict = Verdict([], {}, [r for r in range(size) if joined[r]])
@@ -124,7 +126,8 @@ def analyze(entries: list[list[Desc]], joined: list[bool], waiting: list[str | N
             verdict.failed[name] = problem
         else:
             verdict.runnable.append(name)
-    if not verdict.runnable and not verdict.failed and all(waiting[r] is not None for r in active):
+    blocked = [r for r in active if waiting[r] is not None and any(d.label() == waiting[r] for d in entries[r])]
+    if not verdict.runnable and not verdict.failed and len(blocked) == len(active):
         # Every rank is blocked in this exchange and nothing can run: a certain deadlock.
         lines = []
         for name in sorted(by_name):

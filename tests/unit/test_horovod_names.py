@@ -116,6 +116,17 @@ def test_different_names_with_every_rank_blocked_is_a_deadlock_error_not_a_hang(
     assert not analyze([[_d(name="a")], [_d(name="b")]], [False, False], [None, "b"]).failed
 
 
+def test_a_rank_waiting_for_an_op_it_has_not_offered_yet_is_not_blocked():
+    # Rank 0 started 'a' async, then waits for 'b', which its round (posted before) lacks: the
+    # next round offers 'b', as Horovod would run it. Not a deadlock.
+    waits = ["allreduce 'b'", "allreduce 'b'"]
+    assert not analyze([[_d(name="a")], [_d(name="b")]], [False, False], waits).failed
+    assert not analyze([[_d(name="a")], [_d(name="b")], [_d(name="b")]], [False] * 3, waits + waits[:1]).failed
+    # Blocked on its own entry while another rank waits on its own: nothing can ever run.
+    verdict = analyze([[_d(name="a"), _d(name="c")], [_d(name="b")]], [False, False], ["allreduce 'c'", waits[1]])
+    assert set(verdict.failed) == {"a", "b", "c"} and "rank 0 waits for allreduce 'c'" in verdict.failed["a"]
+
+
 def test_a_name_submitted_twice_on_one_rank_fails_everywhere():
     verdict = analyze([[_d()], [_d(), Desc(DUPLICATE, "t", "allreduce")]], [False] * 2, ["t"] * 2)
     assert "submitted again on rank 1" in verdict.failed["t"]
