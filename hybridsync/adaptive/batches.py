@@ -1,10 +1,12 @@
 """The batches an adaptive loader hands out, whatever the framework: each rank's share of a
 permutation every rank draws the same, cut at the batch size in force, and the periodic
-re-choice of that size (rank 0's choice, broadcast, so every rank switches at the same step)."""
+re-choice of that size (the lowest stepping rank's choice, agreed by an exchange a joined rank
+takes part in, so every rank that steps switches at the same step)."""
 from __future__ import annotations
 
 import numpy as np
 
+from .exchange import agree_on_decision
 from .goodput import allowed, nearest_allowed
 
 
@@ -52,15 +54,16 @@ class AdaptiveBatches:
             return local // 2, 2
         return local, 1
 
-    def rechoose(self, controller, set_batch, broadcast) -> None:
-        """Collective, at the same step on every rank: rank 0's choice (or none) everywhere."""
+    def rechoose(self, controller, set_batch, allreduce_sum) -> None:
+        """Collective, at the same step on every rank that still steps (a rank that called
+        hvd.join() stands in): the lowest such rank's choice (or none) everywhere.
+        allreduce_sum(array, name): the optimizer's dense backend's sum all-reduce."""
         if self.autoscale is None or controller.steps < self.warmup or controller.steps % self.interval:
             return
-        change = controller.choose(*self.autoscale) if self.rank == 0 else None
-        decision = (change, controller.choice)
+        change = controller.choose(*self.autoscale)
         if self.world > 1:
-            decision = broadcast(decision)
-        change, controller.choice = decision
+            change, controller.choice = agree_on_decision(allreduce_sum, self.rank, self.world, change,
+                                                          controller.choice)
         if change is not None and (change.local_batch, change.accumulation) != controller.sizes():
             set_batch(change.local_batch, change.accumulation)
             self.changes.append((controller.steps, change.local_batch, change.accumulation))
@@ -72,11 +75,11 @@ class AdaptiveBatches:
         usable = (self.num_samples // self.world) * self.world
         return order[self.rank:usable:self.world]
 
-    def epoch_batches(self, controller, set_batch, broadcast):
+    def epoch_batches(self, controller, set_batch, allreduce_sum):
         """Index arrays of one epoch's micro-batches; the size may change between steps."""
         mine, pos = self.my_indices(), 0
         while True:
-            self.rechoose(controller, set_batch, broadcast)
+            self.rechoose(controller, set_batch, allreduce_sum)
             b, k = controller.sizes()
             if pos + b * k > len(mine):
                 break

@@ -5,12 +5,18 @@ scalars of a push round, computed by its shards where the rows are.
 Every rank needs the same statistics (the learning rate and the batch size follow them), so the
 dense inputs' norms (each rank has only its own) travel in one small collective per step, with
 the step times the throughput model fits; everything else is the same on every rank already.
+That collective is a sum all-reduce (exchange.gather_rows) that a rank which called hvd.join()
+takes part in with zeros: the statistics then come from the ranks that stepped only, and the
+all-reduced gradient -- which a joined rank's zeros diluted, the average still dividing by the
+world size as Horovod's join does -- is scaled back to those ranks' mean.
 """
 from __future__ import annotations
 
 import time
 
 import numpy as np
+
+from .exchange import gather_rows
 
 
 def squared_norm(buffer) -> float:
@@ -40,12 +46,12 @@ def rows_squared_norm(parts) -> float:
 class StepRecorder:
     """Fed by the synchronizers during synchronize(); end_step() turns the step into statistics."""
 
-    def __init__(self, adaptive, world_size: int):
+    def __init__(self, adaptive, world_size: int, rank: int = 0):
         self.adaptive = adaptive
-        self.world = world_size
+        self.world, self.rank = world_size, rank
         self._dense_in: dict[str, float] = {}
         self._dense_out: dict[str, float] = {}
-        self._ps: list = []  # (name, local_sq, combined_sq, sizes) of rounds completed
+        self._ps: list = []  # (name, local_sq, combined_sq, sizes, ranks that pushed) of rounds completed
         self._rounds: dict[str, int] = {}  # table -> newest round seen
         self._sizes_pushed = None  # (samples per rank, accumulation) of the previous push
         self._sync_start = None
@@ -95,31 +101,38 @@ class StepRecorder:
             return
         self._rounds[name] = stats["round"]
         sizes = self.adaptive.sizes() if current else self._sizes_pushed
-        if sizes is not None:
-            self._ps.append((name, stats["local_sq"], stats["combined_sq"], sizes))
+        if sizes is not None:  # (a rank that joined pushed nothing: the round counts the others)
+            self._ps.append((name, stats["local_sq"], stats["combined_sq"], sizes,
+                             int(stats.get("ranks") or self.world)))
 
     # -- once per step ----------------------------------------------------------------------------
-    def end_step(self, allgather_object) -> None:
-        """Collective (every rank, every step): combines this step's numbers into the statistics
-        and the throughput model, identically on every rank."""
+    def end_step(self, allreduce_sum) -> None:
+        """Collective (every rank that steps, every step; a rank that called join() stands in):
+        combines this step's numbers into the statistics and the throughput model, identically on
+        every rank that stepped. allreduce_sum(array, name): the dense backend's sum all-reduce."""
         sync_s = time.perf_counter() - self._sync_start if self._sync_start is not None else 0.0
         names = sorted(self._dense_in)
-        mine = ([self._dense_in[n] for n in names], self.last_times)
-        gathered = allgather_object(mine) if self.world > 1 else [mine]
+        # (ranks with other dense variables this step: the all-reduce's shapes differ, and it raises)
+        mine = [*(self._dense_in[n] for n in names), *self.last_times]
+        rows = gather_rows(allreduce_sum, self.rank, self.world, mine, "hybridsync.adaptive")
+        gathered = [(row[:len(names)], tuple(row[len(names):])) for _, row in sorted(rows.items())]
+        stepped = len(gathered)
         adaptive = self.adaptive
         per_rank, accum = adaptive.local_batch, adaptive.accumulation
         unscale = self.loss_scale ** 2
-        if len(gathered) > 1 and per_rank:
-            if any(len(g[0]) != len(names) for g in gathered):
-                raise RuntimeError("hybridsync.adaptive: ranks all-reduced different dense variables this step")
+        base = adaptive.base_batch or per_rank * accum * self.world
+        if stepped > 1 and per_rank:  # (one rank alone: its gradient is the combined one, nothing to learn)
             mean_local = np.mean([g[0] for g in gathered], axis=0) / accum ** 2 / unscale
-            small, big = per_rank * accum, per_rank * accum * self.world
-            base = adaptive.base_batch or big
+            small, big = per_rank * accum, per_rank * accum * stepped
+            # The all-reduce divided the stepping ranks' sum by the world size (a joined rank adds
+            # zeros, as in Horovod): their mean gradient is world / stepped times the result.
+            undilute = (self.world / stepped) ** 2
             for name, local in zip(names, mean_local):
                 if name in self._dense_out:
-                    adaptive.stats.observe(name, float(local), small, self._dense_out[name] / unscale, big, big / base)
-            for name, local_sq, combined_sq, (b, k) in self._ps:
-                n = self.world
+                    adaptive.stats.observe(name, float(local), small, self._dense_out[name] * undilute / unscale, big,
+                                           big / base)
+        for name, local_sq, combined_sq, (b, k), n in self._ps:  # n: the ranks that pushed that round
+            if n > 1 and per_rank:
                 adaptive.stats.observe(name, local_sq / n / k ** 2 / unscale, b * k,
                                        combined_sq / (n * k) ** 2 / unscale, b * k * n, b * k * n / base)
         # A step lasts as long as its slowest rank's: its compute is the slowest rank's, and its
@@ -128,7 +141,7 @@ class StepRecorder:
         micro_s = max(t[0] for _, t in gathered)
         measured_k = max(1, int(gathered[0][1][3]))
         sync_s_all = max(0.0, max(t[0] * measured_k + t[1] for _, t in gathered) - micro_s * measured_k)
-        measured_at = gathered[0][1][2]
+        measured_at = int(gathered[0][1][2])
         if micro_s > 0 and measured_at:
             adaptive.throughput.record(self.world, measured_at, micro_s, sync_s_all)
         self._dense_in.clear()

@@ -115,6 +115,12 @@ class SyncContext:
             return 1.0 / f, f * self.grad_scale
         return 1.0, self.grad_scale
 
+    def allreduce_sum(self, array: np.ndarray, name: str) -> np.ndarray:
+        """A small sum all-reduce of `array` (in place) on this optimizer's dense backend: the
+        one a rank that called join() takes part in, with zeros, as in the gradients'."""
+        backend = self.backend
+        return backend.synchronize(backend.allreduce_async_(array, name=name, op="sum"))
+
     def row_scale(self) -> float:
         """Factor the sum of rows over ranks gets (PS and allgather routes)."""
         scale = 1.0 / self.world_size if self.op is ReduceOp.AVERAGE else 1.0

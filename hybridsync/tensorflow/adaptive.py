@@ -3,7 +3,7 @@ batch size the adaptive optimizer chose (hybridsync.adaptive.batches does the wo
 loop or model.fit (a Python generator; give steps_per_epoch)."""
 from __future__ import annotations
 
-from .. import comm, runtime
+from .. import runtime
 from ..adaptive.batches import AdaptiveBatches
 
 
@@ -41,8 +41,9 @@ class AdaptiveDataset:
     def __iter__(self):
         controller = self.optimizer.adaptive
         self.batches.start(controller, self._set_batch)
-        broadcast = lambda obj: comm.objects().broadcast_object(obj, 0, name="hybridsync.adaptive.batch")
-        batches = self.batches.epoch_batches(controller, self._set_batch, broadcast)
+        # (the optimizer plans its exchange at its first apply, before any re-choice)
+        allreduce_sum = lambda array, name: self.optimizer._hs_sync.ctx.allreduce_sum(array, name)
+        batches = self.batches.epoch_batches(controller, self._set_batch, allreduce_sum)
         while True:
             self.optimizer._hs_step_started()  # runs when the loop asks for the next batch (no-op mid-step)
             idx = next(batches, None)

@@ -182,7 +182,7 @@ class _DistributedKerasOptimizer:
         self._hs_sync = SyncSet(SyncContext(backend, self._hs_op, world.size, self._hs_predivide,
                                             loss_scale=float(self.loss_scale_factor or 1.0)))
         if self._hs_adaptive is not None:
-            recorder = self._hs_sync.ctx.stats = StepRecorder(self._hs_adaptive, world.size)
+            recorder = self._hs_sync.ctx.stats = StepRecorder(self._hs_adaptive, world.size, world.rank)
             recorder.loss_scale = float(self.loss_scale_factor or 1.0)
         for var in self._hs_vars:
             self._hs_sync.assign(var)

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from .. import comm, runtime, timeline
+from .. import runtime, timeline
 from ..adaptive import Adaptive, AdaptiveConfig
 from ..adaptive.batches import AdaptiveBatches
 from ..adaptive.collect import StepRecorder
@@ -36,7 +36,7 @@ class AdaptiveStep:
         self._micro = 0
         self._saved_lrs = None
         if self.enabled:
-            self.recorder = ctx.stats = StepRecorder(self.controller, world_size)
+            self.recorder = ctx.stats = StepRecorder(self.controller, world_size, runtime.world().rank)
             # a world of one has no all-reduce: its statistics come from accumulation micro-steps
             self.micro_stats = MicroStepStats(optimizer) if world_size == 1 else None
             _current = weakref.ref(self)
@@ -181,8 +181,7 @@ class AdaptiveDataLoader:
     def __iter__(self):
         step = self._step()
         self.batches.start(step.controller, step.set_batch)
-        broadcast = lambda obj: comm.objects().broadcast_object(obj, 0, name="hybridsync.adaptive.batch")
-        batches = self.batches.epoch_batches(step.controller, step.set_batch, broadcast)
+        batches = self.batches.epoch_batches(step.controller, step.set_batch, step.ctx.allreduce_sum)
         while True:
             step.recorder.step_started()  # runs when the loop asks for the next batch (no-op mid-step)
             idx = next(batches, None)

@@ -181,6 +181,54 @@ def test_an_evaluation_every_so_many_samples_is_not_a_cost_of_the_batch():
     assert np.polyfit(b, micro, 1)[0] > 3e-5  # what the raw fit made of it
 
 
+def _peers(rows: dict):
+    """A sum all-reduce of exchange.gather_rows' table as this rank sees it when rank r took
+    part with rows[r] (the ranks not in rows called join(): their rows stay zero)."""
+    def allreduce_sum(table, name):
+        for r, row in rows.items():
+            table[r, 0], table[r, 1:] = 1.0, row
+        return table
+    return allreduce_sum
+
+
+def _dense_step(world, rank, grads, batch, joined=()):
+    """One step's statistics on `rank` of `world` ranks whose local dense gradients are grads[r]
+    (ranks in `joined` called join(): no gradient, zeros in the all-reduce, as in Horovod)."""
+    from hybridsync.adaptive.collect import StepRecorder
+
+    a = Adaptive(AdaptiveConfig(local_batch_size=batch, smoothing=0.5), "SGD", world_size=world)
+    recorder = StepRecorder(a, world, rank)
+    stepping = [r for r in range(world) if r not in joined]
+    recorder.dense_in("w", grads[rank])
+    recorder.dense_out("w", sum(grads[r] for r in stepping) / world, summed=False)  # Average over the world
+    recorder.end_step(_peers({r: [float(grads[r] @ grads[r]), 0.0, 0.0, batch, 1] for r in stepping if r != rank}))
+    return a.stats.summary()
+
+
+def test_a_joined_rank_contributes_nothing_to_the_statistics():
+    """Rank 2 joined: the statistics of ranks 0 and 1 are those of a world of two (its zeros
+    neither count as a rank's gradient nor dilute the combined one), the same on both ranks."""
+    rng = np.random.default_rng(0)
+    grads = [rng.normal(1.0, 2.0, 5) for _ in range(3)]
+    alone = _dense_step(2, 0, grads[:2], 8)
+    for rank in (0, 1):
+        seen = _dense_step(3, rank, grads, 8, joined=(2,))
+        assert seen["sqr"] == pytest.approx(alone["sqr"]) and seen["var"] == pytest.approx(alone["var"])
+    # One rank left stepping: its gradient is the combined one, nothing to learn from.
+    assert np.isnan(_dense_step(3, 0, grads, 8, joined=(1, 2))["noise_scale"])
+
+
+def test_the_batch_decision_is_the_lowest_stepping_ranks():
+    from hybridsync.adaptive.exchange import _encode_choice, agree_on_decision
+    from hybridsync.adaptive.goodput import BatchChoice
+
+    mine, theirs = BatchChoice(8, 2, 3, 123.5, 0.75), BatchChoice(16, 1, 3, 99.0, 0.5)
+    # Rank 0 joined; rank 1 decides for ranks 1 and 2 (rank 2 adopts it).
+    row = _encode_choice(mine) + _encode_choice(theirs)
+    assert agree_on_decision(_peers({1: row}), 2, 3, None, None) == (mine, theirs)
+    assert agree_on_decision(_peers({2: _encode_choice(None) * 2}), 1, 3, mine, theirs) == (mine, theirs)
+
+
 def test_a_fast_ranks_wait_is_not_counted_twice():
     """Rank 0 computes 15 ms and syncs 4; rank 1 computes 4 and waits 15 for rank 0: the step
     took 19 ms, of which 15 compute (adding the two ranks' maxima made it 30)."""
@@ -188,8 +236,8 @@ def test_a_fast_ranks_wait_is_not_counted_twice():
 
     a = Adaptive(AdaptiveConfig(local_batch_size=8), "SGD", world_size=2)
     recorder = StepRecorder(a, 2)
-    times = [([], (0.015, 0.004, 8, 1)), ([], (0.004, 0.015, 8, 1))]
-    recorder.end_step(lambda mine: times)
+    recorder.last_times = (0.015, 0.004, 8, 1)
+    recorder.end_step(_peers({1: [0.004, 0.015, 8, 1]}))
     assert a.throughput._samples[2] == [(8.0, 0.015, pytest.approx(0.004))]
     assert a.throughput.step_time(2, 8) == pytest.approx(0.019)
 
@@ -328,7 +376,7 @@ def test_batches_split_one_permutation_and_follow_the_choice():
     a.stats.observe("w", 1.0 + 1e6 / 4, 4, 1.0 + 1e6 / 12, 12)  # all noise: the biggest batch allowed
     sent = []
     sizes = []
-    for idx in batches.epoch_batches(a, a.set_batch, lambda obj: sent.append(obj) or obj):
+    for idx in batches.epoch_batches(a, a.set_batch, lambda table, name: sent.append(name) or table):
         sizes.append(len(idx))
         a.step_done()
     assert sizes[:2] == [4, 4] and sizes[2] == 16 and batches.changes == [(2, 16, 1)]
