@@ -16,9 +16,11 @@ Why safetensors + JSON: a format many tools read, no code runs on load, and each
 written by its owner in parallel with no rank ever holding a whole table (torch's distributed
 checkpoint needs torch.distributed, which an MPI job of hybridsync does not start, and TF).
 
-Atomic: every rank writes into a fresh hidden directory next to `path`; once all of them report
-success, rank 0 writes the manifest and publishes the directory by swapping the symlink `path`
-onto it (one rename). A crash before that leaves the previous checkpoint in place.
+Atomic: every rank writes into a fresh hidden directory next to `path` (`.<name>.<stamp>`); once
+all of them report success, rank 0 writes the manifest and publishes the directory by swapping
+the symlink `path` onto it (one rename). A crash before that leaves the previous checkpoint in
+place, and its half-written directory behind: the next save of that name removes every version
+directory of the name but the live one (and its own) before it writes.
 
 Loading re-shards: each PS table is read back under this run's partitioner and world size. When
 the layout is unchanged each rank reads only its own shard file; otherwise every rank streams
@@ -30,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -122,6 +125,7 @@ def save_checkpoint(path, model, optimizer, extra=None) -> Path:
             if final.exists() and not final.is_symlink():
                 raise CheckpointError(f"{final} exists and is not a hybridsync checkpoint link; choose another path")
             version.mkdir(parents=True)
+            _remove_stale_versions(final, version)
     except Exception as exc:
         error = f"{final}: {exc}"
     _agree(error, "mkdir")
@@ -186,6 +190,32 @@ def _publish(final: Path, version: Path, manifest: dict) -> None:
     _fsync_dir(final.parent)
     if previous is not None and previous != version and previous.parent == final.parent:
         shutil.rmtree(previous, ignore_errors=True)
+
+
+def _stamp_pattern(final: Path) -> re.Pattern:
+    """The hidden names save_checkpoint makes for `final`: version directories `.<name>.<stamp>`
+    and the link `.<name>.link-.<name>.<stamp>` it renames onto `final` (12 hex digits each)."""
+    name = re.escape(final.name)
+    return re.compile(rf"\.{name}\.(?:link-\.{name}\.)?[0-9a-f]{{12}}")
+
+
+def _remove_stale_versions(final: Path, writing: Path) -> None:
+    """Rank 0, as a save of `final` starts: removes what crashed saves of it left (version
+    directories and links), before a new full copy needs the space; never the live version (the
+    one `final` points to) nor `writing`. Best effort: what cannot be removed now is tried again
+    at the next save. (No other save of this path runs meanwhile: saves are collective.)"""
+    pattern = _stamp_pattern(final)
+    keep = {writing.resolve(), final.resolve() if final.is_symlink() else None}
+    for entry in final.parent.iterdir():
+        if not pattern.fullmatch(entry.name):
+            continue
+        try:
+            if entry.is_symlink() or not entry.is_dir():
+                entry.unlink()  # (a link: never what it points to)
+            elif entry.resolve() not in keep:
+                shutil.rmtree(entry)
+        except OSError:
+            pass
 
 
 def _fsync_dir(path: Path) -> None:

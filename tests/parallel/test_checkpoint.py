@@ -195,6 +195,51 @@ def rank_load_previous(tmp):
     assert hybridsync.load_checkpoint(f"{tmp}/ckpt", model, opt) == {"version": 1}
 
 
+def _hidden(tmp, name="ckpt"):
+    return sorted(p.name for p in __import__("pathlib").Path(tmp).iterdir() if p.name.startswith(f".{name}."))
+
+
+def rank_stale_versions_are_removed(tmp):
+    """What a crashed save of a name left (a full hidden version directory, the link it was about
+    to publish) is removed by the next save of that name; the live checkpoint, its new version
+    and other names' directories are kept, and the new checkpoint loads."""
+    import numpy as np
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    rank = hybridsync.rank()
+    model, opt = _wrapped("adagrad")
+    _train(model, opt, range(2))
+    hybridsync.save_checkpoint(f"{tmp}/ckpt", model, opt, extra={"version": 1})
+    live = os.readlink(f"{tmp}/ckpt")
+    crashed, link, other = ".ckpt.0123456789ab", ".ckpt.link-.ckpt.0123456789ab", ".ckpt.v2.0123456789ab"
+    if rank == 0:  # a save that died after writing its files (a copy of the live one's)
+        import shutil
+
+        shutil.copytree(f"{tmp}/{live}", f"{tmp}/{crashed}")
+        os.symlink(crashed, f"{tmp}/{link}")
+        os.mkdir(f"{tmp}/{other}")  # another checkpoint's ('ckpt.v2'): not ours to remove
+    hvd.barrier()
+    _train(model, opt, range(2, 3))
+    hybridsync.save_checkpoint(f"{tmp}/ckpt", model, opt, extra={"version": 2})
+    at_save = _snapshot(model, opt)
+    hvd.barrier()
+    now_live = os.readlink(f"{tmp}/ckpt")
+    assert _hidden(tmp) == sorted([now_live, other]), (_hidden(tmp), now_live)
+    assert now_live != live and now_live != crashed
+    model2, opt2 = _wrapped("adagrad")
+    assert hybridsync.load_checkpoint(f"{tmp}/ckpt", model2, opt2) == {"version": 2}
+    loaded = _snapshot(model2, opt2)
+    for key, value in at_save.items():
+        np.testing.assert_array_equal(loaded[key], value, err_msg=key)
+    # A save that finds nothing stale removes nothing but the version it replaced.
+    hybridsync.save_checkpoint(f"{tmp}/ckpt", model2, opt2, extra={"version": 3})
+    hvd.barrier()
+    assert _hidden(tmp) == sorted([os.readlink(f"{tmp}/ckpt"), other]), _hidden(tmp)
+    print(f"rank {rank}: stale versions removed", flush=True)
+
+
 def rank_elastic(tmp, epochs):
     import hybridsync
     import hybridsync.elastic as elastic
@@ -320,6 +365,11 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     rc, out = launch(mpirun_prefix(2) + [sys.executable, "-u", __file__, "rank_crash_during_save", str(tmp_path)], 120)
     assert rc != 0, out
     run_ranks(__file__, "rank_load_previous", 2, str(tmp_path), timeout=120)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_the_next_save_removes_what_a_crashed_save_left(tmp_path, np_):
+    run_ranks(__file__, "rank_stale_versions_are_removed", np_, str(tmp_path), timeout=180)
 
 
 def test_elastic_state_resumes_at_another_world_size(tmp_path):
