@@ -141,7 +141,7 @@ static std::vector<Chunk> table_chunks(detail::ClientState& c, const Table& t, i
       };
       if (kind == RequestKind::kRead) {
         chunk.on_reply = [=](Reader& r) {
-          const float* rows = r.f32s(static_cast<size_t>(count * dim));
+          const float* rows = r.f32s(count, dim);
           for (int64_t l = 0; l < count; ++l) {
             std::memcpy(out + part.global_id(s, begin + l) * dim, rows + l * dim, dim * sizeof(float));
           }
@@ -183,7 +183,7 @@ static std::vector<Chunk> row_chunks(detail::ClientState& c, const Table& t, int
       };
       if (kind == RequestKind::kRead) {
         chunk.on_reply = [=](Reader& r) {
-          const float* rows = r.f32s(at.size() * static_cast<size_t>(dim));
+          const float* rows = r.f32s(static_cast<int64_t>(at.size()), dim);
           for (size_t k = 0; k < at.size(); ++k) std::memcpy(out + at[k] * dim, rows + k * dim, dim * sizeof(float));
         };
       }

@@ -34,15 +34,14 @@ Reader body_of(const Request& request) {
 
 std::vector<BoundedPullEntry> read_bounded_pull(Reader& r) {
   const int64_t n = r.i64();
-  if (n < 0) throw PSTransportError("hybridsync: malformed PS message");
-  std::vector<BoundedPullEntry> entries(static_cast<size_t>(n));
+  std::vector<BoundedPullEntry> entries(r.count(n, 4 * sizeof(int64_t)));  // (table, n, clock, bound)
   for (auto& e : entries) {
     e.table = static_cast<int>(r.i64());
     e.n = r.i64();
     e.clock = r.i64();
     e.bound = r.i64();
   }
-  for (auto& e : entries) e.rows = r.i64_view(static_cast<size_t>(e.n));
+  for (auto& e : entries) e.rows = r.i64_view(r.count(e.n, sizeof(int64_t)));
   return entries;
 }
 
@@ -131,8 +130,7 @@ void detail::ClientState::serve_bounded(int source, const Request& request) {
 void detail::ClientState::serve_bounded_error(int source, const Request& request) {
   Reader r = body_of(request);
   const int64_t n = r.i64();
-  if (n < 0) throw PSTransportError("hybridsync: malformed PS message");
-  std::vector<int64_t> listed = r.i64s(static_cast<size_t>(n));
+  std::vector<int64_t> listed = r.i64s(r.count(n, sizeof(int64_t)));
   ErrorNote note;
   note.rank = source;
   note.index_error = r.i64() != 0;

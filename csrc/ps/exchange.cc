@@ -171,7 +171,7 @@ std::vector<PullResult> pull_round(detail::ClientState& c, RequestKind kind, con
       const Routing& rt = routed[b].routing;
       const int64_t dim = routed[b].dim;
       if (rt.count(d) == 0) continue;
-      const float* rows = r.f32s(static_cast<size_t>(rt.count(d) * dim));
+      const float* rows = r.f32s(rt.count(d), dim);
       float* out = routed[b].out;
       for (int64_t k = rt.offset[d]; k < rt.offset[d + 1]; ++k, rows += dim) {
         float* dst = out ? out + first[b][rt.order[k]] * dim : done[b].rows.data() + rt.order[k] * dim;
@@ -328,8 +328,8 @@ std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, flo
       part.combined_sq = r.f64();
       const Table& t = c.table_at(table);
       c.stats.add(table, t.spec.num_shards, part);
-      const std::vector<int64_t> ids = r.i64s(static_cast<size_t>(count));
-      const float* rows = r.f32s(static_cast<size_t>(count * t.spec.dim));
+      const std::vector<int64_t> ids = r.i64s(r.count(count, sizeof(int64_t)));
+      const float* rows = r.f32s(count, t.spec.dim);
       RowUpdates& u = updates[table];
       u.ids.insert(u.ids.end(), ids.begin(), ids.end());
       u.rows.insert(u.rows.end(), rows, rows + count * t.spec.dim);

@@ -5,7 +5,9 @@
 // the sender's last collective call instead (they are served after it). Every reply starts with
 // the kind and number it answers and the errors the operation met, then its rows.
 // Encoding: a flat byte buffer of int64 / double / float arrays. Reads are bounds-checked so a
-// malformed message becomes an exception, never an out-of-bounds access.
+// malformed message becomes an exception, never an out-of-bounds access. A count from the wire
+// is checked against what is left of the message by division (n <= remaining / size), never by
+// forming n * size first: a count near 2^61 would wrap that product to a few bytes.
 #pragma once
 
 #include <cstdint>
@@ -114,38 +116,57 @@ class Reader {
     std::memcpy(&v, take(sizeof v), sizeof v);
     return v;
   }
-  // Copies n int64 values out (they may sit at any 4-byte boundary).
+  // Copies n int64 values out (they may sit at any 4-byte boundary); checked before allocating.
   std::vector<int64_t> i64s(size_t n) {
+    const char* p = take_array(n, sizeof(int64_t));
     std::vector<int64_t> out(n);
-    if (n) std::memcpy(out.data(), take(n * sizeof(int64_t)), n * sizeof(int64_t));
+    if (n) std::memcpy(out.data(), p, n * sizeof(int64_t));
     return out;
   }
   // Reads n int64 values in place; requests put every int64 field first, so they are aligned.
   const int64_t* i64_view(size_t n) {
-    const char* p = take(n * sizeof(int64_t));
+    const char* p = take_array(n, sizeof(int64_t));
     if (reinterpret_cast<uintptr_t>(p) % alignof(int64_t) != 0) fail();
     return reinterpret_cast<const int64_t*>(p);
   }
   // Float arrays are read in place: every field is a multiple of 4 bytes and buffers come
   // from the heap, so they are always 4-byte aligned.
-  const float* f32s(size_t n) { return reinterpret_cast<const float*>(take(n * sizeof(float))); }
-  std::string text() {
-    const int64_t n = i64();
+  const float* f32s(size_t n) { return reinterpret_cast<const float*>(take_array(n, sizeof(float))); }
+  // rows x dim floats, where either may come from the wire: checked without forming rows * dim.
+  const float* f32s(int64_t rows, int64_t dim) {
+    if (rows < 0 || dim < 0) fail();
+    if (rows == 0 || dim == 0) return f32s(size_t{0});
+    if (static_cast<uint64_t>(rows) > remaining() / sizeof(float) / static_cast<uint64_t>(dim)) fail();
+    return f32s(static_cast<size_t>(rows) * static_cast<size_t>(dim));
+  }
+  // A count read from the wire, as a size: negative is malformed, and so is more elements of
+  // `bytes_each` (> 0: each takes at least that much of the message) than the rest could hold.
+  size_t count(int64_t n, size_t bytes_each) {
     if (n < 0) fail();
-    const char* p = take(static_cast<size_t>(n));
-    take((8 - static_cast<size_t>(n) % 8) % 8);
-    return std::string(p, static_cast<size_t>(n));
+    if (bytes_each && static_cast<uint64_t>(n) > remaining() / bytes_each) fail();
+    return static_cast<size_t>(n);
+  }
+  std::string text() {
+    const size_t n = count(i64(), 1);
+    const char* p = take(n);
+    take((8 - n % 8) % 8);
+    return std::string(p, n);
   }
   bool done() const { return pos_ == buf_.size(); }
+  size_t remaining() const { return buf_.size() - pos_; }
+  [[noreturn]] static void fail() { throw PSTransportError("hybridsync: malformed PS message"); }
 
  private:
   const char* take(size_t bytes) {
-    if (bytes > buf_.size() - pos_) fail();
+    if (bytes > remaining()) fail();
     const char* p = buf_.data() + pos_;
     pos_ += bytes;
     return p;
   }
-  [[noreturn]] void fail() { throw PSTransportError("hybridsync: malformed PS message"); }
+  const char* take_array(size_t n, size_t elem_size) {
+    if (n > remaining() / elem_size) fail();
+    return take(n * elem_size);
+  }
   const std::vector<char>& buf_;
   size_t pos_ = 0;
 };

@@ -51,17 +51,39 @@ ErrorNote error_of(const Request& q, int source) {
   return e;
 }
 
-// Reads a one-sided request's rows: a range of local rows, or a list.
-std::vector<int64_t> read_rows_of(Reader& r) {
-  const auto by = static_cast<RowsBy>(r.i64());
-  const int64_t n = r.i64();
-  if (by == RowsBy::kRange) {
-    const int64_t begin = r.i64();
-    std::vector<int64_t> rows(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) rows[i] = begin + i;
-    return rows;
+// A one-sided request's rows as sent: a range of local rows, or a list. A range carries no
+// bytes to check its length against, so it is spelled out only once it is known to lie within
+// the table's shard (rows_of).
+struct RowsAsked {
+  RowsBy by = RowsBy::kList;
+  int64_t begin = 0, n = 0;
+  std::vector<int64_t> list;
+};
+
+RowsAsked read_rows_asked(Reader& r) {
+  RowsAsked asked;
+  asked.by = static_cast<RowsBy>(r.i64());
+  asked.n = r.i64();
+  if (asked.by == RowsBy::kRange) {
+    asked.begin = r.i64();
+    if (asked.n < 0 || asked.begin < 0) Reader::fail();
+  } else if (asked.by == RowsBy::kList) {
+    asked.list = r.i64s(r.count(asked.n, sizeof(int64_t)));
+  } else {
+    Reader::fail();
   }
-  return r.i64s(static_cast<size_t>(n));
+  return asked;
+}
+
+std::vector<int64_t> rows_of(RowsAsked&& asked, const Table& t, const char* op) {
+  if (asked.by == RowsBy::kList) return std::move(asked.list);
+  const int64_t rows = t.shard && !t.dynamic ? t.shard->rows() : 0;
+  if (asked.n > rows || asked.begin > rows - asked.n) {  // (no begin + n: it could overflow)
+    throw PSTransportError(std::string(op) + " for table '" + t.spec.name + "': bad row range");
+  }
+  std::vector<int64_t> local(static_cast<size_t>(asked.n));
+  for (int64_t i = 0; i < asked.n; ++i) local[static_cast<size_t>(i)] = asked.begin + i;
+  return local;
 }
 
 }  // namespace
@@ -69,15 +91,16 @@ std::vector<int64_t> read_rows_of(Reader& r) {
 std::vector<Entry> read_entries(Reader& r, bool with_grads, float* scale, const std::function<int64_t(int)>& dim_of) {
   const int64_t n = r.i64();
   if (with_grads) *scale = static_cast<float>(r.f64());
-  std::vector<Entry> entries(static_cast<size_t>(n));
+  // (each entry's head: table and row count, and the learning rate with gradients)
+  std::vector<Entry> entries(r.count(n, (with_grads ? 3 : 2) * sizeof(int64_t)));
   for (auto& e : entries) {
     e.table = static_cast<int>(r.i64());
     e.rows.n = r.i64();
     if (with_grads) e.lr = r.f64();
   }
-  for (auto& e : entries) e.rows.rows = r.i64_view(static_cast<size_t>(e.rows.n));
+  for (auto& e : entries) e.rows.rows = r.i64_view(r.count(e.rows.n, sizeof(int64_t)));
   if (with_grads) {
-    for (auto& e : entries) e.rows.grads = r.f32s(static_cast<size_t>(e.rows.n * dim_of(e.table)));
+    for (auto& e : entries) e.rows.grads = r.f32s(e.rows.n, dim_of(e.table));
   }
   return entries;
 }
@@ -482,7 +505,8 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
   }
   const int table = static_cast<int>(r.i64());
   const int slot = static_cast<int>(r.i64());
-  std::vector<int64_t> rows = read_rows_of(r);
+  RowsAsked asked = read_rows_asked(r);
+  std::vector<int64_t> rows;
   Writer w;
   std::string error;
   const int64_t start = tracer.start();
@@ -493,6 +517,7 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
       throw PSError("table '" + t->spec.name + "': optimizer '" + t->spec.rule + "' has no state slot " +
                     std::to_string(slot));
     }
+    rows = rows_of(std::move(asked), *t, operation_name(request.kind));
     check_rows(*t, rows.data(), static_cast<int64_t>(rows.size()), operation_name(request.kind));
   } catch (const PSTransportError&) {
     throw;
@@ -508,7 +533,7 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
     tracer.record("serve reads", start, n);
   } else {
     if (error.empty() && n) {
-      const float* values = r.f32s(static_cast<size_t>(n * t->spec.dim));
+      const float* values = r.f32s(n, t->spec.dim);
       try {
         if (t->dynamic) {
           t->dynamic->write(t->shard, rows.data(), n, values, slot);
