@@ -18,6 +18,9 @@ Two things end it sooner, both framework-neutral (docs/lost-hosts.md):
   watchdog_last_words() gave it) leaves a small detached process behind which, if the launcher
   process that started the rank (orted, or mpirun itself) is still there a few seconds later,
   kills it. Where mpirun runs on a host with ranks (their parent), the job then ends, non-zero.
+  The launcher is named by its pid *and* its start time, read when the backstop's command is
+  made (the watchdog's, when the heartbeat starts -- possibly hours before): a process that took
+  over the pid since is not the launcher, and is left alone.
 """
 from __future__ import annotations
 
@@ -110,24 +113,53 @@ def launcher_process(pid: int | None = None) -> int | None:
     return pid if _name(pid) in _LAUNCHER_PROCESSES else None
 
 
-def backstop_command(target: int, delay_s: float) -> list[str]:
-    """A shell that, after delay_s, kills `target` if it is still there. SIGKILL, not SIGTERM:
-    mpirun already aborting answers a TERM with "abort is already in progress" and keeps
-    waiting, and a second one (every rank of the host leaves a backstop) makes OpenMPI 4.1's
-    forced exit crash in PMIx_Finalize (a segfault and its stack trace)."""
-    script = f"sleep {delay_s:g}; kill -0 {target} 2>/dev/null || exit 0; kill -KILL {target} 2>/dev/null; exit 0"
+def start_time(pid: int) -> str | None:
+    """When process `pid` started (field 22 of /proc/<pid>/stat: clock ticks since boot): with the
+    pid, what tells the process from a later one that reuses its pid. None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the name, which may hold spaces and ')'
+    return fields[19] if len(fields) > 19 else None
+
+
+def backstop_command(target: int, started: str, delay_s: float) -> list[str]:
+    """A shell that, after delay_s, kills `target` if it is still the process that started at
+    `started` (start_time(target) when the launcher was chosen): a process that reused the pid
+    meanwhile is not signalled. SIGKILL, not SIGTERM: mpirun already aborting answers a TERM
+    with "abort is already in progress" and keeps waiting, and a second one (every rank of the
+    host leaves a backstop) makes OpenMPI 4.1's forced exit crash in PMIx_Finalize (a segfault
+    and its stack trace)."""
+    script = (f"sleep {delay_s:g}; "
+              f"stat=$(cat /proc/{target}/stat 2>/dev/null) || exit 0; "
+              'set -- ${stat##*") "}; '  # fields from the 3rd on: the start time is the 20th
+              f'[ "${{20}}" = {shlex.quote(str(started))} ] || exit 0; '
+              f"kill -KILL {target} 2>/dev/null; exit 0")
     return ["/bin/sh", "-c", script]
+
+
+def _launcher_backstop(delay_s: float) -> tuple[int, list[str]] | None:
+    """(the launcher process, the command that ends it after delay_s), or None where there is
+    no launcher to end."""
+    target = launcher_process()
+    started = start_time(target) if target is not None else None
+    if started is None:
+        return None
+    return target, backstop_command(target, started, delay_s)
 
 
 def arm_backstop(delay_s: float = BACKSTOP_DELAY_S) -> int | None:
     """Leaves the backstop behind, detached (its own session: the daemon's kill of this rank
     does not reach it; stdio on /dev/null: it holds none of the launcher's pipes open). Returns
     the launcher process it watches, or None where there is none to end."""
-    target = launcher_process()
-    if target is None:
+    found = _launcher_backstop(delay_s)
+    if found is None:
         return None
+    target, command = found
     try:
-        subprocess.Popen(backstop_command(target, delay_s), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     except OSError:
         return None
@@ -152,10 +184,11 @@ def watchdog_last_words(peer_timeout_s: float, job_key: str, backstop: bool = Tr
     the job, past every Python hook, so it says the advice (the first rank on its host to get
     there) and starts the backstop itself. Returns (advice, advice_claim, backstop argv, note)."""
     advice = launcher_advice(peer_timeout_s, os.environ if env is None else env) or ""
-    target = launcher_process() if backstop else None
-    if target is None:
+    found = _launcher_backstop(BACKSTOP_DELAY_S) if backstop else None
+    if found is None:
         return advice, advice_claim(job_key), [], ""
-    return advice, advice_claim(job_key), backstop_command(target, BACKSTOP_DELAY_S), backstop_note(target)
+    target, command = found
+    return advice, advice_claim(job_key), command, backstop_note(target)
 
 
 def prepare_for_abort(lost_host: str, my_host: str, peer_timeout_s: float, first_to_advise=lambda: True,

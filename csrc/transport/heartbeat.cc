@@ -25,6 +25,9 @@ constexpr int kTagGoodbye = 106;  // a peer leaving normally: never report it si
 
 // Set from Python (set_lost_host_last_words): what to say and start before a watchdog abort over a
 // peer on another host. Its own lock: stop_heartbeat() holds g_lock while the thread finishes.
+// The backstop's argv was made when the heartbeat started, possibly hours earlier: it names the
+// launcher by pid and start time and leaves alone a process that reused the pid since
+// (hybridsync/lost_hosts.py backstop_command).
 struct LastWords {
   std::string advice;
   std::string advice_claim;

@@ -165,7 +165,8 @@ def test_the_backstop_ends_a_launcher_process_that_outlives_the_abort(tmp_path):
     try:
         time.sleep(0.2)
         assert lost_hosts.launcher_process(daemon.pid) == daemon.pid
-        backstop = subprocess.Popen(lost_hosts.backstop_command(daemon.pid, 0.5), start_new_session=True)
+        started = lost_hosts.start_time(daemon.pid)
+        backstop = subprocess.Popen(lost_hosts.backstop_command(daemon.pid, started, 0.5), start_new_session=True)
         assert daemon.wait(timeout=10) == -9  # killed by the backstop
         assert backstop.wait(timeout=10) == 0
     finally:
@@ -173,5 +174,63 @@ def test_the_backstop_ends_a_launcher_process_that_outlives_the_abort(tmp_path):
             daemon.kill()
             daemon.wait()
     # A launcher that ended by itself is left alone (and its pid is not signalled again).
-    gone = subprocess.Popen(lost_hosts.backstop_command(daemon.pid, 0.1))
+    gone = subprocess.Popen(lost_hosts.backstop_command(daemon.pid, started, 0.1))
     assert gone.wait(timeout=10) == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_the_backstop_signals_no_process_but_the_one_it_was_made_for():
+    """The pid is there, but its start time is not the one recorded: another process."""
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        assert lost_hosts.start_time(other.pid) is not None
+        stale = str(int(lost_hosts.start_time(other.pid)) - 1)
+        assert subprocess.run(lost_hosts.backstop_command(other.pid, stale, 0.05), timeout=10).returncode == 0
+        assert other.poll() is None, "the backstop killed a process it was not made for"
+    finally:
+        other.kill()
+        other.wait()
+    assert lost_hosts.start_time(2**22 + 7) is None
+
+
+# Runs as pid 1 of a fresh pid namespace, where the test may choose the next pid: a stand-in
+# launcher (named orted) starts a rank, which makes the watchdog's last words as at heartbeat
+# start; the launcher exits, an unrelated process gets its pid, and the backstop runs.
+_LAUNCHER = """
+import ctypes, subprocess, sys
+ctypes.CDLL(None).prctl(15, b"orted", 0, 0, 0)  # PR_SET_NAME: /proc/<pid>/comm now says orted
+rank = ("import json, hybridsync.lost_hosts as lh; lh.BACKSTOP_DELAY_S = 0.2; "
+        "print(json.dumps(lh.watchdog_last_words(60, 'job', env={})[2]))")
+sys.stdout.write(subprocess.run([sys.executable, "-c", rank], capture_output=True, text=True, check=True).stdout)
+"""
+_PID_REUSE = """
+import json, subprocess, sys
+first = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+backstop = json.loads(first.communicate()[0])
+assert first.returncode == 0 and backstop, "the stand-in launcher was not taken for one"
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(first.pid - 1))
+reused = subprocess.Popen(["sleep", "30"])
+assert reused.pid == first.pid, (reused.pid, first.pid)
+subprocess.run(backstop, check=True, timeout=30)
+print("REUSED-PID", "alive" if reused.poll() is None else "killed")
+reused.kill()
+reused.wait()
+"""
+_NAMESPACE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+
+
+def _can_make_pid_namespaces() -> bool:
+    try:
+        return subprocess.run(_NAMESPACE + ["true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_make_pid_namespaces(), reason="needs unshare and unprivileged pid namespaces")
+def test_the_backstop_leaves_alone_a_process_that_took_over_the_launchers_pid():
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(_NAMESPACE + [sys.executable, "-c", _PID_REUSE, _LAUNCHER], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "REUSED-PID alive" in done.stdout, done.stdout + done.stderr
