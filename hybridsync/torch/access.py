@@ -2,6 +2,8 @@
 PS-backed module's gradient rows look to hybridsync.sync (GradAccess)."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -26,6 +28,18 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
 
 def as_tensor(buffer) -> torch.Tensor:
     return torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else buffer
+
+
+def sparse_update_checks(optimizer):
+    """The scope of the wrapped optimizer's step: where a gradient it updates from is sparse
+    (the all-gather route's rows, a sparse_as_dense gradient given back sparse), torch's own
+    update builds sparse tensors from it (Adagrad's, SparseAdam's) with no check_invariants
+    argument -- torch then warns that checks are implicitly off and memory errors may follow.
+    They are built with the checks on (O(nnz) each: indices in range), so torch checks instead of
+    warning; the process's setting is put back afterwards (as the value it had)."""
+    if any(p.grad is not None and p.grad.is_sparse for group in optimizer.param_groups for p in group["params"]):
+        return torch.sparse.check_sparse_tensor_invariants(enable=True)
+    return contextlib.nullcontext()
 
 
 def _takes_only_sparse(optimizer) -> bool:

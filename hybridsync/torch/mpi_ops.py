@@ -127,7 +127,9 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         gathered_values, gathered_indices = synchronize(values), synchronize(indices)
         if opn == "average":
             gathered_values = gathered_values / ops.set_size(process_set)
-        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, tensor.size())
+        # Checked: the indices come from every rank's tensor, whose sizes nothing compared.
+        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, tensor.size(),
+                                       check_invariants=True)
     return handle
 
 

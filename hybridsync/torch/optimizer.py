@@ -24,7 +24,7 @@ from ..sync.agreement import agree
 from ..sync.base import SyncContext, Variable, check_options
 from ..sync.registry import SyncSet
 from ..types import GradKind, Placement, ReduceOp
-from .access import ParamAccess, StagedRowsAccess
+from .access import ParamAccess, StagedRowsAccess, sparse_update_checks
 from .adasum_optimizer import adasum_optimizer
 from .adaptive import AdaptiveStep
 from .batching import BatchedLookups
@@ -315,7 +315,7 @@ class _DistributedOptimizer:
                 f"step() inside skip_synchronize() with gradients that were never synchronised (e.g. '{pending}'): "
                 "call optimizer.synchronize() before the skip_synchronize() block")
         self._hs_synchronized = False
-        with timeline.span("optimizer update (dense)"):
+        with timeline.span("optimizer update (dense)"), sparse_update_checks(self):
             return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
