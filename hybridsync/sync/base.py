@@ -161,5 +161,6 @@ class Synchronizer:
     def state_dict(self) -> dict:
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        pass
+    def load_state_dict(self, state: dict) -> set:
+        """Loads what state_dict() returned; the names of the variables it loaded."""
+        return set()

@@ -50,10 +50,14 @@ class _PSRoute(Synchronizer):
         shards only when asked (no collective: any rank may call it alone)."""
         return {var.name: var.table.state() for var in self.variables if var.table is not None}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> set:
+        """Loads the server state of the tables that exist; returns their variables' names."""
+        placed = set()
         for var in self.variables:
             if var.name in state and var.table is not None:
                 var.table.load_state(state[var.name], var.name)
+                placed.add(var.name)
+        return placed
 
 
 @register(Route.PS, Placement.SHARDED)
@@ -61,10 +65,15 @@ class ShardedPS(_PSRoute):
     waits = False  # the push is applied at the next PS operation
 
     def prepare(self) -> None:
-        for var in self.variables:  # tables made by the PS modules: name them, set their rules
+        """Collective: names the tables the PS modules made and sets their rules, on every rank's
+        shard; then a barrier, so that no rank reads or writes another's shard (a load_state_dict
+        right after wrapping) before its rule is in place -- setting a rule restarts the slots."""
+        for var in self.variables:
             var.table.rename(var.name)
             var.table.set_rule(var.plan.optimizer)
             var.table.set_staleness(var.plan.staleness)  # (a world of one has nothing to wait for: no effect)
+        if self.variables:
+            ps.engine().barrier("hybridsync.tables_ready")
 
     def synchronize(self) -> None:
         self._record_rounds(current=False)  # the previous push's, back with this step's pull
@@ -167,10 +176,10 @@ class ReplicatedPS(_PSRoute):
         self._follow_replicas()
         return super().state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> set:
         self._register()
         for var in self.variables:
             if var.table.attached is None:  # the shard owns a copy: refresh it from the replica
                 self._attach(var, None)
         self._follow_replicas()
-        super().load_state_dict(state)
+        return super().load_state_dict(state)

@@ -119,7 +119,14 @@ class SyncSet:
             state = {key(*route): sync.state_dict() for route, sync in self.by_route.items()}
         return {k: v for k, v in state.items() if v}
 
-    def load_state_dict(self, state: dict) -> None:
-        for route, sync in self.by_route.items():
-            if key(*route) in state:
-                sync.load_state_dict(state[key(*route)])
+    def load_state_dict(self, state: dict) -> dict:
+        """Loads each route's state into the variables that have it now; returns the rest (by
+        route, then variable): state of variables whose route or table does not exist yet."""
+        rest = {}
+        for name, tables in state.items():
+            sync = next((s for route, s in self.by_route.items() if key(*route) == name), None)
+            placed = sync.load_state_dict(tables) if sync is not None else set()
+            left = {var: value for var, value in tables.items() if var not in placed}
+            if left:
+                rest[name] = left
+        return rest

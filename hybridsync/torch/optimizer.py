@@ -332,8 +332,10 @@ class _DistributedOptimizer:
         only a rank that reads a slot (torch.save does) holds it."""
         state = super().state_dict()
         extra = _map_arrays(self._hs_sync.state_dict(), ShardedTableTensor, TableView)
-        if extra or self._hs_pending_state:
-            state["hybridsync"] = {**self._hs_pending_state, **extra}
+        pending = self._hs_pending_state
+        if extra or pending:
+            state["hybridsync"] = {route: {**pending.get(route, {}), **extra.get(route, {})}
+                                   for route in {**pending, **extra}}
         if self._hs_adaptive.enabled:
             state["hybridsync_adaptive"] = self._hs_adaptive.controller.state_dict()
         return state
@@ -346,17 +348,15 @@ class _DistributedOptimizer:
         if adaptive is not None and self._hs_adaptive.enabled:
             self._hs_adaptive.load_state_dict(adaptive)
         self._hs_synchronized = False
-        if self._hs_plan_confirmed:
-            self._hs_load_route_state(extra)
-        else:  # routes of variables recognised at the first backward do not exist yet
-            self._hs_pending_state = dict(extra)
+        self._hs_load_route_state(extra)
 
     def _hs_load_route_state(self, extra: dict) -> None:
+        """Server state goes to the tables that exist now (state_dict() reads it back at once); the
+        state of variables whose route the first backward decides waits for it."""
         def plain(t):  # a table's own view is recognised (nothing to write); other tensors are rows
             return t.view if isinstance(t, ShardedTableTensor) else t.detach().to("cpu", torch.float32).numpy()
 
-        self._hs_sync.load_state_dict(_map_arrays(extra, plain, torch.Tensor))
-        self._hs_pending_state = {}
+        self._hs_pending_state = self._hs_sync.load_state_dict(_map_arrays(extra, plain, torch.Tensor))
 
 
 def _map_arrays(state, convert, kind=np.ndarray):
