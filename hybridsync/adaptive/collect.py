@@ -8,9 +8,12 @@ the step times the throughput model fits; everything else is the same on every r
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
+
+from .gns import all_finite
 
 
 def squared_norm(buffer) -> float:
@@ -45,7 +48,8 @@ class StepRecorder:
         self.world = world_size
         self._dense_in: dict[str, float] = {}
         self._dense_out: dict[str, float] = {}
-        self._ps: list = []  # (name, local_sq, combined_sq, sizes) of rounds completed
+        self._ps: list = []  # (name, local_sq, combined_sq, sizes, late) of rounds completed
+        self._skipped_last = False  # the previous step was left out of the statistics (non-finite)
         self._rounds: dict[str, int] = {}  # table -> newest round seen
         self._sizes_pushed = None  # (samples per rank, accumulation) of the previous push
         self._sync_start = None
@@ -96,7 +100,7 @@ class StepRecorder:
         self._rounds[name] = stats["round"]
         sizes = self.adaptive.sizes() if current else self._sizes_pushed
         if sizes is not None:
-            self._ps.append((name, stats["local_sq"], stats["combined_sq"], sizes))
+            self._ps.append((name, stats["local_sq"], stats["combined_sq"], sizes, not current))
 
     # -- once per step ----------------------------------------------------------------------------
     def end_step(self, allgather_object) -> None:
@@ -104,31 +108,34 @@ class StepRecorder:
         and the throughput model, identically on every rank."""
         sync_s = time.perf_counter() - self._sync_start if self._sync_start is not None else 0.0
         names = sorted(self._dense_in)
-        mine = ([self._dense_in[n] for n in names], self.last_times)
-        gathered = allgather_object(mine) if self.world > 1 else [mine]
         adaptive = self.adaptive
         per_rank, accum = adaptive.local_batch, adaptive.accumulation
         unscale = self.loss_scale ** 2
+        now_ps, late_ps = self._ps_observations(unscale)
+        outputs = [self._dense_out[n] for n in names if n in self._dense_out]
+        # Whether this rank's own numbers are finite travels with its dense inputs, so that every
+        # rank leaves out the same steps even where their numbers differ.
+        finite = (all(map(math.isfinite, outputs)) and all_finite(now_ps), all_finite(late_ps))
+        mine = ([self._dense_in[n] for n in names], self.last_times, finite)
+        gathered = allgather_object(mine) if self.world > 1 else [mine]
         if len(gathered) > 1 and per_rank:
             if any(len(g[0]) != len(names) for g in gathered):
                 raise RuntimeError("hybridsync.adaptive: ranks all-reduced different dense variables this step")
             mean_local = np.mean([g[0] for g in gathered], axis=0) / accum ** 2 / unscale
             small, big = per_rank * accum, per_rank * accum * self.world
             base = adaptive.base_batch or big
-            for name, local in zip(names, mean_local):
-                if name in self._dense_out:
-                    adaptive.stats.observe(name, float(local), small, self._dense_out[name] / unscale, big, big / base)
-            for name, local_sq, combined_sq, (b, k) in self._ps:
-                n = self.world
-                adaptive.stats.observe(name, local_sq / n / k ** 2 / unscale, b * k,
-                                       combined_sq / (n * k) ** 2 / unscale, b * k * n, b * k * n / base)
+            now = [(name, float(local), small, self._dense_out[name] / unscale, big, big / base)
+                   for name, local in zip(names, mean_local) if name in self._dense_out] + now_ps
+            self._take(now, all_finite(now) and all(g[2][0] for g in gathered),
+                       late_ps, all(g[2][1] for g in gathered))
         # A step lasts as long as its slowest rank's: its compute is the slowest rank's, and its
         # sync the rest of the longest step. (The largest sync is mostly a fast rank waiting for
         # the slow one's compute: adding the two maxima counted that wait twice.)
-        micro_s = max(t[0] for _, t in gathered)
-        measured_k = max(1, int(gathered[0][1][3]))
-        sync_s_all = max(0.0, max(t[0] * measured_k + t[1] for _, t in gathered) - micro_s * measured_k)
-        measured_at = gathered[0][1][2]
+        times = [g[1] for g in gathered]
+        micro_s = max(t[0] for t in times)
+        measured_k = max(1, int(times[0][3]))
+        sync_s_all = max(0.0, max(t[0] * measured_k + t[1] for t in times) - micro_s * measured_k)
+        measured_at = times[0][2]
         if micro_s > 0 and measured_at:
             adaptive.throughput.record(self.world, measured_at, micro_s, sync_s_all)
         self._dense_in.clear()
@@ -136,6 +143,34 @@ class StepRecorder:
         self._ps.clear()
         self._sizes_pushed = adaptive.sizes() if per_rank else None
         self._pending_sync_s = sync_s
+
+    def _ps_observations(self, unscale: float) -> tuple[list, list]:
+        """The PS rounds recorded this step as observations: those of this step's push, and those
+        of the previous step's (a sharded table's round comes back with the next pull)."""
+        now, late = [], []
+        n = self.world
+        for name, local_sq, combined_sq, (b, k), was_late in self._ps:
+            base = self.adaptive.base_batch or b * k * n
+            (late if was_late else now).append((name, local_sq / n / k ** 2 / unscale, b * k,
+                                                combined_sq / (n * k) ** 2 / unscale, b * k * n, b * k * n / base))
+        return now, late
+
+    def _take(self, now: list, now_ok: bool, late: list, late_ok: bool) -> None:
+        """Into the statistics, a step's observations all or none (ok: finite on every rank). A
+        late round belongs to the previous step: left out with it if that step was non-finite
+        (counted once), else taken or left out on its own. (So a sharded table's non-finite
+        round cannot take back its step's dense observations: they were taken a step before.)"""
+        stats = self.adaptive.stats
+        if late and not self._skipped_last:
+            if late_ok:
+                stats.observe_step(late)
+            else:
+                stats.skip_step()
+        if now_ok:
+            stats.observe_step(now)
+        else:
+            stats.skip_step()
+        self._skipped_last = not now_ok
 
     def step_times(self, step_s: float) -> None:
         """This rank's wall time of the whole step just finished (see the step clock above):

@@ -158,7 +158,7 @@ class Adaptive:
         return {"noise_scale": s["noise_scale"], "sqr": s["sqr"], "var": s["var"], "local_batch": self.local_batch,
                 "accumulation": self.accumulation, "global_batch": self.global_batch(), "base_batch": self.base_batch,
                 "scale": self.scale(), "gain": self.last_gain, "lr_factor": self.last_factor, "rule": self.rule,
-                "progress": self.progress, "steps": self.steps,
+                "progress": self.progress, "steps": self.steps, "nonfinite_steps": s["nonfinite_steps"],
                 "efficiency": efficiency(self.global_batch(), self.base_batch or 1, s["noise_scale"])}
 
     def state_dict(self) -> dict:

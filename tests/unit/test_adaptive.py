@@ -188,7 +188,8 @@ def test_a_fast_ranks_wait_is_not_counted_twice():
 
     a = Adaptive(AdaptiveConfig(local_batch_size=8), "SGD", world_size=2)
     recorder = StepRecorder(a, 2)
-    times = [([], (0.015, 0.004, 8, 1)), ([], (0.004, 0.015, 8, 1))]
+    finite = (True, True)  # each rank's numbers of this step (and of the previous push) were finite
+    times = [([], (0.015, 0.004, 8, 1), finite), ([], (0.004, 0.015, 8, 1), finite)]
     recorder.end_step(lambda mine: times)
     assert a.throughput._samples[2] == [(8.0, 0.015, pytest.approx(0.004))]
     assert a.throughput.step_time(2, 8) == pytest.approx(0.019)
