@@ -177,4 +177,6 @@ class StepRecorder:
         the part outside synchronize, per micro-step, and synchronize's."""
         sync_s = getattr(self, "_pending_sync_s", 0.0)
         accum = max(1, self.adaptive.accumulation)
-        self.last_times = (max(step_s - sync_s, 0.0) / accum, sync_s, self.adaptive.local_batch, accum)
+        # An epoch's partial last step is no batch size to fit the throughput lines with: not timed.
+        measured_at = 0 if self.adaptive.partial_step_of is not None else self.adaptive.local_batch
+        self.last_times = (max(step_s - sync_s, 0.0) / accum, sync_s, measured_at, accum)
