@@ -287,8 +287,16 @@ def _plan_as_config(d: dict, source: str) -> dict:
             if not v.get("route"):
                 continue
             rule = {"match": v["name"].replace("[", "[[]").replace("*", "[*]").replace("?", "[?]"), "sync": v["route"]}
-            if v["route"] == "ps":
-                rule.update(placement=v["placement"], partitions=v["shards"], partition=v["partition"])
+            if (v.get("auto") or {}).get("status") == "measuring":  # not decided yet: it stays auto
+                rule["sync"] = "auto"
+                if v.get("optimizer") and v.get("optimizer_source") == "config":
+                    rule["optimizer"] = v["optimizer"]
+            elif v["route"] == "ps":
+                rule.update(placement=v["placement"], partitions=v["shards"])
+                if v.get("partition") in PARTITIONS:  # (a dynamic table's 'hash' is no choice: it has no other)
+                    rule["partition"] = v["partition"]
+                if v.get("dynamic"):
+                    rule["dynamic"] = {k: v["dynamic"][k] for k in DYNAMIC_KEYS if k in v["dynamic"]}
                 if v.get("optimizer") and v.get("optimizer_source") == "config":
                     rule["optimizer"] = v["optimizer"]
                 if v.get("staleness"):
