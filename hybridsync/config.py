@@ -14,7 +14,7 @@
         staleness: 4                                    # bounded staleness (sync: ps, sharded); 0: synchronous
       - match: "user_ids.*"                             # a hybridsync DynamicEmbedding's options
         dynamic: {capacity: 1000000, evict: lru, ttl_steps: 5000, admit_after: 2}
-    strict: true                                        # a rule that matches nothing is an error
+    strict: true                                        # a rule that matches nothing is an error (else a warning)
     backend: mpi                                        # dense backend: horovod | mpi (optional)
     auto_steps: 20                                      # steps `sync: auto` measures before it decides
 
@@ -35,6 +35,11 @@ from .settings import settings
 
 class ConfigError(ValueError):
     """A config file (or dict) hybridsync cannot use; the message names file:line and key."""
+
+
+class ConfigWarning(UserWarning):
+    """A config hybridsync can use, with something that looks like a mistake (a rule that
+    matches no variable, without strict: true); the message names file:line and key."""
 
 
 SYNC_DENSE = ("allreduce", "ps")
