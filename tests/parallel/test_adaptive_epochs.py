@@ -11,7 +11,8 @@ import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
 
-SMALL, BIG, BATCH, FEATURES, EPOCHS = 7, 46, 12, 3, 3  # BATCH divides over 1, 2 and 3 ranks; BIG leaves a remainder at each
+# BATCH divides over 1, 2 and 3 ranks; BIG leaves a remainder at each
+SMALL, BIG, BATCH, FEATURES, EPOCHS = 7, 46, 12, 3, 3
 
 
 def _arrays(n):
