@@ -173,8 +173,8 @@ def allgather_object(obj, name=None) -> list:
     return objects().allgather_object(obj, name=name)
 
 
-from .config import ConfigError  # noqa: E402
+from .config import ConfigError, ConfigWarning  # noqa: E402
 
 __all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
-           "DistributedOptimizer", "explain", "ConfigError", "save_checkpoint", "load_checkpoint",
+           "DistributedOptimizer", "explain", "ConfigError", "ConfigWarning", "save_checkpoint", "load_checkpoint",
            "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]

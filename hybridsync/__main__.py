@@ -2,7 +2,8 @@
 
 Prints the plan a DistributedOptimizer would make for the model (one row per variable, with
 why each route was chosen) without launching anything; --json writes it, and that file loads
-back as a config (`config=OUT`), so a strategy can be kept, reviewed and shared.
+back as a config (`config=OUT`), so a strategy can be kept, reviewed and shared. --world-size N
+plans a job of N ranks on this host: its tables' shards and its dense backend as that job's.
 
 factory() returns a model, or (model, optimizer); with a model alone the optimizer is
 --optimizer (sgd | adagrad | adam) with --lr.
@@ -42,10 +43,12 @@ def explain_command(args) -> int:
         optimizer = make(model.parameters(), lr=args.lr)
     cfg = config_mod.load(args.config)
     runtime.init()
-    backend = args.backend or (cfg.backend if cfg else None) or comm.choose()
     world = args.world_size or runtime.world().size
+    # As a job of `world` ranks on this host would choose (the model was built in a world of one)
+    backend = comm.choose(args.backend or (cfg.backend if cfg else None), world_size=world)
     named = _named_parameters(optimizer, None, model)
     plan, _ = plan_for(optimizer, named, model, cfg, "none", backend, world, comm.why(backend))
+    plan.offline = True
     print(plan.table())
     if args.json:
         with open(args.json, "w") as fh:
@@ -60,7 +63,8 @@ def main(argv=None) -> int:
     explain = sub.add_parser("explain", help="print (and --json write) the plan for a model")
     explain.add_argument("config", nargs="?", help="YAML config (or a plan written with --json)")
     explain.add_argument("--model", required=True, help="module:factory returning a model or (model, optimizer)")
-    explain.add_argument("--world-size", type=int, default=0, help="plan for this many ranks (default: this job's)")
+    explain.add_argument("--world-size", type=int, default=0,
+                         help="plan for this many ranks on this host (default: this job's)")
     explain.add_argument("--backend", choices=["horovod", "mpi"], default=None)
     explain.add_argument("--optimizer", choices=["sgd", "adagrad", "adam"], default="sgd")
     explain.add_argument("--lr", type=float, default=0.01)

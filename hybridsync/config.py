@@ -14,7 +14,7 @@
         staleness: 4                                    # bounded staleness (sync: ps, sharded); 0: synchronous
       - match: "user_ids.*"                             # a hybridsync DynamicEmbedding's options
         dynamic: {capacity: 1000000, evict: lru, ttl_steps: 5000, admit_after: 2}
-    strict: true                                        # a rule that matches nothing is an error
+    strict: true                                        # a rule that matches nothing is an error (else a warning)
     backend: mpi                                        # dense backend: horovod | mpi (optional)
     auto_steps: 20                                      # steps `sync: auto` measures before it decides
 
@@ -35,6 +35,11 @@ from .settings import settings
 
 class ConfigError(ValueError):
     """A config file (or dict) hybridsync cannot use; the message names file:line and key."""
+
+
+class ConfigWarning(UserWarning):
+    """A config hybridsync can use, with something that looks like a mistake (a rule that
+    matches no variable, without strict: true); the message names file:line and key."""
 
 
 SYNC_DENSE = ("allreduce", "ps")
@@ -287,8 +292,16 @@ def _plan_as_config(d: dict, source: str) -> dict:
             if not v.get("route"):
                 continue
             rule = {"match": v["name"].replace("[", "[[]").replace("*", "[*]").replace("?", "[?]"), "sync": v["route"]}
-            if v["route"] == "ps":
-                rule.update(placement=v["placement"], partitions=v["shards"], partition=v["partition"])
+            if (v.get("auto") or {}).get("status") == "measuring":  # not decided yet: it stays auto
+                rule["sync"] = "auto"
+                if v.get("optimizer") and v.get("optimizer_source") == "config":
+                    rule["optimizer"] = v["optimizer"]
+            elif v["route"] == "ps":
+                rule.update(placement=v["placement"], partitions=v["shards"])
+                if v.get("partition") in PARTITIONS:  # (a dynamic table's 'hash' is no choice: it has no other)
+                    rule["partition"] = v["partition"]
+                if v.get("dynamic"):
+                    rule["dynamic"] = {k: v["dynamic"][k] for k in DYNAMIC_KEYS if k in v["dynamic"]}
                 if v.get("optimizer") and v.get("optimizer_source") == "config":
                     rule["optimizer"] = v["optimizer"]
                 if v.get("staleness"):

@@ -32,6 +32,8 @@ class VariablePlan:
     staleness: int = 0  # bounded staleness of a PS table (0: synchronous; docs/staleness.md)
     # what this rank's pulls of it missed: {"pulls", "last_lag", "max_lag", "mean_lag", "held", "wait_s"}
     lag: dict | None = None
+    # a dynamic table's options {"capacity", "admit_after", "evict", "ttl_steps"} (None: not dynamic)
+    dynamic: dict | None = None
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -60,6 +62,7 @@ class Plan:
     world_size: int = 1
     backend_reason: str = ""
     adaptive: dict | None = None  # hybridsync.adaptive's summary (noise scale, batch, gain), if on
+    offline: bool = False  # made by `python -m hybridsync explain`: no step has run, nothing measured
 
     def by_name(self) -> dict[str, VariablePlan]:
         return {v.name: v for v in self.variables}
@@ -91,10 +94,15 @@ class Plan:
             from .sync.cost_model import describe_auto
 
             lines += ["", "sync: auto"] + ["  " + describe_auto(v.name, v.auto, v.shape) for v in auto]
+        dynamic = [v for v in self.variables if v.dynamic]
+        if dynamic:
+            lines += ["", "dynamic tables (options)"] + ["  " + describe_dynamic(v) for v in dynamic]
         bounded = [v for v in self.variables if v.staleness]
         if bounded:
-            lines += ["", "bounded staleness (lag: the other ranks' steps a pull's rows missed, this rank)"]
-            lines += ["  " + describe_staleness(v) for v in bounded]
+            lines += ["", "bounded staleness (k: a pull waits while another rank is more than k steps behind)"
+                      if self.offline else
+                      "bounded staleness (lag: the other ranks' steps a pull's rows missed, this rank)"]
+            lines += ["  " + describe_staleness(v, self.offline) for v in bounded]
         if self.adaptive:
             from .adaptive.report import describe
 
@@ -144,8 +152,17 @@ def auto_decision_table(variables: list, step: int) -> str:
     return "\n".join([title] + format_table(headers, rows))
 
 
-def describe_staleness(v: VariablePlan) -> str:
-    """One line: a table's bound and the lag its pulls saw so far."""
+def describe_dynamic(v: VariablePlan) -> str:
+    """One line: a dynamic table's options (a plan written as JSON keeps them, and loads back)."""
+    d = v.dynamic
+    return (f"{v.name}: capacity {d.get('capacity') or 'unbounded'}, admit after {d.get('admit_after', 1)} touches, "
+            f"evict {d.get('evict') or 'none'}, ttl {d.get('ttl_steps') or 'none'} steps")
+
+
+def describe_staleness(v: VariablePlan, offline: bool = False) -> str:
+    """One line: a table's bound and the lag its pulls saw so far (a plan made offline: the bound)."""
+    if offline:
+        return f"{v.name}: staleness {v.staleness}"
     lag = v.lag or {}
     if not lag.get("pulls"):
         return f"{v.name}: staleness {v.staleness}; no pull yet"

@@ -8,9 +8,12 @@ config and raises the same ConfigError before any collective starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import fnmatch
+import warnings
 from typing import Callable
 
-from .config import Config, ConfigError, Settings
+from .config import Config, ConfigError, ConfigWarning, Settings
 from .plan import VariablePlan
 from .types import GradKind, Placement, Route
 
@@ -161,11 +164,69 @@ class RouteResolver:
         return int(k)
 
     def check_strict(self, variables) -> None:
-        """Under strict: true, a rule that matches no variable is an error at its line."""
-        if self.config is None or not self.config.strict:
+        """A rule that takes no variable (it matches none, or only ones an earlier rule takes
+        first) is an error at its line under strict: true, else a warning, on rank 0, once per
+        rule; both name the closest variable names."""
+        if self.config is None:
             return
+        names = [v.name for v in variables]
         for rule in self.config.rules:
-            if not any(self.config.rule_for(v.name) is rule for v in variables):
-                names = ", ".join(v.name for v in variables[:12]) + (" ..." if len(variables) > 12 else "")
-                raise ConfigError(f"{rule.where}: match: rule '{rule.match}' matches no variable (strict: true); "
-                                  f"variables are: {names}")
+            if any(self.config.rule_for(name) is rule for name in names):
+                continue
+            problem = unmatched_rule(self.config, rule, names)
+            if self.config.strict:
+                raise ConfigError(f"{problem} (strict: true)")
+            _warn_once(rule, f"{problem} (strict: true makes this an error)")
+
+
+def unmatched_rule(config: Config, rule, names: list) -> str:
+    """Why `rule` takes none of `names` -- it matches none (the closest names, if any look like
+    it), or only ones an earlier rule takes first (which) -- prefixed with its file:line."""
+    head = f"{rule.where}: match: rule '{rule.match}'"
+    matched = [n for n in names if fnmatch.fnmatchcase(n, rule.match)]
+    if matched:
+        earlier = {}
+        for n in matched:
+            first = config.rule_for(n)
+            earlier.setdefault(f"'{first.match}' ({first.where})", []).append(n)
+        taken = "; ".join(f"{r} takes {_listed(ns)}" for r, ns in earlier.items())
+        return f"{head} takes no variable: an earlier rule comes first for each it matches ({taken})"
+    close = closest_names(rule.match, names)
+    hint = f"closest: {', '.join(close)}" if close else f"variables are: {_listed(names, 12)}"
+    return f"{head} matches no variable; {hint}"
+
+
+def closest_names(pattern: str, names: list, n: int = 3) -> list:
+    """Up to n variable names that `pattern` (a glob) most looks like a typo of: compared with
+    each name and with each name's prefix globs ('mlp.0.weight': 'mlp.*', 'mlp.0.*'), so that
+    'mpl.*' finds the mlp's variables."""
+    forms: dict[str, list] = {}
+    for name in names:
+        forms.setdefault(name, []).append(name)
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            forms.setdefault(".".join(parts[:i]) + ".*", []).append(name)
+    out = []
+    for form in difflib.get_close_matches(pattern, list(forms), n=len(forms), cutoff=0.7):
+        for name in forms[form]:
+            if name not in out:
+                out.append(name)
+    return out[:n]
+
+
+def _listed(names: list, most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+_warned: set = set()  # (file:line, glob) of rules warned about in this process
+
+
+def _warn_once(rule, message: str) -> None:
+    """Rank 0 only (every rank plans alike), once per rule per process."""
+    from . import runtime
+
+    key = (rule.where, rule.match)
+    if key in _warned or runtime.world().rank != 0:
+        return
+    _warned.add(key)
+    warnings.warn(message, ConfigWarning, stacklevel=2)

@@ -27,6 +27,16 @@ class ReferenceTable:
         s = self.shard[int(dyn.hash_shard([i], self.shards)[0])]
         return s["rows"][i] if i in s["rows"] else self.initial(i)
 
+    def rows(self, ids):
+        """row(i) of every id, with the hash and the initial values computed in one pass."""
+        ids = np.asarray(ids, np.int64)
+        out = dyn.initial_rows(self.seed, ids, self.dim, self.initializer).astype(np.float64)
+        for n, (i, k) in enumerate(zip(ids.tolist(), dyn.hash_shard(ids, self.shards))):
+            stored = self.shard[int(k)]["rows"].get(i)
+            if stored is not None:
+                out[n] = stored
+        return out
+
     def stored_ids(self):
         return sorted(i for s in self.shard for i in s["rows"])
 
@@ -35,8 +45,9 @@ class ReferenceTable:
         self.step += 1
         t = self.step
         by_shard = [{} for _ in range(self.shards)]
-        for i, g in grads.items():
-            by_shard[int(dyn.hash_shard([i], self.shards)[0])][i] = np.asarray(g, np.float64)
+        shard_of = dyn.hash_shard(np.fromiter(grads, np.int64, len(grads)), self.shards)
+        for (i, g), k in zip(grads.items(), shard_of):
+            by_shard[int(k)][i] = np.asarray(g, np.float64)
         for k, s in enumerate(self.shard):
             self._shard_step(s, by_shard[k], t, dyn.capacity_share(self.capacity, self.shards, k))
 
@@ -69,10 +80,13 @@ class ReferenceTable:
                 self._remove(s, i)
                 self.evicted += 1
         room = share - len(rows) if share else len(candidates)
-        for n, (i, c) in enumerate(sorted(candidates)):
+        candidates.sort()
+        admitted = np.array([i for i, _ in candidates[:max(room, 0)]], np.int64)
+        initial = dyn.initial_rows(self.seed, admitted, self.dim, self.initializer).astype(np.float64)
+        for n, (i, c) in enumerate(candidates):
             if n < room:
                 pending.pop(i, None)
-                rows[i] = self.initial(i)
+                rows[i] = initial[n]
                 s["slots"][i] = self._fresh_slots()
                 count[i], last[i] = c, t
                 self.admitted += 1

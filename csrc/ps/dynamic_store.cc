@@ -197,22 +197,15 @@ void DynamicStore::initial_rows(const int64_t* ids, int64_t n, float* out) const
   for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * dim_, both.data() + i * pairs * 2, dim_ * sizeof(float));
 }
 
-void DynamicStore::grow(std::unique_ptr<Shard>& arena, int64_t rows) {
-  const UpdateRule& rule = arena->rule();
-  auto bigger = std::make_unique<Shard>(arena->table(), rows, dim_, make_update_rule(rule.name(), rule.hyperparameters()));
-  bigger->rule().set_step(rule.step());
-  const int64_t kept = std::min(stored(), arena->rows());  // (a row being added may be counted already)
-  const size_t bytes = static_cast<size_t>(kept * dim_) * sizeof(float);
-  if (bytes) {
-    std::memcpy(bigger->row(0), arena->row(0), bytes);
-    for (int k = 0; k < arena->num_slots(); ++k) std::memcpy(bigger->slot(k), arena->slot(k), bytes);
-  }
-  arena = std::move(bigger);
+void DynamicStore::grow(Shard& arena, int64_t rows) {
+  // In place: a round admits rows after its rule's begin_step(), and a rule made anew here would
+  // apply that round with none of the step's constants (an lr of 0: the round's update lost).
+  arena.grow(rows, std::min(stored(), arena.rows()));  // (a row being added may be counted already)
 }
 
 int64_t DynamicStore::add_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last) {
   const int64_t pos = rows_.insert(id);
-  if (pos >= arena->rows()) grow(arena, std::max<int64_t>(kFirstArenaRows, arena->rows() * 2));
+  if (pos >= arena->rows()) grow(*arena, std::max<int64_t>(kFirstArenaRows, arena->rows() * 2));
   counts_.push_back(count);
   last_.push_back(last);
   const int64_t cached = fresh_ids_.find(id);

@@ -114,7 +114,7 @@ class DynamicStore {
   void expire(Shard& arena, int32_t now);
   // Evicts rows not touched in round `now` until at most `target` rows are stored.
   int64_t evict_to(Shard& arena, int64_t target, int32_t now);
-  void grow(std::unique_ptr<Shard>& arena, int64_t rows);
+  void grow(Shard& arena, int64_t rows);
   // ttl: the list of ids touched in `round` (lists are kept for the newest ttl_steps + 1 rounds).
   std::vector<int64_t>& touch_list(int32_t round);
   std::string table_;

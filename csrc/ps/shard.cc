@@ -67,6 +67,32 @@ void Shard::detach() {
   offset_ = 0;
 }
 
+void Shard::grow(int64_t rows, int64_t keep) {
+  if (attached() || rows < rows_ || keep < 0 || keep > rows_) {
+    throw PSError("table '" + table_ + "': cannot grow from " + std::to_string(rows_) + " to " +
+                  std::to_string(rows) + " rows keeping " + std::to_string(keep) +
+                  (attached() ? " (its rows are the caller's)" : ""));
+  }
+  const auto floats = static_cast<size_t>(rows * dim_), kept = static_cast<size_t>(keep * dim_);
+  decltype(owned_) bigger;
+  bigger.resize(floats);  // zeros, resident once written
+  std::copy(owned_.begin(), owned_.begin() + kept, bigger.begin());
+  owned_ = std::move(bigger);
+  base_ = owned_.data();
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    const float init = rule_->slot_init(static_cast<int>(k));
+    decltype(owned_) slot;
+    if (init == 0.0f) {
+      slot.resize(floats);
+    } else {
+      slot.assign(floats, init);
+    }
+    std::copy(slots_[k].begin(), slots_[k].begin() + kept, slot.begin());
+    slots_[k] = std::move(slot);
+  }
+  rows_ = rows;
+}
+
 void Shard::set_rule(std::unique_ptr<UpdateRule> rule) {
   rule_ = std::move(rule);
   slots_.clear();

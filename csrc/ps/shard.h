@@ -61,6 +61,10 @@ class Shard {
   void scatter(const int64_t* local, int64_t n, const float* values, int slot = -1);
   // Runs the rule on unique rows local[i] with gradients grads[i*dim...] (no begin_step()).
   void apply(const int64_t* local, int64_t n, const float* grads);
+  // Owned rows only: `rows` rows (more than now), the first `keep` rows and their slot values
+  // kept, the others zero (slots: their initial value). The rule stays, with its step and the
+  // constants its begin_step() computed, so a dynamic table may grow in the middle of a round.
+  void grow(int64_t rows, int64_t keep);
   // Replaces the optimizer; its state slots start fresh.
   void set_rule(std::unique_ptr<UpdateRule> rule);
   // Rows live in the caller's memory until detach() copies them back into owned memory.

@@ -1,7 +1,16 @@
 """The batches an adaptive loader hands out, whatever the framework: each rank's share of a
 permutation every rank draws the same, cut at the batch size in force, and the periodic
 re-choice of that size (the lowest stepping rank's choice, agreed by an exchange a joined rank
-takes part in, so every rank that steps switches at the same step)."""
+takes part in, so every rank that steps switches at the same step).
+
+An epoch's samples seldom fill a whole number of steps. As PyTorch's DataLoader does with
+drop_last=False (the default), what is left after the last full step is one more, smaller step:
+every rank holds the same number of samples, so every rank has that step, of the same size; it
+is one backward pass (no accumulation: the remainder may be smaller than the micro-steps), at
+which the statistics, the learning-rate rule and progress see the batch it really is, while the
+batch chosen stays in force (it is what checkpoints keep) and the step is not timed (a remainder
+is no batch size the throughput model should fit). drop_last=True drops the remainder, and an
+epoch that would have no step at all is an error naming both sizes (never a silent empty epoch)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,13 +21,16 @@ from .goodput import allowed, nearest_allowed
 
 class AdaptiveBatches:
     def __init__(self, num_samples: int, batch_size: int, rank: int, world: int, shuffle: bool = True,
-                 seed: int = 0, interval: int = 20, warmup: int = 10):
+                 seed: int = 0, interval: int = 20, warmup: int = 10, drop_last: bool = False):
         if batch_size < world:
             raise ValueError(f"batch_size={batch_size} is smaller than the number of ranks ({world})")
         if num_samples < world:
             raise ValueError(f"the dataset has {num_samples} samples, fewer than the {world} ranks")
         self.num_samples, self.batch_size = int(num_samples), int(batch_size)
         self.rank, self.world, self.shuffle, self.seed = rank, world, shuffle, int(seed)
+        self.drop_last = bool(drop_last)
+        if self.drop_last and self.per_rank() < self.batch_size // world:
+            self._no_step(self.batch_size // world, 1)
         self.interval, self.warmup = int(interval), int(warmup)
         self.epoch = 0
         self.autoscale = None  # (max_batch, (lo, hi), max accumulation)
@@ -37,6 +49,7 @@ class AdaptiveBatches:
         """Before the first batch: the base batch size, unless a checkpoint restored one (then
         the allowed batch nearest the restored global batch, which at another world size may
         not divide evenly or may leave local_bsz_bounds)."""
+        self._end_partial(controller, set_batch)  # (a loop that left an epoch at its partial step)
         if not controller.local_batch:
             set_batch(*self._first_batch())
         elif self.autoscale is not None and not allowed(self.world, *controller.sizes(), *self.autoscale):
@@ -68,6 +81,25 @@ class AdaptiveBatches:
             set_batch(change.local_batch, change.accumulation)
             self.changes.append((controller.steps, change.local_batch, change.accumulation))
 
+    def per_rank(self) -> int:
+        """Samples each rank reads per epoch (the same on every rank: the last num_samples % world
+        of the permutation are left out)."""
+        return self.num_samples // self.world
+
+    def steps(self, local_batch: int, accumulation: int) -> tuple[int, int]:
+        """(full steps, samples per rank in the partial last step: 0 if none) of an epoch at
+        this batch size."""
+        full, left = divmod(self.per_rank(), local_batch * accumulation)
+        return full, 0 if self.drop_last else left
+
+    def _no_step(self, local_batch: int, accumulation: int):
+        raise ValueError(
+            f"drop_last=True and the dataset's {self.num_samples} samples ({self.per_rank()} per rank over "
+            f"{self.world} rank{'s' if self.world > 1 else ''}) are fewer than one global batch of "
+            f"{local_batch * accumulation * self.world} ({local_batch} per rank"
+            f"{f' x {accumulation} micro-steps' if accumulation > 1 else ''}): the epoch would have no step "
+            "(drop_last=False makes the whole dataset one smaller step)")
+
     def my_indices(self) -> np.ndarray:
         """This rank's samples of this epoch, in order (every rank the same count)."""
         order = (np.random.default_rng(self.seed + self.epoch).permutation(self.num_samples) if self.shuffle
@@ -76,14 +108,32 @@ class AdaptiveBatches:
         return order[self.rank:usable:self.world]
 
     def epoch_batches(self, controller, set_batch, allreduce_sum):
-        """Index arrays of one epoch's micro-batches; the size may change between steps."""
+        """Index arrays of one epoch's micro-batches; the size may change between steps. The
+        remainder is one more, smaller step (see the top of this file)."""
+        self._end_partial(controller, set_batch)  # (a loop that left an epoch at its partial step)
         mine, pos = self.my_indices(), 0
         while True:
             self.rechoose(controller, set_batch, allreduce_sum)
             b, k = controller.sizes()
-            if pos + b * k > len(mine):
-                break
-            for _ in range(k):
-                yield mine[pos:pos + b]
-                pos += b
+            left = len(mine) - pos
+            if left >= b * k:
+                for _ in range(k):
+                    yield mine[pos:pos + b]
+                    pos += b
+                continue
+            if pos == 0 and self.drop_last:
+                self._no_step(b, k)
+            if left and not self.drop_last:
+                controller.partial_step_of = (b, k)
+                set_batch(left, 1)
+                yield mine[pos:]
+                self._end_partial(controller, set_batch)
+            break
         self.epoch += 1
+
+    @staticmethod
+    def _end_partial(controller, set_batch) -> None:
+        """After an epoch's partial step: the batch chosen is in force again."""
+        if controller.partial_step_of is not None:
+            sizes, controller.partial_step_of = controller.partial_step_of, None
+            set_batch(*sizes)

@@ -12,11 +12,13 @@ world size as Horovod's join does -- is scaled back to those ranks' mean.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 from .exchange import gather_rows
+from .gns import all_finite
 
 
 def squared_norm(buffer) -> float:
@@ -51,7 +53,9 @@ class StepRecorder:
         self.world, self.rank = world_size, rank
         self._dense_in: dict[str, float] = {}
         self._dense_out: dict[str, float] = {}
-        self._ps: list = []  # (name, local_sq, combined_sq, sizes, ranks that pushed) of rounds completed
+        # (name, local_sq, combined_sq, sizes, ranks that pushed, late) of rounds completed
+        self._ps: list = []
+        self._skipped_last = False  # the previous step was left out of the statistics (non-finite)
         self._rounds: dict[str, int] = {}  # table -> newest round seen
         self._sizes_pushed = None  # (samples per rank, accumulation) of the previous push
         self._sync_start = None
@@ -103,7 +107,7 @@ class StepRecorder:
         sizes = self.adaptive.sizes() if current else self._sizes_pushed
         if sizes is not None:  # (a rank that joined pushed nothing: the round counts the others)
             self._ps.append((name, stats["local_sq"], stats["combined_sq"], sizes,
-                             int(stats.get("ranks") or self.world)))
+                             int(stats.get("ranks") or self.world), not current))
 
     # -- once per step ----------------------------------------------------------------------------
     def end_step(self, allreduce_sum) -> None:
@@ -112,36 +116,42 @@ class StepRecorder:
         every rank that stepped. allreduce_sum(array, name): the dense backend's sum all-reduce."""
         sync_s = time.perf_counter() - self._sync_start if self._sync_start is not None else 0.0
         names = sorted(self._dense_in)
-        # (ranks with other dense variables this step: the all-reduce's shapes differ, and it raises)
-        mine = [*(self._dense_in[n] for n in names), *self.last_times]
-        rows = gather_rows(allreduce_sum, self.rank, self.world, mine, "hybridsync.adaptive")
-        gathered = [(row[:len(names)], tuple(row[len(names):])) for _, row in sorted(rows.items())]
-        stepped = len(gathered)
         adaptive = self.adaptive
         per_rank, accum = adaptive.local_batch, adaptive.accumulation
         unscale = self.loss_scale ** 2
-        base = adaptive.base_batch or per_rank * accum * self.world
-        if stepped > 1 and per_rank:  # (one rank alone: its gradient is the combined one, nothing to learn)
-            mean_local = np.mean([g[0] for g in gathered], axis=0) / accum ** 2 / unscale
-            small, big = per_rank * accum, per_rank * accum * stepped
-            # The all-reduce divided the stepping ranks' sum by the world size (a joined rank adds
-            # zeros, as in Horovod): their mean gradient is world / stepped times the result.
-            undilute = (self.world / stepped) ** 2
-            for name, local in zip(names, mean_local):
-                if name in self._dense_out:
-                    adaptive.stats.observe(name, float(local), small, self._dense_out[name] * undilute / unscale, big,
-                                           big / base)
-        for name, local_sq, combined_sq, (b, k), n in self._ps:  # n: the ranks that pushed that round
-            if n > 1 and per_rank:
-                adaptive.stats.observe(name, local_sq / n / k ** 2 / unscale, b * k,
-                                       combined_sq / (n * k) ** 2 / unscale, b * k * n, b * k * n / base)
+        now_ps, late_ps = self._ps_observations(unscale)
+        outputs = [self._dense_out[n] for n in names if n in self._dense_out]
+        # Whether this rank's own numbers are finite travels with its dense inputs, so that every
+        # rank leaves out the same steps even where their numbers differ.
+        finite = (all(map(math.isfinite, outputs)) and all_finite(now_ps), all_finite(late_ps))
+        # (ranks with other dense variables this step: the all-reduce's shapes differ, and it raises)
+        mine = [*(self._dense_in[n] for n in names), *self.last_times, float(finite[0]), float(finite[1])]
+        rows = gather_rows(allreduce_sum, self.rank, self.world, mine, "hybridsync.adaptive")
+        n = len(names)
+        gathered = [(row[:n], tuple(row[n:n + 4]), (bool(row[n + 4]), bool(row[n + 5])))
+                    for _, row in sorted(rows.items())]
+        stepped = len(gathered)
+        if per_rank:
+            now = list(now_ps)
+            if stepped > 1:  # (one rank alone: its gradient is the combined one, nothing to learn)
+                mean_local = np.mean([g[0] for g in gathered], axis=0) / accum ** 2 / unscale
+                small, big = per_rank * accum, per_rank * accum * stepped
+                base = adaptive.base_batch or per_rank * accum * self.world
+                # The all-reduce divided the stepping ranks' sum by the world size (a joined rank
+                # adds zeros, as in Horovod): their mean gradient is world / stepped times the result.
+                undilute = (self.world / stepped) ** 2
+                now = [(name, float(local), small, self._dense_out[name] * undilute / unscale, big, big / base)
+                       for name, local in zip(names, mean_local) if name in self._dense_out] + now
+            self._take(now, all_finite(now) and all(g[2][0] for g in gathered),
+                       late_ps, all(g[2][1] for g in gathered))
         # A step lasts as long as its slowest rank's: its compute is the slowest rank's, and its
         # sync the rest of the longest step. (The largest sync is mostly a fast rank waiting for
         # the slow one's compute: adding the two maxima counted that wait twice.)
-        micro_s = max(t[0] for _, t in gathered)
-        measured_k = max(1, int(gathered[0][1][3]))
-        sync_s_all = max(0.0, max(t[0] * measured_k + t[1] for _, t in gathered) - micro_s * measured_k)
-        measured_at = int(gathered[0][1][2])
+        times = [g[1] for g in gathered]
+        micro_s = max(t[0] for t in times)
+        measured_k = max(1, int(times[0][3]))
+        sync_s_all = max(0.0, max(t[0] * measured_k + t[1] for t in times) - micro_s * measured_k)
+        measured_at = int(times[0][2])
         if micro_s > 0 and measured_at:
             adaptive.throughput.record(self.world, measured_at, micro_s, sync_s_all)
         self._dense_in.clear()
@@ -150,9 +160,42 @@ class StepRecorder:
         self._sizes_pushed = adaptive.sizes() if per_rank else None
         self._pending_sync_s = sync_s
 
+    def _ps_observations(self, unscale: float) -> tuple[list, list]:
+        """The PS rounds recorded this step as observations: those of this step's push, and those
+        of the previous step's (a sharded table's round comes back with the next pull). A round
+        counts the ranks that pushed in it (one that joined pushed nothing); with one, there is
+        nothing to compare."""
+        now, late = [], []
+        for name, local_sq, combined_sq, (b, k), n, was_late in self._ps:
+            if n < 2:
+                continue
+            base = self.adaptive.base_batch or b * k * n
+            (late if was_late else now).append((name, local_sq / n / k ** 2 / unscale, b * k,
+                                                combined_sq / (n * k) ** 2 / unscale, b * k * n, b * k * n / base))
+        return now, late
+
+    def _take(self, now: list, now_ok: bool, late: list, late_ok: bool) -> None:
+        """Into the statistics, a step's observations all or none (ok: finite on every rank). A
+        late round belongs to the previous step: left out with it if that step was non-finite
+        (counted once), else taken or left out on its own. (So a sharded table's non-finite
+        round cannot take back its step's dense observations: they were taken a step before.)"""
+        stats = self.adaptive.stats
+        if late and not self._skipped_last:
+            if late_ok:
+                stats.observe_step(late)
+            else:
+                stats.skip_step()
+        if now_ok:
+            stats.observe_step(now)
+        else:
+            stats.skip_step()
+        self._skipped_last = not now_ok
+
     def step_times(self, step_s: float) -> None:
         """This rank's wall time of the whole step just finished (see the step clock above):
         the part outside synchronize, per micro-step, and synchronize's."""
         sync_s = getattr(self, "_pending_sync_s", 0.0)
         accum = max(1, self.adaptive.accumulation)
-        self.last_times = (max(step_s - sync_s, 0.0) / accum, sync_s, self.adaptive.local_batch, accum)
+        # An epoch's partial last step is no batch size to fit the throughput lines with: not timed.
+        measured_at = 0 if self.adaptive.partial_step_of is not None else self.adaptive.local_batch
+        self.last_times = (max(step_s - sync_s, 0.0) / accum, sync_s, measured_at, accum)

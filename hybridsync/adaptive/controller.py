@@ -68,6 +68,8 @@ class Adaptive:
         self.last_gain = 1.0
         self.last_factor = 1.0
         self.choice: BatchChoice | None = None
+        # The batch chosen, while an epoch's partial last step runs at what was left (batches.py).
+        self.partial_step_of: tuple[int, int] | None = None
         self._fix_base()
 
     def _fix_base(self) -> None:
@@ -158,12 +160,13 @@ class Adaptive:
         return {"noise_scale": s["noise_scale"], "sqr": s["sqr"], "var": s["var"], "local_batch": self.local_batch,
                 "accumulation": self.accumulation, "global_batch": self.global_batch(), "base_batch": self.base_batch,
                 "scale": self.scale(), "gain": self.last_gain, "lr_factor": self.last_factor, "rule": self.rule,
-                "progress": self.progress, "steps": self.steps,
+                "progress": self.progress, "steps": self.steps, "nonfinite_steps": s["nonfinite_steps"],
                 "efficiency": efficiency(self.global_batch(), self.base_batch or 1, s["noise_scale"])}
 
     def state_dict(self) -> dict:
+        local_batch, accumulation = self.partial_step_of or self.sizes()  # the batch chosen, not a remainder
         return {"stats": self.stats.state_dict(), "throughput": self.throughput.state_dict(),
-                "local_batch": self.local_batch, "accumulation": self.accumulation, "base_batch": self.base_batch,
+                "local_batch": local_batch, "accumulation": accumulation, "base_batch": self.base_batch,
                 "progress": self.progress, "steps": self.steps, "world": self.world}
 
     def load_state_dict(self, state: dict) -> None:

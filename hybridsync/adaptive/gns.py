@@ -26,6 +26,12 @@ def estimate(small_sq: float, small_batch: float, big_sq: float, big_batch: floa
     return sqr, var
 
 
+def all_finite(observations) -> bool:
+    """Whether every squared norm of (name, small_sq, small_batch, big_sq, big_batch, weight)
+    observations is finite."""
+    return all(math.isfinite(o[1]) and math.isfinite(o[3]) for o in observations)
+
+
 class _Smoothed:
     """A bias-corrected exponential moving average."""
 
@@ -58,47 +64,76 @@ class GradientStats:
         self.smoothing = smoothing
         self._by_variable: dict[str, tuple[_Smoothed, _Smoothed]] = {}
         self.observations = 0
+        self.nonfinite_steps = 0  # steps left out because a gradient norm was inf or NaN
 
     def observe(self, name: str, small_sq: float, small_batch: float, big_sq: float, big_batch: float,
-                weight: float = 1.0) -> None:
+                weight: float = 1.0) -> bool:
         """One step of variable `name`: mean |g|^2 at small_batch and |g|^2 at big_batch; the step
-        counts as `weight` base-batch steps (its global batch / the base batch)."""
-        if not weight > 0:
-            raise ValueError(f"weight must be > 0, got {weight}")
-        sqr, var = estimate(small_sq, small_batch, big_sq, big_batch)
-        pair = self._by_variable.get(name)
-        if pair is None:
-            pair = self._by_variable[name] = (_Smoothed(), _Smoothed())
-        theta = self.smoothing ** weight
-        pair[0].add(sqr, theta)
-        pair[1].add(var, theta)
-        self.observations += 1
+        counts as `weight` base-batch steps (its global batch / the base batch). A step of one
+        variable only; see observe_step for the rest."""
+        return self.observe_step([(name, small_sq, small_batch, big_sq, big_batch, weight)])
+
+    def observe_step(self, observations) -> bool:
+        """One step's observations, (name, small_sq, small_batch, big_sq, big_batch, weight) each,
+        taken all or none: a step with an inf or NaN norm among them (a loss-scaled step that
+        overflowed, which a GradScaler skips) is counted in nonfinite_steps and leaves the
+        statistics as they were -- one such step would otherwise hold every average at NaN for
+        good. Returns whether the step was taken."""
+        observations = list(observations)
+        for _, small_sq, small_batch, big_sq, big_batch, weight in observations:
+            if not weight > 0:
+                raise ValueError(f"weight must be > 0, got {weight}")
+            if not big_batch > small_batch > 0:
+                raise ValueError(f"need big_batch > small_batch > 0, got small_batch={small_batch}, "
+                                 f"big_batch={big_batch}")
+        if not all_finite(observations):
+            self.skip_step()
+            return False
+        for name, small_sq, small_batch, big_sq, big_batch, weight in observations:
+            sqr, var = estimate(small_sq, small_batch, big_sq, big_batch)
+            pair = self._by_variable.get(name)
+            if pair is None:
+                pair = self._by_variable[name] = (_Smoothed(), _Smoothed())
+            theta = self.smoothing ** weight
+            pair[0].add(sqr, theta)
+            pair[1].add(var, theta)
+            self.observations += 1
+        return True
+
+    def skip_step(self) -> None:
+        """A step left out (non-finite here or on another rank): counted, nothing else."""
+        self.nonfinite_steps += 1
 
     def by_variable(self) -> dict:
         return {name: {"sqr": s.value(), "var": v.value()} for name, (s, v) in sorted(self._by_variable.items())}
 
     def summary(self) -> dict:
-        """{"sqr", "var", "noise_scale", "by_variable"}; NaN before the first observation. A smoothed
+        """{"sqr", "var", "noise_scale", "by_variable", "nonfinite_steps"}; NaN before the first
+        observation. A smoothed
         estimate can dip below zero early on: tr(Sigma) counts as 0 then, and |G|^2 <= 0 gives an
         infinite noise scale (all noise, as far as can be told)."""
         per = self.by_variable()
         if not per:
-            return {"sqr": math.nan, "var": math.nan, "noise_scale": math.nan, "by_variable": {}}
+            return {"sqr": math.nan, "var": math.nan, "noise_scale": math.nan, "by_variable": {},
+                    "nonfinite_steps": self.nonfinite_steps}
         sqr = sum(v["sqr"] for v in per.values())
         var = sum(v["var"] for v in per.values())
         var_pos = max(var, 0.0)
         noise = var_pos / sqr if sqr > 0 else (math.inf if var_pos > 0 else math.nan)
-        return {"sqr": sqr, "var": var, "noise_scale": noise, "by_variable": per}
+        return {"sqr": sqr, "var": var, "noise_scale": noise, "by_variable": per,
+                "nonfinite_steps": self.nonfinite_steps}
 
     def ready(self) -> bool:
         return bool(self._by_variable)
 
     def state_dict(self) -> dict:
         return {"smoothing": self.smoothing, "observations": self.observations,
+                "nonfinite_steps": self.nonfinite_steps,
                 "by_variable": {n: [s.state(), v.state()] for n, (s, v) in self._by_variable.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.observations = int(state.get("observations", 0))
+        self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self._by_variable = {}
         for name, (s, v) in state.get("by_variable", {}).items():
             pair = (_Smoothed(), _Smoothed())

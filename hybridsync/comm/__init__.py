@@ -24,26 +24,28 @@ def why(name: str) -> str:
     return _why.get(name, "")
 
 
-def horovod_has_spare_cores() -> bool:
+def horovod_has_spare_cores(local_size: int | None = None) -> bool:
     """Horovod's MPI controller thread busy-waits on every rank but the root; it only costs
-    nothing when each local rank has a second core for it."""
+    nothing when each local rank (`local_size` of them, default this job's) has a second core."""
     import os
 
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return 2 * runtime.world().local_size <= cores
+    return 2 * (local_size or runtime.world().local_size) <= cores
 
 
-def choose(requested: str | None = None) -> str:
+def choose(requested: str | None = None, world_size: int | None = None) -> str:
     """The dense backend to use: `requested` (code or YAML), else hybridsync.init(backend=...),
     else HYBRIDSYNC_BACKEND, else Horovod when installed, the job has more than one rank, and
     each local rank has a spare core for its controller thread, else MPI (a one-line warning
-    when Horovod is missing)."""
+    when Horovod is missing). world_size: choose for a job of that many ranks on this host
+    instead of this one (an offline plan, `python -m hybridsync explain --world-size N`)."""
     global _warned
     from . import horovod
 
+    size, local_size = (world_size, world_size) if world_size else (runtime.world().size, None)
     name = requested or runtime.default_backend() or settings().backend
     if name is not None:
         _why[name] = "requested"
@@ -59,11 +61,11 @@ def choose(requested: str | None = None) -> str:
             if not _warned:
                 _warned = True
                 print("hybridsync: Horovod is not installed; dense all-reduce uses MPI (mpi4py)", file=sys.stderr)
-        elif runtime.world().size == 1 and not launched_by_gloo():
+        elif size == 1 and not launched_by_gloo():
             # Nothing to all-reduce; Horovod's background thread would still cost a single
             # process ~10% of its step (measured: benchmarks/bench.py at 1 rank).
             name, _why["mpi"] = "mpi", "one rank: no all-reduce to run (HYBRIDSYNC_BACKEND=horovod forces Horovod)"
-        elif launched_by_gloo() or horovod_has_spare_cores():
+        elif launched_by_gloo() or horovod_has_spare_cores(local_size):
             name, _why["horovod"] = "horovod", "default"
         else:
             name, _why["mpi"] = "mpi", ("auto: Horovod's MPI controller busy-waits and this host has no spare "

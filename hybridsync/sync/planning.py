@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..config import Config
+from ..config import DYNAMIC_KEYS, Config
 from ..plan import VariablePlan
 from ..routing import RouteResolver
 from ..types import GradKind
@@ -24,9 +24,17 @@ def route_resolver(config: Config | None, describe: Callable[[object], Optimizer
 
 def ps_embedding_plan(resolver: RouteResolver, name: str, table, frontend: str) -> VariablePlan:
     """The plan of a PS-backed embedding's table (its route: the parameter server, on the
-    table's own layout, unless a config rule says what)."""
+    table's own layout, unless a config rule says what). The layout is the one the table asked
+    for at the world size planned for: the shards it was given, else every rank (`python -m
+    hybridsync explain --world-size N` plans N ranks with tables made in a world of one)."""
     v = VariablePlan(name=name, shape=(table.num_rows, table.dim), dtype="float32", kind=GradKind.SPARSE, route=None)
-    resolver.decide(v, None, ps_module=True, table_layout=table.layout)
+    layout = (table.requested_shards or resolver.world_size, table.layout[1])
+    resolver.decide(v, None, ps_module=True, table_layout=layout)
     if not v.reason.startswith(("rule", "config")):
         v.reason = f"{frontend} PS embedding: rows live on the shards"
+    options = getattr(table, "options", None)  # a dynamic table's
+    if options is not None:
+        rule = resolver.config.rule_for(name) if resolver.config is not None else None
+        v.dynamic = {k: options[k] for k in DYNAMIC_KEYS}
+        v.dynamic.update(rule.dynamic if rule is not None and rule.dynamic else {})  # what the rule makes of it
     return v

@@ -26,6 +26,7 @@ class PSTable:
         the options of a dynamic table (hybridsync.dynamic.options; num_rows is then ignored)."""
         self.engine = ps.engine()
         self.name, self.num_rows, self.dim = name, int(num_rows), int(dim)
+        self.requested_shards = int(shards or 0)  # 0: every rank, whatever the world size (plans use it)
         rule_name, hparams = hyperparameters(rule or PLACEHOLDER_RULE)
         self.handle = self.engine.add_table(name, self.num_rows, self.dim, int(shards or 0), partition,
                                             rule_name, hparams, dynamic)

@@ -10,10 +10,12 @@ from ..adaptive.batches import AdaptiveBatches
 class AdaptiveDataset:
     """arrays: a NumPy array or a tuple of them (same first dimension), e.g. (x, y).
     batch_size: the global batch the learning rate was written for. optimizer: a
-    hybridsync.tensorflow.DistributedOptimizer(..., adaptive=...)."""
+    hybridsync.tensorflow.DistributedOptimizer(..., adaptive=...). drop_last: as
+    hybridsync.torch.AdaptiveDataLoader's (False: an epoch's remainder is one more, smaller step;
+    True: dropped, and an epoch with no step at all raises ValueError naming both sizes)."""
 
     def __init__(self, arrays, batch_size: int, optimizer, shuffle: bool = True, seed: int = 0,
-                 interval: int = 20, warmup: int = 10):
+                 interval: int = 20, warmup: int = 10, drop_last: bool = False):
         self.arrays = arrays if isinstance(arrays, tuple) else (arrays,)
         n = len(self.arrays[0])
         for i, a in enumerate(self.arrays):
@@ -23,7 +25,8 @@ class AdaptiveDataset:
             raise ValueError("AdaptiveDataset needs hybridsync.tensorflow.DistributedOptimizer(..., adaptive=True)")
         self.optimizer = optimizer
         world = runtime.world()
-        self.batches = AdaptiveBatches(n, batch_size, world.rank, world.size, shuffle, seed, interval, warmup)
+        self.batches = AdaptiveBatches(n, batch_size, world.rank, world.size, shuffle, seed, interval, warmup,
+                                       drop_last)
 
     def autoscale_batch_size(self, max_batch_size: int, local_bsz_bounds=None, gradient_accumulation: bool = False,
                              max_accumulation: int = 8):

@@ -59,6 +59,7 @@ class MicroSteps:
             return
         unscale = loss_scale ** 2
         weight = k * b / (controller.base_batch or k * b)
+        observations = []  # all or none: a non-finite step is left out whole (GradientStats.observe_step)
         for name, parts in zip(names, zip(*held)):
             kind = parts[0][0]
             micro = sum(_squared_norm(kind, arrays) for _, arrays in parts) / k
@@ -66,4 +67,5 @@ class MicroSteps:
                 total = squared_norm(sum(arrays[0].astype(np.float64) for _, arrays in parts))
             else:
                 total = rows_squared_norm([arrays for _, arrays in parts])
-            controller.stats.observe(name, micro / unscale, b, total / k ** 2 / unscale, k * b, weight)
+            observations.append((name, micro / unscale, b, total / k ** 2 / unscale, k * b, weight))
+        controller.stats.observe_step(observations)

@@ -124,14 +124,18 @@ class AdaptiveDataLoader:
     batch_size: the global batch the learning rate was written for (each rank takes
     batch_size // world size per step until autoscale_batch_size() lets it change). Each rank
     reads its own share of a permutation that every rank draws the same (seed + epoch).
+    drop_last: as torch's DataLoader's. False (default): the samples left after an epoch's last
+    full step are one more, smaller step, the same size on every rank (a dataset smaller than one
+    global batch is one such step per epoch); True: they are dropped, and an epoch that would
+    have no step raises ValueError naming both sizes.
     """
 
     def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0, collate_fn=None,
-                 optimizer=None, interval: int = 20, warmup: int = 10):
+                 optimizer=None, interval: int = 20, warmup: int = 10, drop_last: bool = False):
         world = runtime.world()
         self.dataset = dataset
         self.batches = AdaptiveBatches(len(dataset), batch_size, world.rank, world.size, shuffle, seed, interval,
-                                       warmup)
+                                       warmup, drop_last)
         self.batch_size = int(batch_size)
         self.collate_fn = collate_fn or torch.utils.data.default_collate
         self._optimizer = optimizer
@@ -190,7 +194,11 @@ class AdaptiveDataLoader:
             yield self._batch(idx)
 
     def __len__(self) -> int:
-        """Micro-batches in an epoch at the current batch size."""
+        """Batches (micro-batches) in an epoch at the batch size in force, the partial last step
+        included (drop_last=False)."""
         step = self._optimizer._hs_adaptive if self._optimizer is not None else current()
-        b = (step.controller.local_batch if step is not None and step.enabled else 0) or self.batch_size // self.batches.world
-        return (len(self.dataset) // self.batches.world) // b
+        controller = step.controller if step is not None and step.enabled else None
+        b, k = (controller.partial_step_of or controller.sizes()) if controller and controller.local_batch else \
+            (self.batch_size // self.batches.world, 1)
+        full, left = self.batches.steps(b, k)
+        return full * k + (1 if left else 0)

@@ -52,12 +52,15 @@ class MicroStepStats:
         """After the last micro-step: each variable's mean micro-step |g_i|^2 at batch b and the
         mean gradient's |g|^2 at batch k b, into the statistics."""
         b, k = controller.local_batch, controller.accumulation
+        observations = []  # all or none: a non-finite step is left out whole (GradientStats.observe_step)
         for name, grad, parts in self._gradients():
             micro = self._micro_sq.get(name, [])
             if len(micro) != k or not b:
                 continue  # a variable without a gradient in some micro-step: no clean pair
             total = _rows_sq(parts) if parts is not None else _sq(grad)
-            controller.stats.observe(name, sum(micro) / k, b, total / k ** 2, k * b, k * b / (controller.base_batch or k * b))
+            weight = k * b / (controller.base_batch or k * b)
+            observations.append((name, sum(micro) / k, b, total / k ** 2, k * b, weight))
+        controller.stats.observe_step(observations)
         self._prev.clear()
         self._staged.clear()
         self._micro_sq.clear()

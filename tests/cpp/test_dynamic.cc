@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <random>
+#include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "check.h"
@@ -199,6 +202,31 @@ TEST(an_unbounded_store_grows_its_arena_and_keeps_rows_and_slots) {
   const int64_t id = ids[4321];
   store.read(*arena, &id, 1, acc.data(), 0);  // adagrad's accumulator: initial 0.1 + 1
   CHECK_NEAR(acc[2], 1.1, 1e-5);
+}
+
+TEST(a_round_that_grows_the_arena_applies_the_rule_as_one_that_does_not) {
+  // The arena grows while a round admits rows, after the rule's begin_step(): the round's
+  // update must still use that step's constants (lr, bias corrections), for every rule.
+  const std::vector<std::pair<std::string, std::map<std::string, double>>> rules = {
+      {"sgd", {{"lr", 0.5}}}, {"adagrad", {{"lr", 0.1}, {"initial_accumulator_value", 0.1}}}, {"adam", {{"lr", 0.05}}}};
+  const int64_t dim = 2;
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < 3000; ++i) ids.push_back(i * 104729 - 7);
+  for (const auto& [rule, hp] : rules) {
+    DynamicStore growing("dyn", dyn(), 0, dim), roomy("dyn", dyn(), 0, dim);
+    auto small = arena_for(growing, dim, rule, hp);
+    auto big = std::make_unique<Shard>("dyn", 8192, dim, make_update_rule(rule, hp));
+    for (int round = 0; round < 3; ++round) {  // 1000 new rows a round: the arena grows twice
+      const std::vector<int64_t> part(ids.begin(), ids.begin() + 1000 * (round + 1));
+      touch(growing, small, part, dim);
+      touch(roomy, big, part, dim);
+    }
+    CHECK(small->rows() < 8192 && small->rows() >= 3000);
+    std::vector<float> got(ids.size() * dim), want(ids.size() * dim);
+    growing.read(*small, ids.data(), static_cast<int64_t>(ids.size()), got.data(), -1);
+    roomy.read(*big, ids.data(), static_cast<int64_t>(ids.size()), want.data(), -1);
+    CHECK(got == want);
+  }
 }
 
 TEST(a_dynamic_table_trains_alike_at_one_rank_and_three) {

@@ -34,6 +34,34 @@ def rank_model_differs():
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
 
 
+def rank_unmatched_rule(path):
+    """A rule that matches nothing (no strict): the plan is made on every rank; rank 0 warns,
+    once, though two optimizers plan with the config; the other ranks say nothing."""
+    import warnings
+
+    import torch
+
+    import hybridsync.torch as hvd
+
+    warnings.simplefilter("always")  # hybridsync's own "once", not Python's registry, is under test
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 2, sparse=True), "mlp": torch.nn.Linear(2, 1)})
+    for _ in range(2):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, config=path)
+    model["mlp"](model["emb"](torch.tensor([1, 2]))).sum().backward()
+    opt.step()
+
+
+def test_a_rule_matching_nothing_warns_on_rank_0_only_once(tmp_path):
+    import re
+
+    path = tmp_path / "hs.yaml"
+    path.write_text("variables:\n  - match: mpl.*\n    compression: fp16\n")
+    out = run_ranks(__file__, "rank_unmatched_rule", 2, str(path))
+    lines = [line for line in out.splitlines() if "matches no variable" in line]
+    assert len(lines) == 1 and re.match(r"\[1,0\]<stderr>:", lines[0]), out
+    assert f"{path}:2: match: rule 'mpl.*' matches no variable; closest: mlp.weight, mlp.bias" in lines[0], lines
+
+
 def test_bad_config_raises_on_every_rank_before_communication():
     run_ranks(__file__, "rank_bad_config", 2)
 

@@ -201,7 +201,8 @@ def _dense_step(world, rank, grads, batch, joined=()):
     stepping = [r for r in range(world) if r not in joined]
     recorder.dense_in("w", grads[rank])
     recorder.dense_out("w", sum(grads[r] for r in stepping) / world, summed=False)  # Average over the world
-    recorder.end_step(_peers({r: [float(grads[r] @ grads[r]), 0.0, 0.0, batch, 1] for r in stepping if r != rank}))
+    recorder.end_step(_peers({r: [float(grads[r] @ grads[r]), 0.0, 0.0, batch, 1, 1.0, 1.0]
+                              for r in stepping if r != rank}))
     return a.stats.summary()
 
 
@@ -237,7 +238,8 @@ def test_a_fast_ranks_wait_is_not_counted_twice():
     a = Adaptive(AdaptiveConfig(local_batch_size=8), "SGD", world_size=2)
     recorder = StepRecorder(a, 2)
     recorder.last_times = (0.015, 0.004, 8, 1)
-    recorder.end_step(_peers({1: [0.004, 0.015, 8, 1]}))
+    # rank 1's row: its step times, then whether its numbers (this step's, the previous push's) were finite
+    recorder.end_step(_peers({1: [0.004, 0.015, 8, 1, 1.0, 1.0]}))
     assert a.throughput._samples[2] == [(8.0, 0.015, pytest.approx(0.004))]
     assert a.throughput.step_time(2, 8) == pytest.approx(0.019)
 

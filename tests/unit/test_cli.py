@@ -113,3 +113,50 @@ def test_launcher_runs_the_job_and_rank_0_prints_the_plan_once(project):
     assert len(plans) == 2  # the launcher's plan (at wrap) and the example's explain() after step 1, both rank 0
     row = next(line for line in out.stdout.splitlines() if "embeddings.0.weight" in line)
     assert "rule 'embeddings.0.weight'" in row and " 1 " in row
+
+
+DYNAMIC_MODEL = """
+import torch
+
+import hybridsync.torch as hvd
+
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({
+        "emb": torch.nn.Embedding(100, 8, sparse=True),
+        "user": hvd.DynamicEmbedding(8, name="user", seed=3),
+        "stale": torch.nn.Embedding(50, 8, sparse=True),
+        "mlp": torch.nn.Linear(8, 1),
+    })
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+"""
+
+
+def test_the_plan_of_a_dynamic_table_round_trips_and_plans_the_world_size_asked_for(tmp_path):
+    """explain --world-size 2 plans the dynamic table on 2 shards (its table was made in a world
+    of one), chooses the backend as 2 ranks on this host would, prints the staleness bound (no
+    lag: nothing ran); its JSON loads back as a config with the dynamic options, and gives the
+    same plan. (Under real ranks: tests/parallel/test_plan_round_trip.py.)"""
+    (tmp_path / "dynmodel.py").write_text(DYNAMIC_MODEL)
+    (tmp_path / "cfg.yaml").write_text(textwrap.dedent("""
+        variables:
+          - match: user.*
+            dynamic: {capacity: 1000, evict: lru, ttl_steps: 50, admit_after: 2}
+          - match: stale.*
+            staleness: 2
+    """))
+    out = _run(["explain", "cfg.yaml", "--model", "dynmodel:make", "--world-size", "2", "--json", "plan.json"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "one rank: no all-reduce" not in out.stdout and "no pull yet" not in out.stdout, out.stdout
+    assert "stale.weight: staleness 2" in out.stdout, out.stdout
+    assert "user.weight: capacity 1000, admit after 2 touches, evict lru, ttl 50 steps" in out.stdout, out.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    user = next(v for v in plan["variables"] if v["name"] == "user.weight")
+    assert user["shards"] == 2 and user["dynamic"] == {"capacity": 1000, "evict": "lru", "ttl_steps": 50,
+                                                       "admit_after": 2}, user
+    again = _run(["explain", "plan.json", "--model", "dynmodel:make", "--world-size", "2", "--json", "again.json"],
+                 tmp_path)
+    assert again.returncode == 0, again.stderr
+    same = lambda p: [{k: x for k, x in v.items() if k != "reason"} for v in p["variables"]]  # noqa: E731
+    assert same(json.loads((tmp_path / "again.json").read_text())) == same(plan)

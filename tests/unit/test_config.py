@@ -77,11 +77,35 @@ def test_partitions_above_world_size_is_an_error_at_the_rule(tmp_path):
         plan_rows(tmp_path, "variables:\n  - match: emb*\n    sync: ps\n    partitions: 2\n")
 
 
-def test_strict_rule_matching_nothing_is_an_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"hs.yaml:3: match: rule 'typo\.\*' matches no variable \(strict: true\)"):
+def test_strict_rule_matching_nothing_is_an_error_naming_the_closest_variables(tmp_path):
+    with pytest.raises(ConfigError, match=r"hs.yaml:3: match: rule 'emd\.\*' matches no variable; closest: emb.weight "
+                                          r"\(strict: true\)"):
+        plan_rows(tmp_path, "strict: true\nvariables:\n  - match: emd.*\n    sync: ps\n")
+    with pytest.raises(ConfigError, match=r"hs.yaml:3: match: rule 'typo\.\*' matches no variable; variables are: "
+                                          r"emb.weight, bag.weight, mlp.0.weight, mlp.0.bias, mlp.2.weight, mlp.2.bias "
+                                          r"\(strict: true\)"):
         plan_rows(tmp_path, "strict: true\nvariables:\n  - match: typo.*\n    sync: ps\n")
-    rows, _ = plan_rows(tmp_path, "strict: false\nvariables:\n  - match: typo.*\n    sync: ps\n")
-    assert rows["emb.weight"].route.value == "ps"
+    # A rule whose every variable an earlier rule takes first does nothing either: said so.
+    with pytest.raises(ConfigError, match=r"hs.yaml:5: match: rule 'mlp.0.weight' takes no variable: an earlier rule "
+                                          r"comes first for each it matches \('mlp.\*' \(.*hs.yaml:3\) takes "
+                                          r"mlp.0.weight\) \(strict: true\)"):
+        plan_rows(tmp_path, "strict: true\nvariables:\n  - match: mlp.*\n    compression: fp16\n"
+                            "  - match: mlp.0.weight\n    compression: none\n")
+
+
+def test_a_rule_matching_nothing_warns_once_by_default_naming_file_line_and_the_closest_names(tmp_path):
+    import warnings
+
+    text = "variables:\n  - match: mpl.*\n    compression: fp16\n"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows, _ = plan_rows(tmp_path, text)
+        plan_rows(tmp_path, text)  # the same rule again (another optimizer): no second warning
+    mine = [w for w in caught if issubclass(w.category, hybridsync.ConfigWarning)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    assert str(mine[0].message) == (f"{tmp_path / 'hs.yaml'}:2: match: rule 'mpl.*' matches no variable; closest: "
+                                    "mlp.0.weight, mlp.0.bias, mlp.2.weight (strict: true makes this an error)")
+    assert rows["mlp.0.weight"].compression == "none"  # the plan is made, without the rule
 
 
 @pytest.mark.parametrize("text, key, problem", [
