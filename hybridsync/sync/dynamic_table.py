@@ -86,6 +86,14 @@ class DynamicTable(PSTable):
         state["slots"] = [arrays[f"slot.{name}"] for name in self.slot_names]
         self.engine.dynamic_restore(self.handle, state)
 
+    def restore_local_state(self, arrays: dict, step: int) -> None:
+        """Local: this rank's shard becomes exactly what shard_state() returned (an elastic
+        restore): emptied first, so ids admitted since are forgotten; the step before the
+        entries, since expiry counts from it."""
+        self.clear()
+        self.set_step(step)
+        self.restore(arrays)
+
     def clear(self) -> None:
         """Local: empties this rank's shard (stored rows and pending ids), so that a checkpoint
         load leaves exactly what was saved, whatever training ran before it."""

@@ -110,6 +110,14 @@ class PSTable:
             out[f"slot.{name}"] = self.engine.local_values(self.handle, k)
         return out
 
+    def restore_local_state(self, arrays: dict, step: int) -> None:
+        """Local: this rank's shard goes back to what local_state() returned under the same
+        layout (an elastic restore), and its step."""
+        self.write_rows(arrays["ids"], arrays["rows"])
+        for k, slot in enumerate(self.slot_names):
+            self.write_rows(arrays["ids"], arrays[f"slot.{slot}"], slot=k)
+        self.set_step(step)
+
     def attach(self, replica) -> None:
         """Local: the shard's rows alias `replica` (the whole table, identical on every rank)
         from now on; None gives the shard back a copy of its own."""
