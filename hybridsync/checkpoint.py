@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import comm, runtime
+from . import array_files, comm, runtime
 from .partition import Partition
 from .types import Placement
 
@@ -92,11 +92,7 @@ def _sha256(path: Path) -> str:
 
 
 def _write_safetensors(arrays: dict, path: Path) -> str:
-    from safetensors.numpy import save_file
-
-    save_file({k: np.asarray(v, order="C") for k, v in arrays.items()}, str(path))  # 0-d stays 0-d
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
+    array_files.write(arrays, path)  # every dtype kept bit for bit (bfloat16 as raw bits)
     return _sha256(path)
 
 
@@ -215,9 +211,7 @@ def load_checkpoint(path, model, optimizer):
             _load_table(Path(path), var, table, saved)
         dense = Path(path) / DENSE
         _verify(dense, manifest["dense"]["sha256"])
-        from safetensors.numpy import load_file
-
-        frontend.load_dense_state(model, optimizer, [var for var, _ in tables], load_file(str(dense)),
+        frontend.load_dense_state(model, optimizer, [var for var, _ in tables], array_files.read(dense),
                                   manifest["dense"]["meta"])
     except Exception as exc:
         error = str(exc)

@@ -3,6 +3,10 @@ arrays, and back. Tables on the parameter server are written by their shards' ow
 hybridsync.checkpoint refreshes a replicated table's variable after a load."""
 from __future__ import annotations
 
+import ml_dtypes  # (TensorFlow's own dependency: its bfloat16 arrays are ml_dtypes')
+import numpy as np
+
+from ..array_files import RawBits
 from ..checkpoint import check_dense_match
 from ..types import Placement
 from .optimizer import variable_name
@@ -20,7 +24,19 @@ def _dense_variables(model, optimizer, variables):
 
 
 def dense_state(model, optimizer, variables) -> tuple[dict, dict]:
+    # (bfloat16 variables give ml_dtypes arrays: the checkpoint stores their raw bits)
     return {key: v.numpy() for key, v in _dense_variables(model, optimizer, variables)}, {}
+
+
+def _from_array(value, key: str) -> np.ndarray:
+    """A stored array as NumPy hands it to TensorFlow: raw bits (bfloat16, float8) become
+    ml_dtypes' type of that name (what TensorFlow's own bfloat16 arrays are)."""
+    if not isinstance(value, RawBits):
+        return value
+    dtype = getattr(ml_dtypes, value.dtype, None)
+    if dtype is None:
+        raise ValueError(f"checkpoint entry '{key}' has dtype '{value.dtype}', which ml_dtypes does not know")
+    return value.bits.view(dtype)
 
 
 def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> None:
@@ -28,5 +44,5 @@ def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> N
     check_dense_match({key: v.shape for key, v in mine.items()}, {key: a.shape for key, a in arrays.items()},
                       shown=lambda key: key.split(".", 2)[-1])
     for key, v in mine.items():
-        v.assign(arrays[key])
+        v.assign(_from_array(arrays[key], key))
 
