@@ -69,8 +69,8 @@ def _tables(optimizer) -> list:
     """(variable, PSTable) of every table the optimizer's plan put on the parameter server."""
     variables = getattr(optimizer, "_hs_vars", None)
     if variables is None:
-        raise CheckpointError("the optimizer is not a hybridsync DistributedOptimizer (wrap it first; for Keras, "
-                              "after its first step, when the plan exists)")
+        raise CheckpointError("the optimizer is not a hybridsync DistributedOptimizer (wrap it first; a Keras one "
+                              "plans at its first step, so save after it)")
     return [(var, var.table) for var in variables if var.table is not None]
 
 
@@ -203,6 +203,11 @@ def load_checkpoint(path, model, optimizer):
     except Exception as exc:
         error = str(exc)
     _agree(error, "manifest")
+    try:
+        frontend.before_load(model, optimizer, manifest)  # Keras before its first step: its plan, now
+    except Exception as exc:
+        error = f"{exc}"
+    _agree(error, "planned")
     _adopt_auto(optimizer, manifest)
     try:
         tables = _tables(optimizer)

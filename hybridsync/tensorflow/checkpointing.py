@@ -8,9 +8,32 @@ import numpy as np
 
 from ..array_files import RawBits
 from ..checkpoint import check_dense_match
-from ..types import Placement
+from ..types import GradKind, Placement
 from .optimizer import variable_name
 from .table_weight import TableWeight
+
+
+def before_load(model, optimizer, manifest: dict) -> None:
+    """Collective. Before its first step a Keras DistributedOptimizer has no plan (it plans when
+    the gradients' kinds are known): it is made here for the model's trainable variables, with
+    the kinds the checkpoint's plan recorded for them, so a model loads right after compile()."""
+    if getattr(optimizer, "_hs_plan", None) is not None or not hasattr(optimizer, "_hs_plan_ahead"):
+        return
+    variables = list(model.trainable_variables)
+    if not variables:
+        raise ValueError("the model has no variables yet: build it (call it once, or give it an Input) before "
+                         "load_checkpoint")
+    saved = {v["name"]: v.get("kind") for v in (manifest.get("plan") or {}).get("variables", [])}
+    kinds = []
+    for v in variables:
+        if getattr(v, "_hybridsync_table", None) is not None:  # a PS table's anchor: its plan needs no kind
+            kinds.append(None)
+            continue
+        name = variable_name(v)
+        if not saved.get(name):
+            raise ValueError(f"variable '{name}' is not in the checkpoint's plan (a checkpoint of another model?)")
+        kinds.append(GradKind(saved[name]))
+    optimizer._hs_plan_ahead(variables, kinds)
 
 
 def _dense_variables(model, optimizer, variables):

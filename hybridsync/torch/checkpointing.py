@@ -56,6 +56,10 @@ def _from_array(value, key: str) -> torch.Tensor:
     return torch.from_numpy(np.array(value.bits)).view(as_int).view(dtype)
 
 
+def before_load(model, optimizer, manifest: dict) -> None:
+    """Nothing to do: a torch DistributedOptimizer has its plan from the start."""
+
+
 def dense_state(model, optimizer, variables) -> tuple[dict, dict]:
     arrays = {f"model.{name}": _to_array(t) for name, t in _dense_tensors(model, variables)}
     state = torch.optim.Optimizer.state_dict(optimizer)  # the wrapped optimizer's own state only

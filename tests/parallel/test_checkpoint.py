@@ -1,7 +1,8 @@
 """Checkpoints: saved at -np 2, loaded at -np 3 and -np 1 with identical parameters and server
 state, and training continued from them gives the numbers of the uninterrupted run (SGD,
 Adagrad, Adam); every dtype (float32/64/16, bfloat16, integer and bool buffers, optimizer state,
-PyTorch and Keras) round-trips bit for bit with its dtype; corrupt, missing and foreign checkpoints are errors naming the file or the
+PyTorch and Keras) round-trips bit for bit with its dtype; a Keras model loads right after
+compile(), before its first step; corrupt, missing and foreign checkpoints are errors naming the file or the
 variable on every rank; a rank killed mid-save leaves the previous checkpoint loadable; a killed
 rank ends the job within seconds; elastic State resumes at another world size."""
 import os
@@ -305,11 +306,11 @@ def rank_elastic(tmp, epochs):
     print(f"ELASTIC resumed={state.resumed} seen={state.seen}", flush=True)
 
 
-def _keras_model():
+def _keras_model(fit=True):
+    """Compiled, and (fit=True) one step taken. The optimizer is named: a second model in the
+    process has the same variable names."""
     import keras
-    import numpy as np
 
-    import hybridsync
     import hybridsync.tensorflow as htf
 
     keras.utils.set_random_seed(1)
@@ -317,10 +318,20 @@ def _keras_model():
     a = keras.layers.Flatten()(htf.Embedding(40, 4, name="table")(ids))  # sharded on the PS
     b = keras.layers.Flatten()(keras.layers.Embedding(30, 4, name="rep")(ids))  # replicated
     model = keras.Model(ids, keras.layers.Dense(1, name="head")(keras.layers.Concatenate()([a, b])))
-    model.compile(optimizer=htf.DistributedOptimizer(keras.optimizers.Adagrad(0.2)), loss="mse", jit_compile=False)
-    rng = np.random.default_rng(hybridsync.rank())
-    model.fit(rng.integers(0, 30, (6, 2)), rng.standard_normal((6, 1)), batch_size=6, verbose=0)  # builds the plan
+    model.compile(optimizer=htf.DistributedOptimizer(keras.optimizers.Adagrad(0.2, name="adagrad")), loss="mse",
+                  jit_compile=False)
+    if fit:
+        _keras_fit(model, 0)  # builds the plan
     return model
+
+
+def _keras_fit(model, seed):
+    import numpy as np
+
+    import hybridsync
+
+    rng = np.random.default_rng(hybridsync.rank() + 10 * seed)
+    model.fit(rng.integers(0, 30, (6, 2)), rng.standard_normal((6, 1)), batch_size=6, verbose=0)
 
 
 def _keras_snapshot(model):
@@ -328,6 +339,35 @@ def _keras_snapshot(model):
     out["table"] = model.get_layer("table").get_table()
     out["slots"] = model.optimizer._hs_vars[0].table.read(0)
     return out
+
+
+def rank_keras_load_before_the_first_step(tmp):
+    """A fresh Keras model, compiled and never stepped (its optimizer has no plan yet), loads a
+    trained one's checkpoint: weights, the PS table's rows and slots and the optimizer's state
+    are the saved ones, and its first step is the saved model's next step, exactly."""
+    import numpy as np
+
+    import hybridsync
+
+    trained = _keras_model()
+    hybridsync.save_checkpoint(f"{tmp}/keras-early", trained, trained.optimizer)
+    fresh = _keras_model(fit=False)
+    assert fresh.optimizer._hs_plan is None
+    hybridsync.load_checkpoint(f"{tmp}/keras-early", fresh, fresh.optimizer)
+
+    def everything(model):
+        out = _keras_snapshot(model)
+        out.update({f"opt.{v.path}": v.numpy() for v in model.optimizer.variables})
+        return out
+
+    for stage in ("loaded", "one step later"):
+        want, got = everything(trained), everything(fresh)
+        assert set(got) == set(want), sorted(set(got) ^ set(want))
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{stage}: {key}")
+        _keras_fit(trained, 1)
+        _keras_fit(fresh, 1)
+    print(f"rank {hybridsync.rank()}: keras checkpoint loaded before the first step", flush=True)
 
 
 def _keras_dtypes_model():
@@ -443,6 +483,10 @@ def test_save_at_two_ranks_load_and_continue_elsewhere(tmp_path, load_np):
 def test_keras_checkpoint_saved_at_two_ranks_loads_at_three(tmp_path):
     run_ranks(__file__, "rank_keras_save", 2, str(tmp_path), timeout=240)
     run_ranks(__file__, "rank_keras_load", 3, str(tmp_path), timeout=240)
+
+
+def test_keras_checkpoint_loads_right_after_compile(tmp_path):
+    run_ranks(__file__, "rank_keras_load_before_the_first_step", 2, str(tmp_path), timeout=240)
 
 
 def test_corrupt_missing_and_foreign_checkpoints_are_named(tmp_path):
