@@ -15,6 +15,7 @@ from .. import ps, timeline
 from ..types import Placement, Route
 from . import accounting, staleness
 from .base import Synchronizer, Variable
+from .dynamic_table import DynamicTable
 from .registry import register
 from .table import PSTable, push
 
@@ -65,6 +66,11 @@ class ShardedPS(_PSRoute):
             var.table.rename(var.name)
             var.table.set_rule(var.plan.optimizer)
             var.table.set_staleness(var.plan.staleness)  # (a world of one has nothing to wait for: no effect)
+        if any(isinstance(var.table, DynamicTable) for var in self.variables):
+            # Every rank's shards have their rules before any rank reads or writes them one-sided
+            # (a dynamic table's state dict loaded right after wrapping sets the step, which
+            # lives in the rule: a shard setting its rule afterwards would restart it).
+            ps.engine().barrier("server rules")
 
     def synchronize(self) -> None:
         self._record_rounds(current=False)  # the previous push's, back with this step's pull

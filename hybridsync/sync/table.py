@@ -213,8 +213,11 @@ class PSTable:
 
 class TableView:
     """A PS table (slot < 0) or one of its server-optimizer slots, as a value in a state dict:
-    its shape, and its rows read from the shards -- by this rank alone, in chunks -- only when
-    read() is called. Frameworks wrap it (hybridsync.torch.table_tensor)."""
+    its shape and dtype, and its rows read from the shards -- by this rank alone, in chunks --
+    only when read() is called. Frameworks wrap it (hybridsync.torch.table_tensor); a dynamic
+    table's arrays are its subclass DynamicView."""
+
+    dtype = "float32"
 
     def __init__(self, table: PSTable, slot: int = -1):
         self.table, self.slot = table, int(slot)

@@ -352,8 +352,11 @@ class _DistributedOptimizer:
             self._hs_pending_state = dict(extra)
 
     def _hs_load_route_state(self, extra: dict) -> None:
-        def plain(t):  # a table's own view is recognised (nothing to write); other tensors are rows
-            return t.view if isinstance(t, ShardedTableTensor) else t.detach().to("cpu", torch.float32).numpy()
+        def plain(t):  # a table's own view is recognised (nothing to write); other tensors are rows (or ids)
+            if isinstance(t, ShardedTableTensor):
+                return t.view
+            t = t.detach().cpu()
+            return (t.to(torch.float32) if t.is_floating_point() else t).numpy()
 
         self._hs_sync.load_state_dict(_map_arrays(extra, plain, torch.Tensor))
         self._hs_pending_state = {}
