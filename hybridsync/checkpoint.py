@@ -35,8 +35,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import numpy as np
-
 from . import array_files, comm, runtime
 from .partition import Partition
 from .types import Placement
