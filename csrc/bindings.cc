@@ -285,11 +285,41 @@ class PyEngine {
 
   // Local: this rank's shard of a dynamic table as arrays (ids, rows, slot.<k>, counts, ...).
   py::dict dynamic_state(int table) {
-    DynamicState s = nogil([&] { return client_->dynamic_state(table); });
+    return state_dict(nogil([&] { return client_->dynamic_state(table); }));
+  }
+
+  // One-sided: every shard's (step, stored rows, pending ids).
+  std::vector<std::array<int64_t, 3>> dynamic_sizes(int table) {
+    return nogil([&] { return client_->dynamic_sizes(table); });
+  }
+
+  // One-sided: shard `shard` of a dynamic table as dynamic_state's arrays (rows and slots as
+  // asked; empty otherwise), and "step".
+  py::dict read_dynamic(int table, int shard, bool rows, bool slots) {
+    int64_t step = -1;
+    py::dict d = state_dict(nogil([&] { return client_->read_dynamic(table, shard, rows, slots, &step); }));
+    d["step"] = step;
+    return d;
+  }
+
+  // One-sided: dynamic_state's arrays (of any shards; "slots" may be empty) written to the
+  // shards owning their ids, as `how` says: "upsert", "replace" (every shard emptied and set to
+  // `step` first) or "slots" (the slots of the stored ones among "ids"; only those two keys).
+  void write_dynamic(int table, const py::dict& d, const std::string& how, int64_t step) {
+    static const std::map<std::string, DynamicWrite> hows{
+        {"upsert", DynamicWrite::kUpsert}, {"replace", DynamicWrite::kReplace}, {"slots", DynamicWrite::kSlots}};
+    const auto it = hows.find(how);
+    if (it == hows.end()) throw PSError("write_dynamic: how must be 'upsert', 'replace' or 'slots', got '" + how + "'");
+    DynamicState s = to_state(table, d);
+    nogil([&] { client_->write_dynamic(table, s, it->second, step); });
+  }
+
+  static py::dict state_dict(DynamicState s) {
     const auto n = static_cast<py::ssize_t>(s.ids.size()), dim = static_cast<py::ssize_t>(s.dim);
     py::dict d;
     d["ids"] = to_numpy(std::move(s.ids), {n});
-    d["rows"] = to_numpy(std::move(s.rows), {n, dim});
+    const py::ssize_t with_rows = s.rows.size() == static_cast<size_t>(n * dim) ? n : 0;  // (rows not read: none)
+    d["rows"] = to_numpy(std::move(s.rows), {with_rows, dim});
     d["counts"] = to_numpy(std::move(s.counts), {n});
     d["last_touch"] = to_numpy(std::move(s.last_touch), {n});
     py::list slots;
@@ -304,19 +334,30 @@ class PyEngine {
 
   // Local: what dynamic_state returned (any shard's: ids this rank's shard does not own are skipped).
   void dynamic_restore(int table, const py::dict& d) {
+    DynamicState s = to_state(table, d);
+    nogil([&] { client_->dynamic_restore(table, s); });
+  }
+
+  DynamicState to_state(int table, const py::dict& d) {
     DynamicState s;
     s.dim = spec(table).dim;
-    auto ints = [&](const char* key) { return py::cast<std::vector<int64_t>>(py::array_t<int64_t>::ensure(d[key]).attr("ravel")()); };
+    // (a key that is absent is an empty array: write_dynamic's "slots" takes only ids and slots)
+    auto ints = [&](const char* key) {
+      if (!d.contains(key)) return std::vector<int64_t>{};
+      return py::cast<std::vector<int64_t>>(py::array_t<int64_t>::ensure(d[key]).attr("ravel")());
+    };
     auto floats = [&](const py::object& a) { return py::cast<std::vector<float>>(py::array_t<float>::ensure(a).attr("ravel")()); };
     s.ids = ints("ids");
     s.counts = ints("counts");
     s.last_touch = ints("last_touch");
-    s.rows = floats(d["rows"]);
-    for (auto slot : d["slots"].cast<py::list>()) s.slots.push_back(floats(py::reinterpret_borrow<py::object>(slot)));
+    if (d.contains("rows")) s.rows = floats(d["rows"]);
+    if (d.contains("slots")) {
+      for (auto slot : d["slots"].cast<py::list>()) s.slots.push_back(floats(py::reinterpret_borrow<py::object>(slot)));
+    }
     s.pending_ids = ints("pending_ids");
     s.pending_counts = ints("pending_counts");
     s.pending_last = ints("pending_last");
-    nogil([&] { client_->dynamic_restore(table, s); });
+    return s;
   }
 
   TableSpec spec(int table) {
@@ -425,6 +466,11 @@ PYBIND11_MODULE(_ps, m) {
            py::arg("hparams") = std::map<std::string, double>{}, py::arg("dynamic") = py::none())
       .def("dynamic_state", &PyEngine::dynamic_state, py::arg("table"))
       .def("dynamic_restore", &PyEngine::dynamic_restore, py::arg("table"), py::arg("state"))
+      .def("dynamic_sizes", &PyEngine::dynamic_sizes, py::arg("table"))
+      .def("read_dynamic", &PyEngine::read_dynamic, py::arg("table"), py::arg("shard"), py::arg("rows") = true,
+           py::arg("slots") = false)
+      .def("write_dynamic", &PyEngine::write_dynamic, py::arg("table"), py::arg("state"), py::arg("how"),
+           py::arg("step") = -1)
       .def("dynamic_clear", [](PyEngine& e, int t) { nogil([&] { e.client().dynamic_clear(t); }); }, py::arg("table"))
       .def("dynamic_stats", [](PyEngine& e, int t) {
         const DynamicStats s = nogil([&] { return e.client().dynamic_stats(t); });

@@ -38,9 +38,7 @@ import sys
 import uuid
 from pathlib import Path
 
-import numpy as np
-
-from . import comm, runtime
+from . import array_files, comm, runtime
 from .partition import Partition
 from .types import Placement
 
@@ -72,8 +70,8 @@ def _tables(optimizer) -> list:
     """(variable, PSTable) of every table the optimizer's plan put on the parameter server."""
     variables = getattr(optimizer, "_hs_vars", None)
     if variables is None:
-        raise CheckpointError("the optimizer is not a hybridsync DistributedOptimizer (wrap it first; for Keras, "
-                              "after its first step, when the plan exists)")
+        raise CheckpointError("the optimizer is not a hybridsync DistributedOptimizer (wrap it first; a Keras one "
+                              "plans at its first step, so save after it)")
     return [(var, var.table) for var in variables if var.table is not None]
 
 
@@ -95,11 +93,7 @@ def _sha256(path: Path) -> str:
 
 
 def _write_safetensors(arrays: dict, path: Path) -> str:
-    from safetensors.numpy import save_file
-
-    save_file({k: np.asarray(v, order="C") for k, v in arrays.items()}, str(path))  # 0-d stays 0-d
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
+    array_files.write(arrays, path)  # every dtype kept bit for bit (bfloat16 as raw bits)
     return _sha256(path)
 
 
@@ -237,6 +231,11 @@ def load_checkpoint(path, model, optimizer):
     except Exception as exc:
         error = str(exc)
     _agree(error, "manifest")
+    try:
+        frontend.before_load(model, optimizer, manifest)  # Keras before its first step: its plan, now
+    except Exception as exc:
+        error = f"{exc}"
+    _agree(error, "planned")
     _adopt_auto(optimizer, manifest)
     try:
         tables = _tables(optimizer)
@@ -245,9 +244,7 @@ def load_checkpoint(path, model, optimizer):
             _load_table(Path(path), var, table, saved)
         dense = Path(path) / DENSE
         _verify(dense, manifest["dense"]["sha256"])
-        from safetensors.numpy import load_file
-
-        frontend.load_dense_state(model, optimizer, [var for var, _ in tables], load_file(str(dense)),
+        frontend.load_dense_state(model, optimizer, [var for var, _ in tables], array_files.read(dense),
                                   manifest["dense"]["meta"])
     except Exception as exc:
         error = str(exc)

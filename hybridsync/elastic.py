@@ -121,7 +121,8 @@ class ObjectHandler(StateHandler):
 
 class TableShardsHandler(StateHandler):
     """Parameter-server tables: each rank keeps a copy of its own shard (rows, server-optimizer
-    slots, step) and restores it locally, so a commit costs a rank its shard, never a table, and
+    slots, step; a dynamic table's ids, counts, last touches and pending ids too) and restores
+    it locally, so a commit costs a rank its shard, never a table, and
     moves nothing over the network. sync() has nothing to do: the shards are the one copy of a
     table every rank reads. `value` is a function returning the tables (a `sync: auto` switch
     may replace them)."""
@@ -141,12 +142,8 @@ class TableShardsHandler(StateHandler):
                 raise RuntimeError(f"elastic state: table '{table.name}' is not on the parameter server as it was at "
                                    "the last commit (did sync: auto move it?); commit again before restoring")
             _, layout, arrays, step = saved
-            if arrays is None:
-                continue
-            table.write_rows(arrays["ids"], arrays["rows"])
-            for k, slot in enumerate(table.slot_names):
-                table.write_rows(arrays["ids"], arrays[f"slot.{slot}"], slot=k)
-            table.set_step(step)
+            if arrays is not None:
+                table.restore_local_state(arrays, step)  # a dynamic table's counters and pending ids too
 
     def sync(self) -> None:
         pass

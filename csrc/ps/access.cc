@@ -58,17 +58,9 @@ Writer access_request(RequestKind kind, int64_t id, int table, int slot, RowsBy 
 
 }  // namespace
 
-// One message of a one-sided exchange: where it goes, its payload (made when it is sent, so at
-// most a window of them exists at once) and what to do with the answer.
-struct Chunk {
-  int dest;
-  std::function<std::vector<char>(int64_t id)> make;
-  std::function<void(Reader&)> on_reply;
-};
-
 // Sends the chunks, at most kWindow unanswered, driving this rank's server meanwhile; replies
 // come in order per destination. Throws the first error any of them met.
-static void exchange_chunks(detail::ClientState& c, std::vector<Chunk>& chunks, RequestKind kind, const char* op) {
+void exchange_chunks(detail::ClientState& c, std::vector<Chunk>& chunks, RequestKind kind, const char* op) {
   std::vector<std::deque<std::pair<int64_t, size_t>>> waiting(static_cast<size_t>(c.size()));
   size_t next = 0, outstanding = 0;
   std::vector<ErrorNote> errors;

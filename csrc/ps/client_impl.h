@@ -143,6 +143,8 @@ struct detail::ClientState {
   void finish_add_table(std::vector<Request>& requests, std::vector<ErrorNote> errors);
   void finish_join();
   void serve_step(int source, const Request& request, Reader& r);
+  // A dynamic shard read or written one-sided (dynamic_access.cc).
+  void serve_dynamic(int source, const Request& request, Reader& r);
   void reply(int dest, Writer& w);
   void reply_head(Writer& w, int dest, RequestKind kind, int64_t seq, std::vector<ErrorNote> errors);
 
@@ -181,6 +183,18 @@ struct detail::ClientState {
   void apply_to_table(Table& t, const std::vector<GradientRows>& sources, float scale, double lr, int64_t round,
                       int ranks);
 };
+
+// One message of a one-sided exchange: where it goes, its payload (made when it is sent, so at
+// most a window of them exists at once) and what to do with the answer.
+struct Chunk {
+  int dest;
+  std::function<std::vector<char>(int64_t id)> make;
+  std::function<void(Reader&)> on_reply;
+};
+
+// Sends the chunks (a few unanswered at a time), driving this rank's server meanwhile; replies
+// come in order per destination. Throws the first error any of them met (access.cc).
+void exchange_chunks(detail::ClientState& c, std::vector<Chunk>& chunks, RequestKind kind, const char* op);
 
 // Starts a request's body: its kind and number.
 inline Writer request_writer(RequestKind kind, int64_t seq) {

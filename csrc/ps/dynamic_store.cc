@@ -529,6 +529,44 @@ DynamicState DynamicStore::state(const Shard& arena) const {
   return s;
 }
 
+DynamicState DynamicStore::range(const Shard& arena, bool pending, int64_t begin, int64_t n, bool rows,
+                                 bool slots) const {
+  DynamicState s;
+  s.dim = dim_;
+  const auto from = static_cast<size_t>(begin), to = static_cast<size_t>(begin + n);
+  if (pending) {
+    s.pending_ids.assign(pending_.ids().begin() + from, pending_.ids().begin() + to);
+    s.pending_counts.assign(pending_counts_.begin() + from, pending_counts_.begin() + to);
+    s.pending_last.assign(pending_last_.begin() + from, pending_last_.begin() + to);
+    return s;
+  }
+  s.ids.assign(rows_.ids().begin() + from, rows_.ids().begin() + to);
+  s.counts.assign(counts_.begin() + from, counts_.begin() + to);
+  s.last_touch.assign(last_.begin() + from, last_.begin() + to);
+  const auto floats = static_cast<size_t>(n * dim_);
+  if (rows && n) s.rows.assign(arena.row(begin), arena.row(begin) + floats);
+  for (int k = 0; slots && k < arena.num_slots(); ++k) {
+    s.slots.emplace_back(n ? arena.row_of(k, begin) : nullptr, n ? arena.row_of(k, begin) + floats : nullptr);
+  }
+  return s;
+}
+
+void DynamicStore::write_slots(Shard& arena, const std::vector<int64_t>& ids,
+                               const std::vector<std::vector<float>>& slots) {
+  if (static_cast<int>(slots.size()) != arena.num_slots()) {
+    throw PSError("table '" + table_ + "': " + std::to_string(slots.size()) + " optimizer slots cannot load into " +
+                  std::to_string(arena.num_slots()));
+  }
+  std::vector<int64_t> at(ids.size());
+  rows_.find_many(ids.data(), static_cast<int64_t>(ids.size()), at.data());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (at[i] < 0) continue;
+    for (int k = 0; k < arena.num_slots(); ++k) {
+      std::memcpy(arena.row_of(k, at[i]), slots[k].data() + i * dim_, dim_ * sizeof(float));
+    }
+  }
+}
+
 DynamicStats DynamicStore::stats(const Shard& arena) const {
   DynamicStats s = counters_;
   s.stored = stored();

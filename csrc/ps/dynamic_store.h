@@ -89,15 +89,22 @@ class DynamicStore {
   void step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* grads);
 
   DynamicState state(const Shard& arena) const;
+  // Entries [begin, begin + n) of the stored rows (pending: false; with their rows and slots as
+  // asked) or of the pending ids, in storage order: a one-sided reader's chunk.
+  DynamicState range(const Shard& arena, bool pending, int64_t begin, int64_t n, bool rows, bool slots) const;
   // Inserts the entries of `s` whose ids `mine` accepts (checkpoint restore; replaces stored ones),
-  // beyond the share if need be (the next round evicts).
+  // beyond the share if need be (the next round evicts). `s` without slots: rows it adds start
+  // with fresh slots, stored ones keep theirs.
   template <class Mine>
   void restore(std::unique_ptr<Shard>& arena, const DynamicState& s, Mine mine);
+  // Overwrites the optimizer slots of those of `ids` that are stored (slots[k]: n x dim each).
+  void write_slots(Shard& arena, const std::vector<int64_t>& ids, const std::vector<std::vector<float>>& slots);
   DynamicStats stats(const Shard& arena) const;
   // Forgets every stored row and pending id (a checkpoint load replaces the shard's contents);
   // the map keeps its buckets and the arena its pages.
   void clear();
   int64_t stored() const { return rows_.size(); }
+  int64_t pending() const { return pending_.size(); }
   // The initial row of `id`: a pure function of (seed, id).
   void initial_row(int64_t id, float* out) const;
   // The initial rows of n ids into out (n x dim), computed together (see normal_pairs).
@@ -138,7 +145,8 @@ class DynamicStore {
 template <class Mine>
 void DynamicStore::restore(std::unique_ptr<Shard>& arena, const DynamicState& s, Mine mine) {
   const int slots = arena->num_slots();
-  if (s.dim != dim_ || static_cast<int>(s.slots.size()) != slots) {
+  const bool with_slots = !s.slots.empty();
+  if (s.dim != dim_ || (with_slots && static_cast<int>(s.slots.size()) != slots)) {
     throw PSError("table '" + table_ + "': a checkpoint of dim " + std::to_string(s.dim) + " with " +
                   std::to_string(s.slots.size()) + " optimizer slots cannot load into dim " + std::to_string(dim_) +
                   " with " + std::to_string(slots));
@@ -150,12 +158,14 @@ void DynamicStore::restore(std::unique_ptr<Shard>& arena, const DynamicState& s,
     if (pos < 0) {
       // Loaded at another world size, a shard may get more than its share: it holds them (the
       // lookups stay those that were saved) and its next round evicts down by its rule.
+      const int64_t waiting = pending_.find(id);
+      if (waiting >= 0) remove_pending(waiting);  // (stored now: it waits no more)
       pos = add_row(arena, id, 0, 0);
     }
     counts_[pos] = static_cast<uint32_t>(s.counts[i]);
     last_[pos] = static_cast<int32_t>(s.last_touch[i]);
     std::copy(s.rows.begin() + i * dim_, s.rows.begin() + (i + 1) * dim_, arena->row(pos));
-    for (int k = 0; k < slots; ++k) {
+    for (int k = 0; with_slots && k < slots; ++k) {
       std::copy(s.slots[k].begin() + i * dim_, s.slots[k].begin() + (i + 1) * dim_, arena->row_of(k, pos));
     }
   }

@@ -35,6 +35,9 @@ enum class RequestKind : int64_t {
   kWrite = 21,       // (table, slot, rows, values) -> acknowledgement
   kReadStep = 22,    // (table) -> the shard's server-optimizer step
   kWriteStep = 23,   // (table, step) -> acknowledgement
+  kReadDynamic = 27,   // (table, part, rows?, slots?, begin, count) -> a dynamic shard's step and sizes, and
+                       // entries [begin, begin + count) of its stored rows or pending ids (dynamic_access.cc)
+  kWriteDynamic = 28,  // (table, clear?, step, entries) -> acknowledgement: a dynamic shard restores them
   // Bounded staleness (tables with staleness k > 0, bounded.cc): asynchronous, one-sided.
   kBoundedPush = 24,  // a push's body, applied on arrival; no reply. Counts a step of the sender
   kBoundedPull = 25,  // a pull's body with (clock, k) per table: held until the bound allows it
@@ -59,6 +62,8 @@ inline const char* operation_name(RequestKind kind) {
     case RequestKind::kReadStep: return "read_step";
     case RequestKind::kWriteStep: return "write_step";
     case RequestKind::kWrite: return "write";
+    case RequestKind::kReadDynamic: return "read_dynamic";
+    case RequestKind::kWriteDynamic: return "write_dynamic";
     case RequestKind::kBoundedPush: return "push (bounded staleness)";
     case RequestKind::kBoundedPull: return "pull (bounded staleness)";
     case RequestKind::kBoundedError: return "push (bounded staleness)";

@@ -498,6 +498,10 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
     serve_step(source, request, r);
     return;
   }
+  if (request.kind == RequestKind::kReadDynamic || request.kind == RequestKind::kWriteDynamic) {
+    serve_dynamic(source, request, r);
+    return;
+  }
   if (request.kind == RequestKind::kBoundedPush || request.kind == RequestKind::kBoundedPull ||
       request.kind == RequestKind::kBoundedError) {
     serve_bounded(source, request);

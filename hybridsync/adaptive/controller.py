@@ -7,7 +7,7 @@ import math
 
 from . import scaling
 from .gns import GradientStats
-from .goodput import BatchChoice, ThroughputModel, allowed, choose_batch, efficiency, goodput
+from .goodput import BatchChoice, ThroughputModel, allowed, choose_batch, efficiency, goodput, nearest_allowed
 
 
 @dataclasses.dataclass
@@ -70,6 +70,7 @@ class Adaptive:
         self.choice: BatchChoice | None = None
         # The batch chosen, while an epoch's partial last step runs at what was left (batches.py).
         self.partial_step_of: tuple[int, int] | None = None
+        self._loaded_observations = None  # stats.observations right after a checkpoint's were loaded
         self._fix_base()
 
     def _fix_base(self) -> None:
@@ -122,6 +123,12 @@ class Adaptive:
     def noise_scale(self) -> float:
         return self.stats.summary()["noise_scale"]
 
+    def measured_here(self) -> bool:
+        """Whether the statistics include a step of this run, not only a checkpoint's (measured
+        by the run that saved it, perhaps at another world size)."""
+        return self.stats.ready() and (self._loaded_observations is None
+                                       or self.stats.observations > self._loaded_observations)
+
     def choose(self, max_batch: int, local_bounds: tuple[int, int], max_accumulation: int) -> BatchChoice | None:
         """The batch to use from now on, or None to keep the current one: a new one only when
         its predicted goodput beats the current one's by min_gain (or at once when the batch in
@@ -129,6 +136,8 @@ class Adaptive:
         shared statistics and step times, so every rank decides the same."""
         if not self.throughput.fitted(self.world) or not self.base_batch:
             return None
+        if not self.measured_here():
+            return self._choose_unmeasured(max_batch, local_bounds, max_accumulation)
         phi = self.noise_scale()
         if math.isnan(phi):  # no statistics yet (inf is fine: all noise)
             return None
@@ -154,6 +163,23 @@ class Adaptive:
         self.choice = best
         return best
 
+    def _choose_unmeasured(self, max_batch: int, local_bounds: tuple[int, int], max_accumulation: int):
+        """choose() with no statistics of this run: only what needs none. Statistics a
+        checkpoint brought are frozen where nothing measures new ones (a world of one without
+        micro-steps), and a batch chosen from them would grow on a stale noise scale. So the
+        batch is kept; one breaking the limits becomes the nearest allowed; and a world of one
+        that may accumulate takes its batch in two micro-steps, whose gradients measure."""
+        sizes = None
+        if not allowed(self.world, self.local_batch, self.accumulation, max_batch, local_bounds, max_accumulation):
+            sizes = nearest_allowed(self.world, self.global_batch(), max_batch, local_bounds, max_accumulation)
+        elif self.world == 1 and self.accumulation == 1 and max_accumulation >= 2 and self.local_batch % 2 == 0 \
+                and self.local_batch // 2 >= local_bounds[0]:
+            sizes = (self.local_batch // 2, 2)
+        if sizes is None or sizes == self.sizes():
+            return None
+        self.choice = BatchChoice(*sizes, self.world, math.nan, math.nan)
+        return self.choice
+
     def summary(self) -> dict:
         """What explain() and the timeline show."""
         s = self.stats.summary()
@@ -171,6 +197,7 @@ class Adaptive:
 
     def load_state_dict(self, state: dict) -> None:
         self.stats.load_state_dict(state.get("stats", {}))
+        self._loaded_observations = self.stats.observations
         self.throughput.load_state_dict(state.get("throughput", {}))
         self.base_batch = int(state.get("base_batch") or self.base_batch)
         self.progress = float(state.get("progress", 0.0))

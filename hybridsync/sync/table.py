@@ -111,6 +111,14 @@ class PSTable:
             out[f"slot.{name}"] = self.engine.local_values(self.handle, k)
         return out
 
+    def restore_local_state(self, arrays: dict, step: int) -> None:
+        """Local: this rank's shard goes back to what local_state() returned under the same
+        layout (an elastic restore), and its step."""
+        self.write_rows(arrays["ids"], arrays["rows"])
+        for k, slot in enumerate(self.slot_names):
+            self.write_rows(arrays["ids"], arrays[f"slot.{slot}"], slot=k)
+        self.set_step(step)
+
     def attach(self, replica) -> None:
         """Local: the shard's rows alias `replica` (the whole table, identical on every rank)
         from now on; None gives the shard back a copy of its own."""
@@ -206,8 +214,11 @@ class PSTable:
 
 class TableView:
     """A PS table (slot < 0) or one of its server-optimizer slots, as a value in a state dict:
-    its shape, and its rows read from the shards -- by this rank alone, in chunks -- only when
-    read() is called. Frameworks wrap it (hybridsync.torch.table_tensor)."""
+    its shape and dtype, and its rows read from the shards -- by this rank alone, in chunks --
+    only when read() is called. Frameworks wrap it (hybridsync.torch.table_tensor); a dynamic
+    table's arrays are its subclass DynamicView."""
+
+    dtype = "float32"
 
     def __init__(self, table: PSTable, slot: int = -1):
         self.table, self.slot = table, int(slot)

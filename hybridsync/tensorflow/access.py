@@ -32,6 +32,8 @@ class KerasAccess:
         # numpy_function's inputs may be read-only views of tensors: reduce a copy.
         a = np.array(self._dense, copy=True, order="C")
         wire = codec.wire_dtype(a.dtype.name)
+        if wire is None and a.dtype.name == "bfloat16":  # MPI cannot carry ml_dtypes' bfloat16: widened
+            wire = "float32"  # (as the PyTorch frontend stages it; set_dense rounds it back)
         return a.astype(wire) if wire is not None else a
 
     def set_dense(self, buffer) -> None:

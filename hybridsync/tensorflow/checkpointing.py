@@ -3,10 +3,37 @@ arrays, and back. Tables on the parameter server are written by their shards' ow
 hybridsync.checkpoint refreshes a replicated table's variable after a load."""
 from __future__ import annotations
 
+import ml_dtypes  # (TensorFlow's own dependency: its bfloat16 arrays are ml_dtypes')
+import numpy as np
+
+from ..array_files import RawBits
 from ..checkpoint import check_dense_match
-from ..types import Placement
+from ..types import GradKind, Placement
 from .optimizer import variable_name
 from .table_weight import TableWeight
+
+
+def before_load(model, optimizer, manifest: dict) -> None:
+    """Collective. Before its first step a Keras DistributedOptimizer has no plan (it plans when
+    the gradients' kinds are known): it is made here for the model's trainable variables, with
+    the kinds the checkpoint's plan recorded for them, so a model loads right after compile()."""
+    if getattr(optimizer, "_hs_plan", None) is not None or not hasattr(optimizer, "_hs_plan_ahead"):
+        return
+    variables = list(model.trainable_variables)
+    if not variables:
+        raise ValueError("the model has no variables yet: build it (call it once, or give it an Input) before "
+                         "load_checkpoint")
+    saved = {v["name"]: v.get("kind") for v in (manifest.get("plan") or {}).get("variables", [])}
+    kinds = []
+    for v in variables:
+        if getattr(v, "_hybridsync_table", None) is not None:  # a PS table's anchor: its plan needs no kind
+            kinds.append(None)
+            continue
+        name = variable_name(v)
+        if not saved.get(name):
+            raise ValueError(f"variable '{name}' is not in the checkpoint's plan (a checkpoint of another model?)")
+        kinds.append(GradKind(saved[name]))
+    optimizer._hs_plan_ahead(variables, kinds)
 
 
 def _dense_variables(model, optimizer, variables):
@@ -20,7 +47,19 @@ def _dense_variables(model, optimizer, variables):
 
 
 def dense_state(model, optimizer, variables) -> tuple[dict, dict]:
+    # (bfloat16 variables give ml_dtypes arrays: the checkpoint stores their raw bits)
     return {key: v.numpy() for key, v in _dense_variables(model, optimizer, variables)}, {}
+
+
+def _from_array(value, key: str) -> np.ndarray:
+    """A stored array as NumPy hands it to TensorFlow: raw bits (bfloat16, float8) become
+    ml_dtypes' type of that name (what TensorFlow's own bfloat16 arrays are)."""
+    if not isinstance(value, RawBits):
+        return value
+    dtype = getattr(ml_dtypes, value.dtype, None)
+    if dtype is None:
+        raise ValueError(f"checkpoint entry '{key}' has dtype '{value.dtype}', which ml_dtypes does not know")
+    return value.bits.view(dtype)
 
 
 def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> None:
@@ -28,5 +67,5 @@ def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> N
     check_dense_match({key: v.shape for key, v in mine.items()}, {key: a.shape for key, a in arrays.items()},
                       shown=lambda key: key.split(".", 2)[-1])
     for key, v in mine.items():
-        v.assign(arrays[key])
+        v.assign(_from_array(arrays[key], key))
 

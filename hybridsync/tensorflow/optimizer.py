@@ -4,7 +4,8 @@ eagerly or inside tf.function.
 
 The optimizer object keeps its identity and state: its class becomes a subclass of its own
 class with apply() in front. Routes are planned at the first apply(), when the gradients' kinds
-are known (tf.IndexedSlices from Embedding / tf.gather are sparse):
+are known (tf.IndexedSlices from Embedding / tf.gather are sparse), or by load_checkpoint before
+it, with the kinds the checkpoint's plan recorded (the first apply checks them):
 
   allreduce, allreduce-as-dense  one fused MPI all-reduce; the Keras optimizer applies the average
   allgather                      every rank's rows gathered; the Keras optimizer applies them
@@ -43,6 +44,15 @@ def variable_name(v) -> str:
     return name[:-2] if name.endswith(":0") else name
 
 
+def table_variable_name(anchor) -> str:
+    """The plan's name of a hybridsync.tensorflow Embedding's table, from its anchor variable."""
+    return variable_name(anchor).rsplit("/", 1)[0] + "/embeddings"
+
+
+def _kind(grad) -> GradKind:
+    return GradKind.SPARSE if isinstance(grad, tf.IndexedSlices) else GradKind.DENSE
+
+
 def _table_shape(shape) -> tuple[int, int]:
     rows = int(shape[0]) if len(shape) else 1
     return rows, int(np.prod(shape[1:])) if len(shape) > 1 else 1
@@ -62,6 +72,7 @@ class _DistributedKerasOptimizer:
         self._hs_op = op
         self._hs_compression = compression
         self._hs_plan = None
+        self._hs_unconfirmed = False  # a plan made before the first step, not yet checked by it
         plan_mod.register(self)
 
     # -- adaptive batch size and learning rate (hybridsync.adaptive) -----------------------------
@@ -124,19 +135,44 @@ class _DistributedKerasOptimizer:
                                                                      world_size=runtime.world().size)
 
     # -- planning (at the first apply, when the gradients' kinds are known) ----------------------
-    def _hs_make_plan(self, grads, variables):
+    def _hs_plan_ahead(self, variables, kinds) -> None:
+        """Collective: the plan before the first step (load_checkpoint right after compile()),
+        with the gradients' kinds given (a checkpoint's plan records them); the variables the
+        Keras optimizer applies get their slots now, so its state can be loaded. The first
+        apply() checks the kinds and the variables."""
+        self._hs_make_plan(kinds, variables)
+        applied = [v for var, v in zip(self._hs_vars, variables)
+                   if var in self._hs_auto or var.plan.route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE, Route.ALLGATHER)]
+        if applied and not self.built:
+            self.build(applied)  # (what the first apply would build it with: the same variables, in order)
+        self._hs_unconfirmed = True
+
+    def _hs_confirm_plan(self, grads, variables) -> None:
+        """The first apply() after _hs_plan_ahead: its variables and gradient kinds are those planned."""
+        planned = [var.access.variable for var in self._hs_vars]
+        if [id(v) for v in variables] != [id(v) for v in planned]:
+            raise ValueError(f"the optimizer's plan was made at load_checkpoint for the model's trainable variables "
+                             f"({', '.join(var.name for var in self._hs_vars)}); apply() got "
+                             f"{', '.join(variable_name(v) for v in variables)}")
+        for g, var in zip(grads, self._hs_vars):
+            if var.table is None and g is not None and _kind(g) is not var.plan.kind:
+                raise ValueError(f"variable '{var.name}': its gradient is {_kind(g).value}, but the checkpoint's plan "
+                                 f"(used by load_checkpoint before the first step) has it {var.plan.kind.value}")
+        self._hs_unconfirmed = False
+
+    def _hs_make_plan(self, kinds, variables):
+        """Collective: the plan of `variables`, whose gradients are of `kinds` (GradKind; None
+        where unknown, for a PS table's anchor)."""
         world = runtime.world()
         resolver = route_resolver(self._hs_config, lambda param: describe(self), has_model=False,
                                   world_size=world.size, compression=self._hs_compression,
                                   optimizer_name=type(self).__name__)
         rows = []
-        for g, v in zip(grads, variables):
+        for kind, v in zip(kinds, variables):
             layer = getattr(v, "_hybridsync_table", None)  # a hybridsync.tensorflow.Embedding's anchor
             if layer is not None:
-                name = variable_name(v).rsplit("/", 1)[0] + "/embeddings"
-                rows.append(ps_embedding_plan(resolver, name, layer.table, "hybridsync.tensorflow"))
+                rows.append(ps_embedding_plan(resolver, table_variable_name(v), layer.table, "hybridsync.tensorflow"))
                 continue
-            kind = GradKind.SPARSE if isinstance(g, tf.IndexedSlices) else GradKind.DENSE
             dtype = tf.as_dtype(v.dtype)  # Keras variables give a string, tf.Variables a DType
             vp = VariablePlan(name=variable_name(v), shape=tuple(v.shape), dtype=dtype.name, kind=kind, route=None)
             resolver.decide(vp, v)
@@ -194,8 +230,8 @@ class _DistributedKerasOptimizer:
 
     # -- every step --------------------------------------------------------------------------------
     def _hs_adopt_auto(self, saved: dict) -> None:
-        """Collective (load_checkpoint, after the first step built the plan): `sync: auto`
-        takes the saved run's decisions."""
+        """Collective (load_checkpoint, once the plan exists): `sync: auto` takes the saved
+        run's decisions."""
         if getattr(self, "_hs_sync", None) is not None:
             self._hs_sync.adopt_auto(_KerasAuto(self), saved)
 
@@ -203,7 +239,9 @@ class _DistributedKerasOptimizer:
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
         if self._hs_plan is None:
-            self._hs_make_plan(grads, variables)
+            self._hs_make_plan([_kind(g) for g in grads], variables)
+        elif self._hs_unconfirmed:
+            self._hs_confirm_plan(grads, variables)
         grads, variables, apply_now = self._hs_synchronize(grads, variables)
         if apply_now is None:
             if not variables:

@@ -3,8 +3,10 @@ arrays plus JSON, and back. Tables on the parameter server are not here: their s
 written by their owners (hybridsync.checkpoint refreshes a replicated table's replica after a load)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from ..array_files import RawBits
 from ..checkpoint import check_dense_match
 from ..types import Placement
 
@@ -29,16 +31,45 @@ def _json(value):
     return value
 
 
+_UNSIGNED = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32),
+             8: (torch.int64, np.uint64)}
+
+
+def _to_array(t: torch.Tensor):
+    """A tensor as the checkpoint stores it, dtype kept: a NumPy array, or the raw bits of a
+    dtype NumPy lacks (bfloat16, float8)."""
+    t = t.detach().cpu()
+    if t.dtype in (torch.bfloat16,) or (t.dtype.is_floating_point and t.element_size() == 1):
+        as_int, unsigned = _UNSIGNED[t.element_size()]
+        return RawBits(t.contiguous().view(as_int).numpy().view(unsigned), str(t.dtype).removeprefix("torch."))
+    return t.numpy()
+
+
+def _from_array(value, key: str) -> torch.Tensor:
+    """What _to_array stored, back as a tensor of its dtype."""
+    if not isinstance(value, RawBits):
+        return torch.from_numpy(np.array(value))  # (a copy: the file's memory is read-only)
+    dtype = getattr(torch, value.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"checkpoint entry '{key}' has dtype '{value.dtype}', which this torch does not know")
+    as_int, _ = _UNSIGNED[value.bits.dtype.itemsize]
+    return torch.from_numpy(np.array(value.bits)).view(as_int).view(dtype)
+
+
+def before_load(model, optimizer, manifest: dict) -> None:
+    """Nothing to do: a torch DistributedOptimizer has its plan from the start."""
+
+
 def dense_state(model, optimizer, variables) -> tuple[dict, dict]:
-    arrays = {f"model.{name}": t.detach().cpu().numpy() for name, t in _dense_tensors(model, variables)}
+    arrays = {f"model.{name}": _to_array(t) for name, t in _dense_tensors(model, variables)}
     state = torch.optim.Optimizer.state_dict(optimizer)  # the wrapped optimizer's own state only
     scalars = {}
     for index, values in state["state"].items():
         for key, value in values.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                arrays[f"optimizer.{index}.{key}"] = value.detach().cpu().numpy()
+            if isinstance(value, torch.Tensor):  # 0-d ones too (Adam's step): their dtype is kept
+                arrays[f"optimizer.{index}.{key}"] = _to_array(value)
             else:
-                scalars[f"{index}.{key}"] = [_json(value), isinstance(value, torch.Tensor)]
+                scalars[f"{index}.{key}"] = [_json(value), False]
     groups = [{k: _json(v) for k, v in group.items()} for group in state["param_groups"]]
     meta = {"optimizer_scalars": scalars, "param_groups": groups}
     adaptive = getattr(optimizer, "_hs_adaptive", None)
@@ -53,13 +84,13 @@ def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> N
                       {k[len("model."):]: v.shape for k, v in arrays.items() if k.startswith("model.")})
     with torch.no_grad():
         for name, t in mine.items():
-            t.copy_(torch.from_numpy(arrays[f"model.{name}"]))
+            t.copy_(_from_array(arrays[f"model.{name}"], name))
     state = {}
     for key, value in arrays.items():
         if key.startswith("optimizer."):
             _, index, name = key.split(".", 2)
-            state.setdefault(int(index), {})[name] = torch.from_numpy(value.copy())
-    for key, (value, was_tensor) in meta["optimizer_scalars"].items():
+            state.setdefault(int(index), {})[name] = _from_array(value, key)
+    for key, (value, was_tensor) in meta["optimizer_scalars"].items():  # (was_tensor: older checkpoints)
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = torch.tensor(value) if was_tensor else value
     torch.optim.Optimizer.load_state_dict(optimizer, {"state": state, "param_groups": meta["param_groups"]})

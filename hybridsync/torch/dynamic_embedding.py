@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 from .. import dynamic as dyn
 from .. import timeline
-from ..sync.dynamic_table import DynamicTable
+from ..sync.dynamic_table import STATE_KEYS, DynamicSnapshot, DynamicTable
 from ..sync.table import shared_seed
 from .embedding import _grad_rows, _PSTableModule, _server_events, _unnamed
+from .table_tensor import ShardedTableTensor
 
 MODES = (None, "sum", "mean")
 
@@ -142,14 +143,38 @@ class DynamicEmbedding(_PSTableModule):
         (hybridsync.sync.dynamic_table.read_export reads it back)."""
         return self.table.export(path)
 
-    # A dynamic table has no fixed-size weight: model.state_dict() holds nothing for it (its
-    # rows, optimizer slots and counters go with hybridsync.save_checkpoint).
+    # -- state: '<prefix>ids', 'rows', 'counts', 'last_touch', 'pending_ids', 'pending_counts',
+    # 'pending_last', 'step' as tensors that read the shards when used (the optimizer's state_dict
+    # carries the server optimizer's slots the same way) ---------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        return
+        snapshot = DynamicSnapshot(self.table, rows=True)  # (one small one-sided request per shard)
+        for key in STATE_KEYS:
+            destination[prefix + key] = ShardedTableTensor(snapshot.view(key))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        return
+        given = {key: state_dict[prefix + key] for key in STATE_KEYS if prefix + key in state_dict}
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in STATE_KEYS)
+        if not given:  # (an elastic commit of the dense state leaves the shards' state out)
+            if strict:
+                missing_keys.extend(prefix + key for key in STATE_KEYS)
+            return
+        if all(isinstance(v, ShardedTableTensor) and v.view.is_view_of(self.table) for v in given.values()):
+            return  # this table's own state
+        absent = [prefix + key for key in STATE_KEYS if key not in given]
+        if absent:
+            error_msgs.append(f"dynamic table '{self.table_name}': the state has no {', '.join(absent)}")
+            return
+        arrays = {key: value.detach().cpu().numpy() for key, value in given.items()}
+        n, rows = len(arrays["ids"]), arrays["rows"]
+        if rows.ndim != 2 or rows.shape != (n, self.embedding_dim):
+            error_msgs.append(f"size mismatch for {prefix}rows: copying rows of shape {tuple(rows.shape)} for {n} ids, "
+                              f"the dynamic table's rows are {self.embedding_dim} wide")
+            return
+        # One-sided: this rank empties every shard and writes each its entries, in chunks; a
+        # state only rank 0 holds loads without any other rank taking part (at any world size).
+        self.table.write_state(arrays, int(arrays["step"]))
 
     def weight_numpy(self):
         self.table.read()  # raises: no whole table

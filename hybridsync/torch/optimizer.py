@@ -353,8 +353,11 @@ class _DistributedOptimizer:
     def _hs_load_route_state(self, extra: dict) -> None:
         """Server state goes to the tables that exist now (state_dict() reads it back at once); the
         state of variables whose route the first backward decides waits for it."""
-        def plain(t):  # a table's own view is recognised (nothing to write); other tensors are rows
-            return t.view if isinstance(t, ShardedTableTensor) else t.detach().to("cpu", torch.float32).numpy()
+        def plain(t):  # a table's own view is recognised (nothing to write); other tensors are rows (or ids)
+            if isinstance(t, ShardedTableTensor):
+                return t.view
+            t = t.detach().cpu()
+            return (t.to(torch.float32) if t.is_floating_point() else t).numpy()
 
         self._hs_pending_state = self._hs_sync.load_state_dict(_map_arrays(extra, plain, torch.Tensor))
 

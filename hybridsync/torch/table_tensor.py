@@ -10,7 +10,8 @@ arithmetic, `copy.deepcopy`. So Horovod's idiom
         torch.save(model.state_dict(), path)
 
 works on rank 0 alone, rank 0 holds the table once while saving, and the other ranks hold
-nothing. `torch.load` gives plain tensors back.
+nothing. `torch.load` gives plain tensors back. A DynamicEmbedding's state (ids, rows, counters,
+pending ids, step) is several of them over one DynamicSnapshot, read once (int64 ones too).
 """
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ from ..sync.table import TableView
 
 
 class ShardedTableTensor(torch.Tensor):
-    """A table (or one of its server-optimizer slots) on the parameter server, read on first use."""
+    """A table (or one of its server-optimizer slots, or an array of a dynamic table's state) on
+    the parameter server, read on first use."""
 
     _hybridsync_ps_table = True  # broadcast_parameters skips it: the shards are the truth
 
     @staticmethod
     def __new__(cls, view: TableView):
-        return torch.Tensor._make_wrapper_subclass(cls, view.shape, dtype=torch.float32, device="cpu",
+        return torch.Tensor._make_wrapper_subclass(cls, view.shape, dtype=getattr(torch, view.dtype), device="cpu",
                                                    requires_grad=False)
 
     def __init__(self, view: TableView):

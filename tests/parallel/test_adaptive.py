@@ -234,6 +234,45 @@ def rank_loader(mode, path):
     print(f"rank {rank} np {size} {mode}: batch changes {loader.changes}", flush=True)
 
 
+def rank_resume_at_one(path):
+    """The 2-rank checkpoint resumed at 1 rank. Without accumulation allowed nothing measures the
+    noise any more: the restored statistics stay frozen, and the batch is kept (docs/adaptive.md)
+    instead of growing on them. With accumulation allowed, micro-steps measure and choose."""
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    hvd.init()
+    g = torch.Generator().manual_seed(5)
+    n = 4096
+    data = torch.utils.data.TensorDataset(torch.randint(0, ROWS, (n,), generator=g), torch.randn(n, FEATURES, generator=g),
+                                          200.0 * torch.randn(n, generator=g))
+    for accumulate in (False, True):
+        model = _model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5), model=model, adaptive=True)
+        loader = hvd.AdaptiveDataLoader(data, batch_size=12, interval=4, warmup=4)
+        loader.autoscale_batch_size(384, local_bsz_bounds=(2, 384), gradient_accumulation=accumulate)
+        hybridsync.load_checkpoint(path, model, opt)
+        restored, first_step, history = opt.adaptive.stats.observations, opt.adaptive.steps, []
+        for ids, x, y in loader:
+            opt.zero_grad()
+            ((model(ids, x) - y) ** 2).mean().backward()
+            opt.step()
+            history.append(opt.adaptive.sizes())
+            if opt.adaptive.steps - first_step >= 16:  # re-chosen at least 3 times
+                break
+        measured = opt.adaptive.stats.observations - restored
+        if not accumulate:
+            assert measured == 0 and loader.changes == [], (measured, loader.changes, opt.adaptive.choice)
+            assert set(history) == {history[0]}, history
+        else:  # micro-steps measure, and their statistics choose
+            assert measured > 0 and opt.adaptive.measured_here() and loader.changes, (measured, loader.changes)
+            assert all(k >= 2 for _, k in history), history
+        print(f"np 1 resumed, accumulation {accumulate}: batch changes {loader.changes}, {measured} steps measured",
+              flush=True)
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_noise_scale_rules_and_accumulation(np_):
     """The statistics of a dense layer and a PS table within 20% of the truth; adaptation off is
@@ -248,11 +287,14 @@ def test_single_rank_statistics_from_accumulation_micro_steps():
 
 
 def test_loader_chooses_the_same_batch_everywhere_and_restarts_at_another_size(tmp_path):
+    """Saved at 2 ranks; resumed at 3 (chosen again from its own step times) and at 1, where
+    frozen statistics choose nothing (rank_resume_at_one)."""
     import json
 
     path, trace = str(tmp_path / "ckpt"), tmp_path / "trace.json"
     run_ranks(__file__, "rank_loader", 2, "save", path, timeout=240, env={"HYBRIDSYNC_TIMELINE": str(trace)})
     run_ranks(__file__, "rank_loader", 3, "load", path, timeout=240)
+    run_ranks(__file__, "rank_resume_at_one", 1, path, timeout=240)
     counters = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "adaptive"]
     for rank in (0, 1):  # one per step (a rank's last buffered events may miss the merge)
         assert len([e for e in counters if e["pid"] == rank]) >= 20, (rank, len(counters))

@@ -1,6 +1,8 @@
 """Checkpoints: saved at -np 2, loaded at -np 3 and -np 1 with identical parameters and server
 state, and training continued from them gives the numbers of the uninterrupted run (SGD,
-Adagrad, Adam); corrupt, missing and foreign checkpoints are errors naming the file or the
+Adagrad, Adam); every dtype (float32/64/16, bfloat16, integer and bool buffers, optimizer state,
+PyTorch and Keras) round-trips bit for bit with its dtype; a Keras model loads right after
+compile(), before its first step; corrupt, missing and foreign checkpoints are errors naming the file or the
 variable on every rank; a rank killed mid-save leaves the previous checkpoint loadable; a killed
 rank ends the job within seconds; elastic State resumes at another world size."""
 import os
@@ -75,11 +77,98 @@ def _snapshot(model, opt):
     return out
 
 
+def _dtypes_model():
+    """Layers in every floating dtype torch trains in and integer / bool buffers, under Adam
+    (its moments take the parameters' dtypes, its step is a 0-d float32 tensor)."""
+    import torch
+
+    import hybridsync.torch as hvd
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(1)
+            self.f32 = torch.nn.Linear(4, 4)
+            self.f64 = torch.nn.Linear(4, 4).double()
+            self.f16 = torch.nn.Linear(4, 4).half()
+            self.bf16 = torch.nn.Linear(4, 4).to(torch.bfloat16)
+            self.bn = torch.nn.BatchNorm1d(4)  # num_batches_tracked: an int64 step counter
+            self.register_buffer("i32", torch.tensor([-7, 3], dtype=torch.int32))
+            self.register_buffer("u8", torch.tensor([255, 1], dtype=torch.uint8))
+            self.register_buffer("flag", torch.tensor([True, False]))
+
+        def forward(self, x):
+            h = self.f64(self.f32(x).double()).float()
+            return self.bn(self.bf16(self.f16(h.half()).bfloat16()).float()).sum(1)
+
+    model = Net()
+    # (Horovod's torch ops refuse bfloat16: this model all-reduces over MPI whatever the default)
+    return model, hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3),
+                                           named_parameters=model.named_parameters(), backend="mpi")
+
+
+def _dtypes_step(model, opt, step):
+    import torch
+
+    import hybridsync
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step * 10 + hybridsync.rank()))
+    opt.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return float(loss)
+
+
+def _dtypes_state(model, opt):
+    """Every buffer, parameter and optimizer state tensor, with its dtype (plain tensors)."""
+    import torch
+
+    state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for index, values in torch.optim.Optimizer.state_dict(opt)["state"].items():
+        state.update({f"opt.{index}.{k}": v.clone() for k, v in values.items() if isinstance(v, torch.Tensor)})
+    return state
+
+
+def _save_dtypes(tmp):
+    import torch
+
+    import hybridsync
+
+    model, opt = _dtypes_model()
+    for step in range(3):
+        _dtypes_step(model, opt, step)
+    hybridsync.save_checkpoint(f"{tmp}/dtypes", model, opt)
+    if hybridsync.rank() == 0:
+        torch.save(_dtypes_state(model, opt), f"{tmp}/dtypes.pt")
+
+
+def _load_dtypes(tmp):
+    """Bit for bit, dtype kept: float32/64/16, bfloat16, int32/64, uint8 and bool; then it trains."""
+    import math
+
+    import torch
+
+    import hybridsync
+
+    model, opt = _dtypes_model()
+    hybridsync.load_checkpoint(f"{tmp}/dtypes", model, opt)
+    want, got = torch.load(f"{tmp}/dtypes.pt", weights_only=True), _dtypes_state(model, opt)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype, (key, got[key].dtype, value.dtype)
+        assert torch.equal(got[key], value), key
+    assert {v.dtype for v in want.values()} >= {torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                                 torch.int64, torch.int32, torch.uint8, torch.bool}
+    assert math.isfinite(_dtypes_step(model, opt, 3))
+
+
 def rank_save_and_continue(tmp):
     import numpy as np
 
     import hybridsync
 
+    _save_dtypes(tmp)
     for name in OPTIMIZERS:
         model, opt = _wrapped(name)
         _train(model, opt, range(STEPS))
@@ -97,6 +186,7 @@ def rank_load_and_continue(tmp):
 
     import hybridsync
 
+    _load_dtypes(tmp)
     for name in OPTIMIZERS:
         model, opt = _wrapped(name)
         extra = hybridsync.load_checkpoint(f"{tmp}/{name}", model, opt)
@@ -261,11 +351,11 @@ def rank_elastic(tmp, epochs):
     print(f"ELASTIC resumed={state.resumed} seen={state.seen}", flush=True)
 
 
-def _keras_model():
+def _keras_model(fit=True):
+    """Compiled, and (fit=True) one step taken. The optimizer is named: a second model in the
+    process has the same variable names."""
     import keras
-    import numpy as np
 
-    import hybridsync
     import hybridsync.tensorflow as htf
 
     keras.utils.set_random_seed(1)
@@ -273,10 +363,20 @@ def _keras_model():
     a = keras.layers.Flatten()(htf.Embedding(40, 4, name="table")(ids))  # sharded on the PS
     b = keras.layers.Flatten()(keras.layers.Embedding(30, 4, name="rep")(ids))  # replicated
     model = keras.Model(ids, keras.layers.Dense(1, name="head")(keras.layers.Concatenate()([a, b])))
-    model.compile(optimizer=htf.DistributedOptimizer(keras.optimizers.Adagrad(0.2)), loss="mse", jit_compile=False)
-    rng = np.random.default_rng(hybridsync.rank())
-    model.fit(rng.integers(0, 30, (6, 2)), rng.standard_normal((6, 1)), batch_size=6, verbose=0)  # builds the plan
+    model.compile(optimizer=htf.DistributedOptimizer(keras.optimizers.Adagrad(0.2, name="adagrad")), loss="mse",
+                  jit_compile=False)
+    if fit:
+        _keras_fit(model, 0)  # builds the plan
     return model
+
+
+def _keras_fit(model, seed):
+    import numpy as np
+
+    import hybridsync
+
+    rng = np.random.default_rng(hybridsync.rank() + 10 * seed)
+    model.fit(rng.integers(0, 30, (6, 2)), rng.standard_normal((6, 1)), batch_size=6, verbose=0)
 
 
 def _keras_snapshot(model):
@@ -286,11 +386,77 @@ def _keras_snapshot(model):
     return out
 
 
-def rank_keras_save(tmp):
+def rank_keras_load_before_the_first_step(tmp):
+    """A fresh Keras model, compiled and never stepped (its optimizer has no plan yet), loads a
+    trained one's checkpoint: weights, the PS table's rows and slots and the optimizer's state
+    are the saved ones, and its first step is the saved model's next step, exactly."""
     import numpy as np
 
     import hybridsync
 
+    trained = _keras_model()
+    hybridsync.save_checkpoint(f"{tmp}/keras-early", trained, trained.optimizer)
+    fresh = _keras_model(fit=False)
+    assert fresh.optimizer._hs_plan is None
+    hybridsync.load_checkpoint(f"{tmp}/keras-early", fresh, fresh.optimizer)
+
+    def everything(model):
+        out = _keras_snapshot(model)
+        out.update({f"opt.{v.path}": v.numpy() for v in model.optimizer.variables})
+        return out
+
+    for stage in ("loaded", "one step later"):
+        want, got = everything(trained), everything(fresh)
+        assert set(got) == set(want), sorted(set(got) ^ set(want))
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{stage}: {key}")
+        _keras_fit(trained, 1)
+        _keras_fit(fresh, 1)
+    print(f"rank {hybridsync.rank()}: keras checkpoint loaded before the first step", flush=True)
+
+
+def _keras_dtypes_model():
+    """Dense layers in every floating dtype Keras trains in, under Adam (int64 iterations), on a
+    PS table; trained 2 steps. The optimizer is named: a second one in the process matches."""
+    import keras
+    import numpy as np
+
+    import hybridsync
+    import hybridsync.tensorflow as htf
+
+    keras.utils.set_random_seed(2)
+    ids = keras.Input(shape=(2,), dtype="int64")
+    x = keras.layers.Flatten()(htf.Embedding(20, 4, name="dtypes_table")(ids))
+    for dtype in ("float64", "float16", "bfloat16", "float32"):
+        x = keras.layers.Dense(4, dtype=dtype, name=f"dense_{dtype}")(x)
+    model = keras.Model(ids, keras.layers.Dense(1, name="dtypes_head")(x))
+    opt = htf.DistributedOptimizer(keras.optimizers.Adam(0.01, epsilon=1e-3, name="adam_dtypes"))
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    rng = np.random.default_rng(hybridsync.rank())
+    model.fit(rng.integers(0, 20, (6, 2)), rng.standard_normal((6, 1)), batch_size=6, epochs=2, verbose=0)
+    return model
+
+
+def _keras_dtypes_state(model):
+    """Every variable of the model and its optimizer by path: (dtype name, raw bytes)."""
+    import numpy as np
+
+    return {v.path: (str(v.dtype), np.atleast_1d(v.numpy()).view(np.uint8).tobytes())
+            for v in model.variables + model.optimizer.variables}
+
+
+def rank_keras_save(tmp):
+    import json
+
+    import numpy as np
+
+    import hybridsync
+
+    dtypes = _keras_dtypes_model()
+    hybridsync.save_checkpoint(f"{tmp}/keras-dtypes", dtypes, dtypes.optimizer)
+    if hybridsync.rank() == 0:
+        state = {k: [dtype, raw.hex()] for k, (dtype, raw) in _keras_dtypes_state(dtypes).items()}
+        open(f"{tmp}/keras-dtypes.json", "w").write(json.dumps(state))
     model = _keras_model()
     hybridsync.save_checkpoint(f"{tmp}/keras", model, model.optimizer, extra={"epoch": 1})
     snapshot = _keras_snapshot(model)  # collective: gathers the tables
@@ -299,10 +465,17 @@ def rank_keras_save(tmp):
 
 
 def rank_keras_load(tmp):
+    import json
+
     import numpy as np
 
     import hybridsync
 
+    dtypes = _keras_dtypes_model()  # trained on other data, then overwritten: bit for bit, dtype kept
+    hybridsync.load_checkpoint(f"{tmp}/keras-dtypes", dtypes, dtypes.optimizer)
+    want = {k: (dtype, bytes.fromhex(raw)) for k, (dtype, raw) in json.loads(open(f"{tmp}/keras-dtypes.json").read()).items()}
+    assert _keras_dtypes_state(dtypes) == want
+    assert {dtype for dtype, _ in want.values()} == {"float16", "bfloat16", "float32", "float64", "int64"}
     model = _keras_model()  # one step of its own, then overwritten by the checkpoint
     assert hybridsync.load_checkpoint(f"{tmp}/keras", model, model.optimizer) == {"epoch": 1}
     want, got = np.load(f"{tmp}/keras.npz"), _keras_snapshot(model)
@@ -355,6 +528,10 @@ def test_save_at_two_ranks_load_and_continue_elsewhere(tmp_path, load_np):
 def test_keras_checkpoint_saved_at_two_ranks_loads_at_three(tmp_path):
     run_ranks(__file__, "rank_keras_save", 2, str(tmp_path), timeout=240)
     run_ranks(__file__, "rank_keras_load", 3, str(tmp_path), timeout=240)
+
+
+def test_keras_checkpoint_loads_right_after_compile(tmp_path):
+    run_ranks(__file__, "rank_keras_load_before_the_first_step", 2, str(tmp_path), timeout=240)
 
 
 def test_corrupt_missing_and_foreign_checkpoints_are_named(tmp_path):

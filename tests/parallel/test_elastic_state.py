@@ -5,6 +5,8 @@ state, whose PS tables are committed and restored per shard by each rank locally
   optimizer's slots and step, the dense weights and the plain attributes back to the commit,
   while every rank goes on training; sync() gives every rank rank 0's dense state; a
   HorovodInternalError inside hvd.elastic.run restores the commit and is raised.
+- Dynamic tables: restore() gives back exactly the commit's ids, rows, slots, counters and
+  pending ids (ids admitted since are forgotten), and training on matches an uninterrupted twin.
 - Memory: constructing the state costs a rank about its own shard, never the table; commit,
   sync and restore then cost nearly nothing more.
 """
@@ -145,6 +147,112 @@ def rank_elastic_memory():
 def rank_elastic_state():
     rank_commit_restore_sync()
     rank_elastic_memory()
+
+
+def _dynamic_model(seed_offset=0):
+    """Two dynamic tables (admission with expiry; LRU at a capacity) under Adagrad and Adam on
+    the shards, and a dense head under the wrapped Adagrad."""
+    import torch
+
+    import hybridsync.torch as hvd
+
+    torch.manual_seed(7)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.adm = hvd.DynamicEmbedding(3, seed=11, admit_after=2, ttl_steps=3)
+            self.lru = hvd.DynamicEmbedding(3, seed=12, capacity=8, evict="lru")
+            self.head = torch.nn.Linear(6, 1)
+
+        def forward(self, ids):
+            return self.head(torch.cat([self.adm(ids[:, 0]), self.lru(ids[:, 1])], 1)).squeeze(1)
+
+    model = Net()
+    config = {"variables": [{"match": "lru.*", "sync": "ps", "optimizer": {"name": "adam", "lr": 0.05}}]}
+    return model, hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model=model, config=config)
+
+
+def _dynamic_step(model, opt, step, fresh=False):
+    """One step on rows rank::size of a global batch of 12 drawn per step: hot ids, a tail of
+    raw int64 ids, and (fresh=True) ids never seen in the other steps."""
+    import numpy as np
+    import torch
+
+    import hybridsync.torch as hvd
+    from tests.parallel.test_dynamic_tables import _pool
+
+    rng = np.random.default_rng(1000 + step)
+    pool = _pool()
+    ids = pool[rng.integers(0, len(pool), size=(12, 2))]
+    ids[:4] = pool[rng.integers(0, 4, size=(4, 2))]
+    if fresh:  # the same new ids every detour step: admit_after=2 admits them at the second
+        ids[4:] = np.random.default_rng(99).integers(1, 2**40, size=(8, 2))
+    mine = torch.from_numpy(ids[hvd.rank()::hvd.size()])
+    y = torch.from_numpy(rng.standard_normal(12).astype(np.float32)[hvd.rank()::hvd.size()])
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(mine), y).backward()
+    opt.step()
+
+
+def _dynamic_everything(model, opt):
+    """Every stored id with its row, slots, count and last touch, the pending ids, the steps,
+    the dense weights and the wrapped optimizer's state, gathered (a witness)."""
+    import torch
+
+    from tests.parallel.test_dynamic_tables import snapshot
+
+    out = snapshot({"adm": model.adm.table, "lru": model.lru.table})
+    out.update({f"step.{n}": m.table.step for n, m in (("adm", model.adm), ("lru", model.lru))})
+    out.update({f"head.{k}": v.detach().numpy().copy() for k, v in model.head.state_dict().items()})
+    for p in model.head.parameters():
+        out.update({f"opt.{p.shape}.{k}": torch.as_tensor(v).numpy().copy() for k, v in opt.state[p].items()})
+    return out
+
+
+def _assert_same(got, want, what):
+    import numpy as np
+
+    assert set(got) == set(want), (what, sorted(set(got) ^ set(want)))
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=f"{what}: {key}")
+
+
+def rank_dynamic_restore():
+    """TorchState with dynamic tables: restore() after steps that admitted new ids and trained
+    old ones gives back exactly the commit's ids, rows, slots, counts, last touches, pending
+    ids and steps (ids admitted since are forgotten); training on from there is bit-identical
+    to a twin that never left the committed path."""
+    import hybridsync.torch as hvd
+
+    model, opt = _dynamic_model()
+    twin, twin_opt = _dynamic_model()
+    for step in range(4):
+        _dynamic_step(model, opt, step)
+        _dynamic_step(twin, twin_opt, step)
+    state = hvd.elastic.TorchState(model, opt, batch=4)
+    state.commit()
+    committed = _dynamic_everything(model, opt)
+    for step in range(100, 103):  # a detour: new ids admitted, old rows trained, ids evicted
+        _dynamic_step(model, opt, step, fresh=True)
+    state.batch = 7
+    detour = _dynamic_everything(model, opt)
+    new_ids = set(detour["adm.ids"].tolist()) - set(committed["adm.ids"].tolist())
+    assert new_ids and detour["step.adm"] == committed["step.adm"] + 3, "the detour admitted no new id"
+    state.restore()
+    assert state.batch == 4
+    _assert_same(_dynamic_everything(model, opt), committed, "after restore()")
+    for step in range(4, 9):
+        _dynamic_step(model, opt, step)
+        _dynamic_step(twin, twin_opt, step)
+    _assert_same(_dynamic_everything(model, opt), _dynamic_everything(twin, twin_opt), "trained on after restore()")
+    print(f"rank {hvd.rank()}: DYNAMIC-RESTORE-OK", flush=True)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_torch_state_restores_dynamic_tables_exactly(np_):
+    out = run_ranks(__file__, "rank_dynamic_restore", np_, timeout=180, env={"HYBRIDSYNC_TIMEOUT_S": "30"})
+    assert out.count("DYNAMIC-RESTORE-OK") == np_
 
 
 @pytest.mark.parametrize("np_", [2, 3])

@@ -362,6 +362,27 @@ def test_one_rank_measures_across_micro_steps_so_it_keeps_two():
     assert b.sizes() == (16, 1)
 
 
+def test_statistics_restored_at_one_rank_choose_nothing_until_it_measures():
+    """Resumed at 1 rank from a 2-rank run: the restored statistics (very noisy: a bigger batch
+    would pay) are not this run's. Without accumulation nothing will ever measure: the batch is
+    kept. With accumulation allowed, the same global batch in two micro-steps, which measure;
+    from then on the choice is made again."""
+    a = Adaptive(AdaptiveConfig(local_batch_size=16), "SGD", world_size=2)
+    a.stats.observe("w", 1.0 + 1e6 / 16, 16, 1.0 + 1e6 / 32, 32)
+    b = Adaptive(AdaptiveConfig(), "SGD", world_size=1)
+    b.load_state_dict(a.state_dict())
+    assert b.sizes() == (32, 1) and b.stats.ready() and not b.measured_here()
+    b.throughput.record(1, 32, 0.0, 1.0)  # all fixed cost per step: a bigger batch would be faster
+    assert b.choose(512, (2, 256), 1) is None and b.sizes() == (32, 1)
+    chosen = b.choose(512, (2, 256), 4)
+    assert (chosen.local_batch, chosen.accumulation) == (16, 2)
+    b.set_batch(16, 2)
+    b.stats.observe("w", 1.0 + 1e6 / 16, 16, 1.0 + 1e6 / 32, 32)  # the micro-steps' own statistics
+    assert b.measured_here()
+    chosen = b.choose(512, (2, 256), 4)
+    assert chosen is not None and chosen.global_batch > 32 and chosen.accumulation >= 2
+
+
 def test_batches_split_one_permutation_and_follow_the_choice():
     from hybridsync.adaptive.batches import AdaptiveBatches
 

@@ -6,6 +6,7 @@
 // Internals (shards, update rules, partitioning, the wire protocol, the server) are in csrc/ps/.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -48,6 +49,12 @@ struct DynamicState {
   std::vector<std::vector<float>> slots;
   std::vector<int64_t> pending_ids, pending_counts, pending_last;  // seen, not admitted yet
 };
+
+// How write_dynamic writes a state: kUpsert adds or overwrites its entries; kReplace first
+// empties every shard and sets its step, so the table then holds exactly the state; kSlots
+// writes the optimizer slots of the state's ids that are stored (rows, counts and pending ids
+// unused; absent ids are skipped).
+enum class DynamicWrite : int { kUpsert = 0, kReplace = 1, kSlots = 2 };
 
 // A dynamic shard's counters: cumulative, and of the newest round (last_*).
 struct DynamicStats {
@@ -215,6 +222,15 @@ class Client {
   // The server optimizer's step count of `table`, and setting it on every shard.
   int64_t table_step(int table);
   void set_table_step(int table, int64_t step);
+  // A dynamic table: every shard's {step, stored rows, pending ids}, one small request each.
+  std::vector<std::array<int64_t, 3>> dynamic_sizes(int table);
+  // A dynamic table's shard `shard`, streamed in chunks: its ids, counts, last touches and
+  // pending ids, with its rows (with_rows) and optimizer slots (with_slots); *step: its step. A
+  // shard that changed between chunks (pushes of bounded staleness) is read again.
+  DynamicState read_dynamic(int table, int shard, bool with_rows, bool with_slots, int64_t* step);
+  // Writes `state` (ids of any shard: each goes to its owner) in chunks, as `how` says. Without
+  // slots in `state`, rows it adds start with fresh slots (stored ones keep theirs).
+  void write_dynamic(int table, const DynamicState& state, DynamicWrite how, int64_t step = -1);
 
   // -- local ----------------------------------------------------------------------------------
   TableSpec spec(int table) const;
