@@ -127,16 +127,31 @@ class TableShardsHandler(StateHandler):
     table every rank reads. `value` is a function returning the tables (a `sync: auto` switch
     may replace them)."""
 
+    @staticmethod
+    def _settle(tables: list, what: str) -> None:
+        """Collective: a PS barrier, after which every push any rank started is in the shards
+        (a sharded push is applied at the next PS operation) and no rank reads a shard early."""
+        if tables:
+            tables[0].engine.barrier(f"hybridsync.elastic.{what}")
+
     def save(self) -> None:
+        """Collective (every rank commits at the same point): each rank's own shards, with every
+        push of the step committed in them."""
         self._saved = {}  # the previous commit goes first: a rank holds one copy of its shard
-        for table in self.value():
+        tables = self.value()
+        self._settle(tables, "commit")
+        for table in tables:
             shards, _ = table.layout
             mine = table.engine.rank < shards
             self._saved[table.handle] = (table, table.layout, table.local_state() if mine else None,
                                        table.engine.step(table.handle) if mine else None)
 
     def restore(self) -> None:
-        for table in self.value():
+        """Collective: the pushes still in flight land before the shards are written back (they
+        would undo the restore), and no rank pulls before every shard is restored."""
+        tables = self.value()
+        self._settle(tables, "restore")
+        for table in tables:
             saved = self._saved.get(table.handle)
             if saved is None or saved[0] is not table or saved[1] != table.layout:
                 raise RuntimeError(f"elastic state: table '{table.name}' is not on the parameter server as it was at "
@@ -144,6 +159,7 @@ class TableShardsHandler(StateHandler):
             _, layout, arrays, step = saved
             if arrays is not None:
                 table.restore_local_state(arrays, step)  # a dynamic table's counters and pending ids too
+        self._settle(tables, "restored")
 
     def sync(self) -> None:
         pass

@@ -136,6 +136,7 @@ class Synchronizer:
     synchronize(); waits=False marks routes whose synchronize() only sends (run first)."""
 
     waits = True
+    applies_updates = False  # synchronize() changes the variables itself (the server applies the rule)
 
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
@@ -154,6 +155,10 @@ class Synchronizer:
 
     def synchronize(self) -> None:
         raise NotImplementedError
+
+    def discard(self) -> None:
+        """The step was skipped: drop what synchronize() would have sent (applies_updates routes,
+        whose synchronize() was held back)."""
 
     def in_flight(self) -> bool:
         return False

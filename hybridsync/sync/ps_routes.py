@@ -29,6 +29,11 @@ def _no_rows(dim: int):
 
 
 class _PSRoute(Synchronizer):
+    applies_updates = True  # the shards apply the server rule as they take the push
+
+    def discard(self) -> None:
+        for var in self.variables:
+            var.access.rows()  # (the staged rows; a replica's gradient goes with zero_grad())
     def _lr(self, var: Variable) -> float:
         """The learning rate this step: the wrapped optimizer's (LR schedules reach the server),
         unless the config fixed the server optimizer."""

@@ -44,6 +44,7 @@ class SyncSet:
         self._order: list = []  # synchronizers, those that only send (PS pushes) first
         self.verified = False
         self.auto = None  # sync: auto while it measures (hybridsync.sync.auto.AutoStrategy)
+        self._held: list = []  # synchronizers whose exchange waits for apply_held() / discard_held()
 
     def assign(self, var: Variable) -> Synchronizer:
         """Puts var under its planned route's synchronizer (made on first use)."""
@@ -94,20 +95,50 @@ class SyncSet:
     def grad_ready(self, var: Variable) -> None:
         self.by_route[self.route_of[var]].grad_ready(var)
 
-    def synchronize(self) -> None:
+    def synchronize(self, hold_updates: bool = False) -> None:
         """Every route's exchange. Routes that only send (PS pushes) go first, so their messages
-        travel while the routes that wait complete."""
+        travel while the routes that wait complete. hold_updates: the routes that change the
+        variables themselves (the parameter server applies its rule as it takes a push) wait for
+        apply_held() -- the step may still be skipped (discard_held())."""
         auto = self.auto
         if auto is not None:
             auto.before_sync()
         stats = self.ctx.stats
         if stats is not None:
             stats.begin_sync()
+        self._held = [sync for sync in self._order if hold_updates and sync.applies_updates]
         for sync in self._order:
-            sync.synchronize()
+            if sync not in self._held:
+                sync.synchronize()
         if stats is not None:  # (on the dense backend, so that a rank that called join() takes part)
             stats.end_step(self.ctx.allreduce_sum)
-        if auto is not None and auto.after_sync():
+        if not self._held:
+            self._step_done()
+
+    def apply_held(self) -> None:
+        """The held routes' exchange (synchronize(hold_updates=True), then the step is taken)."""
+        held, self._held = self._held, []
+        for sync in held:
+            sync.synchronize()
+        if held:
+            self._step_done()
+
+    def discard_held(self) -> None:
+        """The step was skipped on every rank: the held routes send nothing (a rank that takes it
+        while another skips it meets a collective the other never calls: both raise)."""
+        held, self._held = self._held, []
+        for sync in held:
+            sync.discard()
+        if held:
+            self._step_done()
+
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def _step_done(self) -> None:
+        # (sync: auto counts the step only once its rows were pushed or dropped: a switch off the
+        # parameter server between synchronize() and a held push would lose them)
+        if self.auto is not None and self.auto.after_sync():
             self.auto = None  # decided: from now on no auto work at all
 
     def in_flight(self) -> bool:

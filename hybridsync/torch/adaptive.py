@@ -92,13 +92,27 @@ class AdaptiveStep:
             for group in self.opt.param_groups:
                 group["lr"] = group["lr"] * factor
 
-    def step_done(self) -> None:
+    def step_skipped(self) -> None:
+        """synchronize() was followed by zero_grad(), not step(): the learning rate goes back, and
+        the next backward pass starts a step afresh (its first micro-step)."""
         if not self.enabled:
             return
+        self._restore_lrs()
+        if self.micro_stats is not None and self._micro:  # one rank: its micro-steps' statistics
+            self.micro_stats.micro_step_done()  # (the step's last one; a non-finite step is counted)
+            self.micro_stats.observe(self.controller)
+        self._micro = 0
+
+    def _restore_lrs(self) -> None:
         if self._saved_lrs is not None:  # the schedule keeps seeing the base learning rate
             for group, lr in zip(self.opt.param_groups, self._saved_lrs):
                 group["lr"] = lr
             self._saved_lrs = None
+
+    def step_done(self) -> None:
+        if not self.enabled:
+            return
+        self._restore_lrs()
         self.controller.step_done()
         self.recorder.step_ended()
         tl = timeline.get()

@@ -269,19 +269,22 @@ class _DistributedOptimizer:
         return self._hs_adaptive.require("progress").progress
 
     def synchronize(self):
-        """Completes gradient exchange for every variable (called by step())."""
+        """Completes gradient exchange for every variable (called by step()). Called on its own
+        (Horovod's `synchronize(); with skip_synchronize(): step()`), the dense gradients are
+        all-reduced and the tables' pushes wait for that step(): the step may still be skipped
+        (a GradScaler's inf, a NaN loss) by calling zero_grad() instead, and no table changes."""
+        self._hs_synchronize(hold_updates=True)
+
+    def _hs_synchronize(self, hold_updates=False):
         tl = timeline.get()
         if tl is not None and self._hs_forward_end is not None:
             tl.complete("backward", self._hs_forward_end, time.perf_counter_ns())
             self._hs_forward_end = None
         with timeline.span("synchronize"):
-            self._hs_synchronize()
-
-    def _hs_synchronize(self):
-        self._hs_adaptive.scale_lr()  # before the pushes: the server rules take the scaled LR too
-        if not self._hs_plan_confirmed:
-            self._hs_confirm_plan()
-        self._hs_sync.synchronize()
+            self._hs_adaptive.scale_lr()  # before the pushes: the server rules take the scaled LR too
+            if not self._hs_plan_confirmed:
+                self._hs_confirm_plan()
+            self._hs_sync.synchronize(hold_updates)
         for var in self._hs_vars:
             var.passes = 0
         self._hs_unsynced_grads = False
@@ -304,11 +307,12 @@ class _DistributedOptimizer:
         return result
 
     def _hs_step(self, closure):
+        self._hs_sync.apply_held()  # the tables' pushes of an explicit synchronize()
         if self._hs_should_sync:
             if self._hs_synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
                               "optimizer.synchronize(): gradients are synchronized twice")
-            self.synchronize()
+            self._hs_synchronize()
         elif self._hs_unsynced_grads:
             pending = next((v.name for v in self._hs_vars if v.passes), "?")
             raise RuntimeError(
@@ -319,7 +323,11 @@ class _DistributedOptimizer:
             return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._hs_adaptive.mid_accumulation():
+        if self._hs_synchronized:  # synchronize() and no step(): the step is skipped, tables untouched
+            self._hs_sync.discard_held()
+            self._hs_adaptive.step_skipped()
+            self._hs_synchronized = False
+        elif self._hs_adaptive.mid_accumulation():
             return None  # the adaptive batch's micro-steps keep adding into .grad
         if self._hs_sync.in_flight():
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "

@@ -113,6 +113,30 @@ def _restore_matches_commit():
     print(f"rank {hvd.rank()}: RESTORE-OK step={table.step}", flush=True)
 
 
+def rank_restore_ends_when_every_shard_is_restored():
+    """restore() writes each rank's own shard; a rank that reads the table one-sided right after
+    its restore() (a state_dict, a checkpoint) must find every shard restored, also when another
+    rank (the last, held up) comes to its restore() later."""
+    import time
+
+    import numpy as np
+    import torch
+
+    import hybridsync.torch as hvd
+
+    model = _model(400, 4)
+    opt = hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model=model)
+    table = model["emb"].table
+    _step(model, opt, 0)
+    state = hvd.elastic.TorchState(model, opt)
+    committed = table.read()  # one-sided, every shard
+    _step(model, opt, 1)
+    if hvd.rank() == hvd.size() - 1:
+        time.sleep(1.0)
+    state.restore()
+    np.testing.assert_array_equal(table.read(), committed)
+
+
 def rank_elastic_memory():
     import gc
 
@@ -145,6 +169,7 @@ def rank_elastic_memory():
 
 
 def rank_elastic_state():
+    rank_restore_ends_when_every_shard_is_restored()
     rank_commit_restore_sync()
     rank_elastic_memory()
 
