@@ -35,7 +35,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .. import timeline
+from .. import ps, timeline
+from ..adaptive.exchange import gather_rows
 from ..plan import announce_auto_decision
 from ..types import Placement, Route
 from . import cost_model
@@ -122,13 +123,17 @@ class AutoStrategy:
         self.links = links if links is not None else probe.links()
         if self.variables and not self.links.collective_s:
             self.links.collective_s = collective_s(sync_set.ctx.backend)
+        self._measure_afresh()
+        for var in self.variables:
+            var.access = _Recording(var.access)
+            var.plan.auto.update(links={k: v for k, v in self.links.to_json().items()})
+
+    def _measure_afresh(self) -> None:
         self.step = 0
         self.ids = {var: [] for var in self.variables}
         self.compute_s: list = []
         self._sync_end = None
-        for var in self.variables:
-            var.access = _Recording(var.access)
-            var.plan.auto.update(links={k: v for k, v in self.links.to_json().items()})
+        self._joins = ps.joins()
 
     # -- every step while measuring ---------------------------------------------------------------
     def before_sync(self) -> None:
@@ -136,18 +141,32 @@ class AutoStrategy:
             self.compute_s.append(time.perf_counter() - self._sync_end)
 
     def after_sync(self) -> bool:
-        """Records the step; after the last one, decides and switches. True when done."""
+        """Records the step; after the last one, decides and switches. True when done. After an
+        hvd.join() the ranks have taken different numbers of steps: measuring starts again (on
+        every rank at the same step, the first after the join)."""
+        if ps.joins() != self._joins:
+            self._measure_afresh()
         for var in self.variables:
             rec = var.access
             self.ids[var].append(rec.ids if rec.ids is not None else np.zeros(0, np.int64))
             rec.ids = None
         self.step += 1
-        if self.step < self.steps:
+        if self.step < self.steps or not self._everyone_steps():
             self._sync_end = time.perf_counter()
             return False
         with timeline.span(f"sync: auto ({len(self.variables)} variables)", "ps"):
             self._switch()
         return True
+
+    def _everyone_steps(self) -> bool:
+        """Collective over the ranks still stepping: whether none has called hvd.join() (it takes
+        part in this sum with zeros). The switch gathers every rank's measurements, so a rank
+        that ran out of data first must train again -- after the join, measuring starts afresh."""
+        ctx = self.sync_set.ctx
+        if ctx.world_size == 1:
+            return True
+        return len(gather_rows(ctx.allreduce_sum, ctx.backend.rank, ctx.world_size, [], "hybridsync.auto.ready")) \
+            == ctx.world_size
 
     # -- the switch ---------------------------------------------------------------------------------
     def _switch(self) -> None:

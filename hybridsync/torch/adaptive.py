@@ -8,19 +8,36 @@ import weakref
 
 import torch
 
-from .. import runtime, timeline
+from .. import comm, runtime, timeline
 from ..adaptive import Adaptive, AdaptiveConfig
 from ..adaptive.batches import AdaptiveBatches
 from ..adaptive.collect import StepRecorder
 from .micro_stats import MicroStepStats
 
 _current = None  # weakref to the newest adaptive optimizer's AdaptiveStep (a loader finds it)
+_every: list = []  # weakrefs to every adaptive optimizer's AdaptiveStep, oldest first (the same on every rank)
 
 
 def current():
     """The AdaptiveStep of the newest DistributedOptimizer(adaptive=...), or None."""
     step = _current() if _current is not None else None
     return step
+
+
+def after_join(last: int) -> None:
+    """Collective, when hvd.join() returns on every rank: the ranks that joined early skipped the
+    others' last steps, so their adaptive state (step count, statistics, batch) lags; every rank
+    takes that of the rank that joined last. (Left as it was, the loaders re-chose the batch at
+    different steps: a rank waited in that exchange while another pulled a table.)"""
+    steps = [s for s in (ref() for ref in _every) if s is not None]
+    if not steps or runtime.world().size == 1:
+        return
+    rank = runtime.world().rank
+    states = comm.objects().broadcast_object([s.controller.state_dict() for s in steps] if rank == last else None,
+                                             last, name="hybridsync.adaptive.join")
+    for step, state in zip(steps, states):
+        if rank != last:
+            step.load_state_dict(state)
 
 
 class AdaptiveStep:
@@ -40,6 +57,7 @@ class AdaptiveStep:
             # a world of one has no all-reduce: its statistics come from accumulation micro-steps
             self.micro_stats = MicroStepStats(optimizer) if world_size == 1 else None
             _current = weakref.ref(self)
+            _every[:] = [ref for ref in _every if ref() is not None] + [_current]
             if self.controller.local_batch:
                 self.set_batch(self.controller.local_batch, 1)
 
@@ -69,6 +87,10 @@ class AdaptiveStep:
         if self.micro_stats is not None:
             self.micro_stats.observe(self.controller)
         return False
+
+    def last_micro_step(self) -> bool:
+        """Whether the backward pass just done completes its step (the next step() steps)."""
+        return not self.enabled or self._micro + 1 >= self.controller.accumulation
 
     def mid_accumulation(self) -> bool:
         return self.enabled and self._micro > 0

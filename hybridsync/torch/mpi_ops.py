@@ -250,8 +250,11 @@ def join(device=-1) -> int:
     serving them), so ranks with fewer batches can stop early. Returns the rank that joined
     last. (`device` is accepted for Horovod's signature; zeros are made on the CPU.)"""
     from .. import ps
+    from .adaptive import after_join
 
-    return ps.join(ops.route(None).join)
+    last = ps.join(ops.route(None).join)
+    after_join(last)  # the adaptive batch's state, taken from the rank that stepped the most
+    return last
 
 
 def barrier(process_set=global_process_set):

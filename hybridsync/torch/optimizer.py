@@ -258,6 +258,14 @@ class _DistributedOptimizer:
         """The adaptive controller (hybridsync.adaptive.Adaptive), or None when not enabled."""
         return self._hs_adaptive.controller
 
+    @property
+    def last_micro_step(self) -> bool:
+        """Whether the backward pass just done is the last of its step: the adaptive batch may make
+        a step several micro-steps, whose step() calls only add up gradients. A loop that calls
+        synchronize() itself (to skip a step, unscale, clip) calls it on this one. Always True
+        without adaptive=."""
+        return self._hs_adaptive.last_micro_step()
+
     def gradient_stats(self) -> dict:
         """{"sqr": |G|^2, "var": tr(Sigma) per sample, "noise_scale": var/sqr, "by_variable": {name:
         {"sqr", "var"}}}, smoothed over the steps so far (needs DistributedOptimizer(adaptive=...))."""

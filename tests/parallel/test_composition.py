@@ -182,7 +182,7 @@ def _assert_same(got: dict, want: dict, what: str, exact=True):
 def _samples():
     """Every sample any job draws, by its index."""
     out = {}
-    for seed, n in ((1, SAMPLES), (3, 2 * 2 * 3 * 3), (4, SAMPLES)):
+    for seed, n in ((1, SAMPLES), (3, 2 * 2 * 3 * 3), (4, SAMPLES), (6, SAMPLES // 2)):
         cols = _data(seed, n)
         for pos in range(n):
             out[int(cols[0][pos])] = tuple(c[pos] for c in cols)
@@ -342,25 +342,31 @@ def rank_job1(tmp):
     #    synchronize(), look at the (all-reduced, so everywhere the same) gradients, zero_grad().
     _skip_a_non_finite_step(model, opt, loader.accumulation_steps)
 
-    # 4. Uneven data: rank r has size - r more steps, then joins; rank 0 takes every step. Each
+    # 4. Uneven data: rank r has r + 1 more steps, then joins; the last rank takes every step. Each
     #    step is as many micro-batches as the adaptive batch has (the optimizer counts them).
     k = loader.accumulation_steps
     uneven = _data(seed=3, n=2 * 2 * 3 * 3)  # enough for 3 ranks and 2 micro-steps
     at = lambda s, r, m: (((s * size + r) * k + m) * 2)  # the first sample of a micro-batch
-    for s in range(size - rank):
+    for s in range(rank + 1):
         opt.zero_grad()
         for m in range(k):
             _loss(model, [c[at(s, rank, m):at(s, rank, m) + 2] for c in uneven], 2).backward()
             opt.step()
-    hvd.join()
+    last = hvd.join()
+    assert last == size - 1, last
     for s in range(size):  # step s took the batches of the ranks still stepping; joined ones count as zeros
-        rows = [at(s, r, m) + j for r in range(size) if s < size - r for m in range(k) for j in range(2)]
+        rows = [at(s, r, m) + j for r in range(size) if s < r + 1 for m in range(k) for j in range(2)]
         log.steps.append({"indices": [int(uneven[0][i]) for i in rows], "divisor": float(2 * k * size), "world": size,
-                          "ranks": sum(s < size - r for r in range(size))})
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # the joined ranks' dense layers lag
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
+                          "ranks": sum(s < r + 1 for r in range(size))})
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)  # the joined ranks' dense layers lag
+    hvd.broadcast_optimizer_state(opt, root_rank=last)
+    everyone = hvd.allgather_object(opt.adaptive.state_dict())
+    assert all(state == everyone[0] for state in everyone), "join() left the ranks' adaptive states apart"
 
-    # 5. Saved both ways.
+    # 5. The adaptive loader goes on after the join (its re-choices at the same steps everywhere).
+    _adaptive_epoch(model, opt, _data(seed=6, n=SAMPLES // 2), log, seed=7)
+
+    # 6. Saved both ways.
     hybridsync.save_checkpoint(os.path.join(tmp, "ckpt"), model, opt, extra={"steps": len(log.steps)})
     snap = _snapshot(model, opt)
     if rank == 0:

@@ -58,3 +58,18 @@ def test_horovod_pytorch_mnist_example_runs_unchanged_but_for_the_import():
                re.findall(r"Test set: Average loss: ([0-9.]+), Accuracy: ([0-9.]+)%", out)]
     assert len(results) == 3, out  # printed by rank 0 only
     assert results[-1][0] < 0.9 * results[0][0] and results[-1][1] > 50, out
+
+
+def test_the_everything_example_trains_skips_a_nan_step_and_resumes_at_another_world_size(tmp_path):
+    """examples/torch_everything.py: every feature in one model (the composition test's, as a
+    user would write it), at 2 ranks, then resumed from its checkpoint at 3."""
+    ckpt = str(tmp_path / "everything")
+    common = ["examples/torch_everything.py", "--checkpoint", ckpt, "--samples", "2048", "--batch-size", "128"]
+    out = run_program(2, *common, "--epochs", "2")
+    losses = [float(x) for x in re.findall(r"epoch \d+  loss ([0-9.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0], out
+    assert "the gradients are not finite, the step is skipped" in out and "non-finite steps left out" in out, out
+    out = run_program(3, *common, "--epochs", "3")
+    assert "resumed at epoch 2 on 3 rank(s)" in out, out
+    resumed = [float(x) for x in re.findall(r"epoch \d+  loss ([0-9.]+)", out)]
+    assert len(resumed) == 1 and resumed[0] < losses[0], (losses, out)
