@@ -259,7 +259,8 @@ def rank_resume_at_one(path):
             opt.zero_grad()
             ((model(ids, x) - y) ** 2).mean().backward()
             opt.step()
-            history.append(opt.adaptive.sizes())
+            if opt.adaptive.partial_step_of is None:  # (an epoch's remainder is one smaller step of its own)
+                history.append(opt.adaptive.sizes())
             if opt.adaptive.steps - first_step >= 16:  # re-chosen at least 3 times
                 break
         measured = opt.adaptive.stats.observations - restored
