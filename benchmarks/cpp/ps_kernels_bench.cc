@@ -63,7 +63,9 @@ struct Options {
   std::vector<std::string> rules{"sgd", "adagrad", "adam"};
   bool dynamic = true;
   int64_t stream_bytes = 0;           // per array; 0: 4 x the last-level cache, at least 64 MiB
+  std::string only;                   // one kernel (pull, pull+dedup, push, dyn) and no STREAM: for cachegrind
   std::string json;
+  bool wants(const std::string& kernel) const { return only.empty() || only == kernel; }
 };
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -79,7 +81,8 @@ double median(std::vector<double> v) {
                "ps_kernels_bench: %s\n"
                "options: --cpu N  --tables ROWSxDIM[,ROWSxDIM...]  --batch N  --rounds N  --repeats N\n"
                "         --dists zipf,uniform  --rules sgd,adagrad,adam  --zipf A  --no-dynamic\n"
-               "         --stream-mib N  --json PATH  --quick\n",
+               "         --stream-mib N  --json PATH  --quick\n"
+               "         --only pull|pull+dedup|push|dyn   (that kernel alone, no STREAM: for cachegrind)\n",
                why.c_str());
   std::exit(2);
 }
@@ -137,6 +140,12 @@ Options parse(int argc, char** argv) {
       o.dynamic = false;
     } else if (flag == "--stream-mib") {
       o.stream_bytes = positive(flag, value()) << 20;
+    } else if (flag == "--only") {
+      o.only = value();
+      if (o.only != "pull" && o.only != "pull+dedup" && o.only != "push" && o.only != "dyn") {
+        usage("--only: '" + o.only + "' is none of pull, pull+dedup, push, dyn");
+      }
+      o.dynamic = o.only == "dyn";
     } else if (flag == "--json") {
       o.json = value();
     } else if (flag == "--quick") {
@@ -255,11 +264,9 @@ void record(const std::string& kernel, const std::string& dist, const std::strin
 // would make every gather a cache hit.
 std::unique_ptr<Shard> resident_shard(int64_t rows, int64_t dim, const std::string& rule) {
   auto shard = std::make_unique<Shard>("bench", rows, dim, make_update_rule(rule, {{"lr", 0.01}}));
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<float> u(-0.01f, 0.01f);
-  for (int64_t l = 0; l < rows; ++l) {
+  for (int64_t l = 0; l < rows; ++l) {  // small values, cheap to make (cachegrind runs this too)
     float* row = shard->row(l);
-    for (int64_t j = 0; j < dim; ++j) row[j] = u(rng);
+    for (int64_t j = 0; j < dim; ++j) row[j] = static_cast<float>(static_cast<int64_t>(mix64(l * dim + j) % 2001) - 1000) * 1e-5f;
   }
   for (int k = 0; k < shard->num_slots(); ++k) {
     float* slot = shard->slot(k);
@@ -317,27 +324,32 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
   double unique = 0;
   const auto uniques = unique_requests(requests, rows, &unique);
   std::vector<float> out(static_cast<size_t>(o.batch * dim));
-  {
+  if (o.wants("pull") || o.wants("pull+dedup")) {
     auto shard = resident_shard(rows, dim, "sgd");
     std::vector<double> gather, dedup_gather;
     for (int r = 0; r < o.repeats; ++r) {
       auto t0 = Clock::now();
-      for (const auto& u : uniques) shard->gather(u.data(), static_cast<int64_t>(u.size()), out.data());
+      if (o.wants("pull")) {
+        for (const auto& u : uniques) shard->gather(u.data(), static_cast<int64_t>(u.size()), out.data());
+      }
       gather.push_back(seconds_since(t0));
       t0 = Clock::now();
-      for (const auto& ids : requests) {
-        const Dedup d = deduplicate("bench", ids.data(), static_cast<int64_t>(ids.size()), rows);
-        shard->gather(d.unique.data(), static_cast<int64_t>(d.unique.size()), out.data());
+      if (o.wants("pull+dedup")) {
+        for (const auto& ids : requests) {
+          const Dedup d = deduplicate("bench", ids.data(), static_cast<int64_t>(ids.size()), rows);
+          shard->gather(d.unique.data(), static_cast<int64_t>(d.unique.size()), out.data());
+        }
       }
       dedup_gather.push_back(seconds_since(t0));
     }
-    record("pull", dist, "", rows, dim, 0, unique, gather, o.rounds);
-    record("pull+dedup", dist, "", rows, dim, 0, unique, dedup_gather, o.rounds);
+    if (o.wants("pull")) record("pull", dist, "", rows, dim, 0, unique, gather, o.rounds);
+    if (o.wants("pull+dedup")) record("pull+dedup", dist, "", rows, dim, 0, unique, dedup_gather, o.rounds);
   }
+  if (!o.wants("push")) return;
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> u(-1e-3f, 1e-3f);
   std::vector<float> grads(static_cast<size_t>(o.batch * dim));
-  for (auto& g : grads) g = u(rng);
+  for (auto& g : grads) g = u(rng);  // one gradient block for every request: its reads stay cached
   for (const std::string& rule : o.rules) {
     auto shard = resident_shard(rows, dim, rule);
     const int64_t slots = shard->num_slots();
@@ -454,16 +466,18 @@ int main(int argc, char** argv) {
   std::printf("pinned to CPU %d; last-level cache %lld KiB; THP: %s\n", cpu,
               static_cast<long long>(last_level_cache_bytes() >> 10),
               read_line("/sys/kernel/mm/transparent_hugepage/enabled").c_str());
-  const Stream s = stream(o);
-  std::printf("STREAM (%lld MiB arrays): copy %.2f GB/s (best %.2f), triad %.2f GB/s (best %.2f)\n",
-              static_cast<long long>(s.array_bytes >> 20), s.copy_gbps, s.copy_best, s.triad_gbps, s.triad_best);
+  const Stream s = o.only.empty() ? stream(o) : Stream{};
+  if (o.only.empty()) {
+    std::printf("STREAM (%lld MiB arrays): copy %.2f GB/s (best %.2f), triad %.2f GB/s (best %.2f)\n",
+                static_cast<long long>(s.array_bytes >> 20), s.copy_gbps, s.copy_best, s.triad_gbps, s.triad_best);
+  }
   std::printf("requests of %lld ids, %lld per pass, median of %d passes\n", static_cast<long long>(o.batch),
               static_cast<long long>(o.rounds), o.repeats);
   std::printf("  %-15s %-8s %-8s %16s %10s %10s %9s %9s %9s\n", "kernel", "ids", "rule", "table", "rows/req",
               "us/req", "row GB/s", "+slots", "ns/row");
   for (const auto& [rows, dim] : o.tables) {
     for (const std::string& dist : o.dists) {
-      bench_fixed(o, rows, dim, dist);
+      if (o.only != "dyn") bench_fixed(o, rows, dim, dist);
       if (o.dynamic) bench_dynamic(o, rows, dim, dist);
     }
   }
