@@ -59,6 +59,16 @@ def mpirun(ranks: int) -> list[str]:
 COMPARE_TREE = None  # --compare: another checkout whose hybridsync runs as "<system>@before"
 
 
+def use_torchrec(explicit: str | None) -> None:
+    """Finds and checks the TorchRec venv before the first run (not an hour in): exits with how
+    to build it when it is missing or broken."""
+    global TORCHREC_PYTHON
+    try:
+        TORCHREC_PYTHON = torchrec_launch.python(explicit)
+    except torchrec_launch.TorchRecMissing as e:
+        sys.exit(f"{Path(sys.argv[0]).name}: {e}")
+
+
 def load_average() -> list[float]:
     """This machine's 1, 5 and 15 minute load averages (printed beside every round)."""
     return [round(x, 2) for x in os.getloadavg()]
@@ -374,10 +384,9 @@ def plot(summary, path):
 PERFORMANCE_PAGE = ROOT / "docs" / "performance.md"
 
 
-def update_docs(section: str, text: str) -> None:
-    """Replaces what docs/performance.md holds between `<!-- section:start -->` and
-    `<!-- section:end -->` (bench, bench-network, bench-auto) with `text`."""
-    page = PERFORMANCE_PAGE
+def update_docs(section: str, text: str, page: Path = PERFORMANCE_PAGE) -> None:
+    """Replaces what `page` (docs/performance.md) holds between `<!-- section:start -->` and
+    `<!-- section:end -->` (bench, bench-network, bench-auto, ...) with `text`."""
     body = page.read_text()
     start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
     if start not in body or end not in body:
@@ -426,11 +435,7 @@ def main():
     args.name = args.name or ("quick" if args.quick else "latest")
     extra = ("--rows", str(args.rows)) if args.rows else ()
     if TORCHREC in args.systems and not args.rerender:
-        global TORCHREC_PYTHON
-        try:  # fail before the first run, not an hour in
-            TORCHREC_PYTHON = torchrec_launch.python(args.torchrec_python)
-        except torchrec_launch.TorchRecMissing as e:
-            sys.exit(f"bench.py: {e}")
+        use_torchrec(args.torchrec_python)
     if args.compare:
         global COMPARE_TREE
         COMPARE_TREE = Path(args.compare).resolve()
