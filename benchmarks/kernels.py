@@ -141,7 +141,8 @@ def cachegrind_totals(binary: Path, kernel: str, rule: str | None, table: str, d
         out, js = Path(tmp) / "cg.out", Path(tmp) / "k.json"
         cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--LL={llc},16,64",
                f"--cachegrind-out-file={out}", str(binary), "--only", kernel, "--tables", table, "--dists", dist,
-               "--repeats", str(repeats), "--rounds", str(rounds), "--batch", str(batch), "--json", str(js)]
+               "--repeats", str(repeats), "--draw-passes", "3", "--rounds", str(rounds), "--batch", str(batch),
+               "--json", str(js)]
         if rule:
             cmd += ["--rules", rule]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -156,7 +157,8 @@ def cachegrind_totals(binary: Path, kernel: str, rule: str | None, table: str, d
 
 def cachegrind(binary: Path, args, llc: int) -> list[dict]:
     """Per distinct row: instructions, D1 and last-level misses of each kernel. Two runs per kernel,
-    1 and 3 passes: their difference is the kernel's passes alone (setup cancels). Cachegrind
+    1 and 3 passes, each drawing the requests of 3 passes: their difference is 2 passes of the
+    kernel alone (the same setup cancels), each on ids of its own. Cachegrind
     simulates caches without hardware prefetchers and ignores prefetch instructions, so its misses
     are the demand misses the kernel's access pattern makes (a cold row costs at least row bytes / 64).
     The simulated last level is this machine's (`llc` bytes, 16-way)."""

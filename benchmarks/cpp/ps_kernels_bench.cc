@@ -16,7 +16,8 @@
 // d floats in t seconds does u * 4d / t ("row GB/s"); pushes also count their optimizer slots
 // ("row+slot GB/s": u * 4d * (1 + slots) / t). Each row is counted once, though it is read and
 // (pushes) written. STREAM counts its arrays as STREAM does (copy 2 x 8 B per element, triad 3 x 8).
-// Every figure is the median over --repeats passes of --rounds requests of --batch ids.
+// Every figure is the median over --repeats passes of --rounds requests of --batch ids; every pass
+// of every kernel draws ids of its own (rows a pass touched are not found warm by the next).
 //
 //   cmake --build <build dir> --target hybridsync_ps_kernels_bench
 //   <build dir>/hybridsync_ps_kernels_bench --json out.json          # full size
@@ -58,6 +59,7 @@ struct Options {
   int64_t batch = 16384;              // ids per request
   int64_t rounds = 64;                // requests per timed pass
   int repeats = 7;
+  int drawn_passes = 0;               // passes of requests drawn (0: --repeats); cachegrind runs draw alike
   double zipf = 1.2;
   std::vector<std::string> dists{"zipf", "uniform"};
   std::vector<std::string> rules{"sgd", "adagrad", "adam"};
@@ -82,7 +84,9 @@ double median(std::vector<double> v) {
                "options: --cpu N  --tables ROWSxDIM[,ROWSxDIM...]  --batch N  --rounds N  --repeats N\n"
                "         --dists zipf,uniform  --rules sgd,adagrad,adam  --zipf A  --no-dynamic\n"
                "         --stream-mib N  --json PATH  --quick\n"
-               "         --only pull|pull+dedup|push|dyn   (that kernel alone, no STREAM: for cachegrind)\n",
+               "         --only pull|pull+dedup|push|dyn   (that kernel alone, no STREAM: for cachegrind)\n"
+               "         --draw-passes N   (draw requests for N passes whatever --repeats: runs that differ\n"
+               "                           only in --repeats then do the same setup)\n",
                why.c_str());
   std::exit(2);
 }
@@ -126,6 +130,8 @@ Options parse(int argc, char** argv) {
       o.rounds = positive(flag, value());
     } else if (flag == "--repeats") {
       o.repeats = static_cast<int>(positive(flag, value()));
+    } else if (flag == "--draw-passes") {
+      o.drawn_passes = static_cast<int>(positive(flag, value()));
     } else if (flag == "--zipf") {
       o.zipf = std::strtod(value().c_str(), nullptr);
       if (!(o.zipf > 1.0)) usage("--zipf: the exponent must be > 1");
@@ -221,16 +227,38 @@ class Zipf {
   double am1_, b_;
 };
 
-// Every request's raw ids (rows of a table of `rows` rows), drawn once before any timing.
-std::vector<std::vector<int64_t>> draw_requests(const Options& o, const std::string& dist, int64_t rows, uint64_t seed) {
+// The requests of `sets` kernels x --repeats passes x --rounds, drawn before any timing: every pass
+// of every kernel has ids of its own, so no pass finds the rows that the pass before it touched
+// still in the caches (Zipf's hot rows recur, as from step to step of a training; its tail does not).
+struct Requests {
+  std::vector<std::vector<int64_t>> raw;     // a request's ids (rows of the table)
+  std::vector<std::vector<int64_t>> unique;  // its distinct ids, first-seen order (what a shard is sent)
+  double mean_unique = 0;                    // distinct ids per request
+  int64_t rounds = 0;
+  int repeats = 0;  // passes drawn per kernel
+  // [first, last) of kernel `set`'s pass `pass`.
+  std::pair<size_t, size_t> pass(int set, int pass) const {
+    const size_t first = static_cast<size_t>((set * repeats + pass) * rounds);
+    return {first, first + static_cast<size_t>(rounds)};
+  }
+};
+
+Requests draw_requests(const Options& o, const std::string& dist, int64_t rows, uint64_t seed, int sets) {
   std::mt19937_64 rng(seed);
   Zipf zipf(o.zipf);
   std::uniform_int_distribution<int64_t> uniform(0, rows - 1);
-  std::vector<std::vector<int64_t>> out(static_cast<size_t>(o.rounds));
-  for (auto& ids : out) {
+  Requests out;
+  out.rounds = o.rounds;
+  out.repeats = std::max(o.repeats, o.drawn_passes);
+  out.raw.resize(static_cast<size_t>(sets * out.repeats * o.rounds));
+  double total = 0;
+  for (auto& ids : out.raw) {
     ids.resize(static_cast<size_t>(o.batch));
     for (auto& id : ids) id = dist == "zipf" ? static_cast<int64_t>(zipf(rng) % static_cast<uint64_t>(rows)) : uniform(rng);
+    out.unique.push_back(deduplicate("bench", ids.data(), static_cast<int64_t>(ids.size()), rows).unique);
+    total += static_cast<double>(out.unique.back().size());
   }
+  out.mean_unique = total / static_cast<double>(out.raw.size());
   return out;
 }
 
@@ -306,23 +334,11 @@ Stream stream(const Options& o) {
   return out;
 }
 
-// Distinct ids of each request, first-seen order (as the client sends them to a shard).
-std::vector<std::vector<int64_t>> unique_requests(const std::vector<std::vector<int64_t>>& requests, int64_t rows,
-                                                  double* mean_unique) {
-  std::vector<std::vector<int64_t>> out;
-  double total = 0;
-  for (const auto& ids : requests) {
-    out.push_back(deduplicate("bench", ids.data(), static_cast<int64_t>(ids.size()), rows).unique);
-    total += static_cast<double>(out.back().size());
-  }
-  *mean_unique = total / static_cast<double>(requests.size());
-  return out;
-}
-
 void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string& dist) {
-  const auto requests = draw_requests(o, dist, rows, 1000 + static_cast<uint64_t>(rows) + static_cast<uint64_t>(dim));
-  double unique = 0;
-  const auto uniques = unique_requests(requests, rows, &unique);
+  // Set 0: pull; 1: pull+dedup; 2 + k: push with rule k.
+  const Requests requests = draw_requests(o, dist, rows, 1000 + static_cast<uint64_t>(rows) + static_cast<uint64_t>(dim),
+                                          2 + static_cast<int>(o.rules.size()));
+  const double unique = requests.mean_unique;
   std::vector<float> out(static_cast<size_t>(o.batch * dim));
   if (o.wants("pull") || o.wants("pull+dedup")) {
     auto shard = resident_shard(rows, dim, "sgd");
@@ -330,12 +346,16 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
     for (int r = 0; r < o.repeats; ++r) {
       auto t0 = Clock::now();
       if (o.wants("pull")) {
-        for (const auto& u : uniques) shard->gather(u.data(), static_cast<int64_t>(u.size()), out.data());
+        for (auto [q, end] = requests.pass(0, r); q < end; ++q) {
+          const auto& u = requests.unique[q];
+          shard->gather(u.data(), static_cast<int64_t>(u.size()), out.data());
+        }
       }
       gather.push_back(seconds_since(t0));
       t0 = Clock::now();
       if (o.wants("pull+dedup")) {
-        for (const auto& ids : requests) {
+        for (auto [q, end] = requests.pass(1, r); q < end; ++q) {
+          const auto& ids = requests.raw[q];
           const Dedup d = deduplicate("bench", ids.data(), static_cast<int64_t>(ids.size()), rows);
           shard->gather(d.unique.data(), static_cast<int64_t>(d.unique.size()), out.data());
         }
@@ -350,7 +370,8 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
   std::uniform_real_distribution<float> u(-1e-3f, 1e-3f);
   std::vector<float> grads(static_cast<size_t>(o.batch * dim));
   for (auto& g : grads) g = u(rng);  // one gradient block for every request: its reads stay cached
-  for (const std::string& rule : o.rules) {
+  for (size_t k = 0; k < o.rules.size(); ++k) {
+    const std::string& rule = o.rules[k];
     auto shard = resident_shard(rows, dim, rule);
     const int64_t slots = shard->num_slots();
     RowAggregator aggregator;
@@ -358,7 +379,8 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
     for (int r = 0; r < o.repeats; ++r) {
       double summing = 0, applying = 0;
       const auto t0 = Clock::now();
-      for (const auto& ids : requests) {
+      for (auto [q, end] = requests.pass(2 + static_cast<int>(k), r); q < end; ++q) {
+        const auto& ids = requests.raw[q];
         const std::vector<GradientRows> sources{{ids.data(), static_cast<int64_t>(ids.size()), grads.data()}};
         const auto s0 = Clock::now();
         aggregator.sum(dim, sources, 1.0f);
@@ -409,10 +431,10 @@ void bench_dynamic(const Options& o, int64_t rows, int64_t dim, const std::strin
                  static_cast<long long>(rows));
     std::exit(1);
   }
-  auto requests = draw_requests(o, dist, rows, 2000 + static_cast<uint64_t>(rows));
-  double unique = 0;
-  auto uniques = unique_requests(requests, rows, &unique);
-  for (auto& u : uniques) {
+  // Set 0: the lookup; 1: the pull. The ids are the raw ids of the drawn rows.
+  Requests requests = draw_requests(o, dist, rows, 2000 + static_cast<uint64_t>(rows), 2);
+  const double unique = requests.mean_unique;
+  for (auto& u : requests.unique) {
     for (auto& id : u) id = static_cast<int64_t>(mix64(static_cast<uint64_t>(id)));
   }
   IdMap map;  // the same ids in a map of its own: find_many is the lookup read() does first
@@ -423,10 +445,16 @@ void bench_dynamic(const Options& o, int64_t rows, int64_t dim, const std::strin
   std::vector<double> lookup, read;
   for (int r = 0; r < o.repeats; ++r) {
     auto t0 = Clock::now();
-    for (const auto& u : uniques) map.find_many(u.data(), static_cast<int64_t>(u.size()), positions.data());
+    for (auto [q, end] = requests.pass(0, r); q < end; ++q) {
+      const auto& u = requests.unique[q];
+      map.find_many(u.data(), static_cast<int64_t>(u.size()), positions.data());
+    }
     lookup.push_back(seconds_since(t0));
     t0 = Clock::now();
-    for (const auto& u : uniques) store.read(*arena, u.data(), static_cast<int64_t>(u.size()), out.data(), -1);
+    for (auto [q, end] = requests.pass(1, r); q < end; ++q) {
+      const auto& u = requests.unique[q];
+      store.read(*arena, u.data(), static_cast<int64_t>(u.size()), out.data(), -1);
+    }
     read.push_back(seconds_since(t0));
   }
   record("dyn lookup", dist, "", rows, dim, 0, unique, lookup, o.rounds);
