@@ -29,8 +29,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # torchrec_launch, as a script or imported
-import torchrec_launch  # noqa: E402
+try:
+    from benchmarks import torchrec_launch  # imported as benchmarks.bench (network.py, auto.py, tests)
+except ImportError:
+    import torchrec_launch  # run as a script: its directory is first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
