@@ -2,9 +2,12 @@
 //
 //   pull          Shard::gather of a request's unique rows (what a server does for a pull)
 //   pull+dedup    deduplicate() of the raw ids, then the gather (a one-shard pull end to end)
-//   push <rule>   RowAggregator::step: the raw ids' gradients summed per row (duplicates
-//                 scatter-added), then the rule (sgd / adagrad / adam) on each distinct row;
-//                 also its two halves alone: "sum" and "apply"
+//   push <rule>   a push end to end, as one rank's push reaches one shard: "client", the
+//                 pushing rank's deduplicate() and sum_duplicates() (gradients of duplicate ids
+//                 scatter-added, one row per distinct id); then the shard's RowAggregator::step
+//                 in its two halves, "sum" (the sources' rows summed per row, with the squared
+//                 norms the noise scale reads) and "apply" (the rule -- sgd / adagrad / adam --
+//                 on each distinct row); each half also timed alone
 //   dyn lookup    IdMap::find_many on a dynamic shard's raw ids (the hash path alone)
 //   dyn pull      DynamicStore::read: the lookup, then the rows copied out
 //
@@ -375,27 +378,34 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
     auto shard = resident_shard(rows, dim, rule);
     const int64_t slots = shard->num_slots();
     RowAggregator aggregator;
-    std::vector<double> step, sum, apply;
+    std::vector<double> step, client, server_sum, apply;
     for (int r = 0; r < o.repeats; ++r) {
-      double summing = 0, applying = 0;
+      double deduplicating = 0, summing = 0, applying = 0;
       const auto t0 = Clock::now();
       for (auto [q, end] = requests.pass(2 + static_cast<int>(k), r); q < end; ++q) {
         const auto& ids = requests.raw[q];
-        const std::vector<GradientRows> sources{{ids.data(), static_cast<int64_t>(ids.size()), grads.data()}};
+        // The pushing rank: its batch's duplicate ids' gradients summed, one row per distinct id.
+        const auto c0 = Clock::now();
+        const Dedup d = deduplicate("bench", ids.data(), static_cast<int64_t>(ids.size()), rows);
+        const std::vector<float> sums = sum_duplicates(d, grads.data(), dim);
+        // The shard: its sources' rows summed (one source here), then the rule on each row.
         const auto s0 = Clock::now();
-        aggregator.sum(dim, sources, 1.0f);
+        aggregator.sum(dim, {{d.unique.data(), static_cast<int64_t>(d.unique.size()), sums.data()}}, 1.0f);
         const auto s1 = Clock::now();
         shard->rule().begin_step();
         shard->apply(aggregator.rows(), aggregator.size(), aggregator.sums());
         applying += seconds_since(s1);
         summing += std::chrono::duration<double>(s1 - s0).count();
+        deduplicating += std::chrono::duration<double>(s0 - c0).count();
       }
       step.push_back(seconds_since(t0));
-      sum.push_back(summing);
+      client.push_back(deduplicating);
+      server_sum.push_back(summing);
       apply.push_back(applying);
     }
     record("push", dist, rule, rows, dim, slots, unique, step, o.rounds);
-    record("  push: sum", dist, rule, rows, dim, 0, unique, sum, o.rounds);
+    record("  push: client", dist, rule, rows, dim, 0, unique, client, o.rounds);
+    record("  push: sum", dist, rule, rows, dim, 0, unique, server_sum, o.rounds);
     record("  push: apply", dist, rule, rows, dim, slots, unique, apply, o.rounds);
   }
 }
