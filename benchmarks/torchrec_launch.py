@@ -82,9 +82,12 @@ def run_cluster(py: str, cluster, per_host: int, steps: int, warmup: int, timeou
     env["GLOO_SOCKET_IFNAME"] = "eth0"  # a host's name does not resolve to its address
     procs = []
     for host in hosts:
+        # is_host: host 0 serves the rendezvous store. Said outright, since torchrun would find it
+        # out by resolving the host's name, which no resolver on these hosts knows.
         cmd = [py, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc_per_node", str(per_host),
                "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", f"bench-{endpoint}",
-               "--local-addr", cluster.address(host), *_args(steps, warmup, [*extra, "--wire-iface", "eth0"])]
+               "--rdzv_conf", f"is_host={int(host == hosts[0])}", "--local-addr", cluster.address(host),
+               *_args(steps, warmup, [*extra, "--wire-iface", "eth0"])]
         procs.append(subprocess.Popen(cluster.command_on(host, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, cwd=ROOT, env=env, start_new_session=True))
     outputs, codes = [], []
