@@ -1,14 +1,16 @@
-"""Side-by-side benchmark: hybridsync vs Horovod vs torch DDP on the Criteo-shaped workload.
+"""Side-by-side benchmark: hybridsync vs Horovod vs torch DDP vs TorchRec on the Criteo-shaped workload.
 
     python benchmarks/bench.py              # `make bench`: 1, 2, 4 ranks, 3 repeats each
     python benchmarks/bench.py --quick      # a smoke run: fewer steps, 1 repeat
     python benchmarks/bench.py --compare ../old-checkout   # also runs that checkout's hybridsync
                                             # ("<system>@before"), interleaved in the same rounds
 
-Each configuration runs under its own `mpirun` (benchmarks/run_one.py), repeated; medians are
-reported. Writes benchmarks/results/latest.{json,md,png} (and a timestamped JSON copy), prints
-the table and the targets, and updates the tables in docs/performance.md (between its
-<!-- bench:start --> and <!-- bench:end --> markers).
+Each configuration runs under its own `mpirun` (benchmarks/run_one.py; TorchRec under torchrun,
+benchmarks/torchrec_dlrm.py, in its own venv: scripts/torchrec-venv.sh), repeated in interleaved
+rounds (the load average is printed and kept beside each round); medians are reported. Writes
+benchmarks/results/latest.{json,md,png} (and a timestamped JSON copy), prints the tables and the
+targets, and updates the tables in docs/performance.md (between its <!-- bench:start --> and
+<!-- bench:end --> markers).
 """
 from __future__ import annotations
 
@@ -27,11 +29,22 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+try:
+    from benchmarks import torchrec_launch  # imported as benchmarks.bench (network.py, auto.py, tests)
+except ImportError:
+    import torchrec_launch  # run as a script: its directory is first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SYSTEMS = ["hybridsync-sharded", "hybridsync-replicated", "horovod-allgather", "horovod-allgather-yield", "ddp-gloo"]
+SYSTEMS = ["hybridsync-default", "hybridsync-ps", "hybridsync-sharded", "hybridsync-replicated", "horovod-allgather",
+           "horovod-allgather-yield", "ddp-gloo", "torchrec-cpu"]
 BASELINE = "horovod-allgather"  # Horovod as users run it: the baseline the targets are set against
 TUNED = "horovod-allgather-yield"  # Horovod with OMPI_MCA_mpi_yield_when_idle=1, its best setting here
+TORCHREC = torchrec_launch.SYSTEM  # TorchRec's DistributedModelParallel on CPU (benchmarks/torchrec_dlrm.py)
+# The side-by-side table: what a team would pick today, next to hybridsync as it comes.
+SIDE_BY_SIDE = [("hybridsync-default", "hybridsync default"), ("hybridsync-ps", "hybridsync PS (auto off)"),
+                (TUNED, "Horovod at its best"), (TORCHREC, "TorchRec CPU")]
+TORCHREC_PYTHON = None  # the TorchRec venv's python, checked before the first run (torchrec_launch.python)
 
 
 def free_port() -> int:
@@ -48,9 +61,30 @@ def mpirun(ranks: int) -> list[str]:
 COMPARE_TREE = None  # --compare: another checkout whose hybridsync runs as "<system>@before"
 
 
+def use_torchrec(explicit: str | None) -> None:
+    """Finds and checks the TorchRec venv before the first run (not an hour in): exits with how
+    to build it when it is missing or broken."""
+    global TORCHREC_PYTHON
+    try:
+        TORCHREC_PYTHON = torchrec_launch.python(explicit)
+    except torchrec_launch.TorchRecMissing as e:
+        sys.exit(f"{Path(sys.argv[0]).name}: {e}")
+
+
+def load_average() -> list[float]:
+    """This machine's 1, 5 and 15 minute load averages (printed beside every round)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def run(system, ranks, steps, warmup, global_ranks=0, timeout=900, cluster=None, per_host=1, extra=()):
-    """One configuration under its own mpirun; on `cluster` (launch/cluster.py), `per_host`
-    ranks on each of its hosts, the bytes on each host's link counted."""
+    """One configuration under its own mpirun (TorchRec: torchrun); on `cluster`
+    (launch/cluster.py), `per_host` ranks on each of its hosts, the bytes on each host's link counted."""
+    if system == TORCHREC:
+        if global_ranks:
+            raise ValueError(f"{TORCHREC} has no single-process reference run")
+        if cluster is not None:
+            return torchrec_launch.run_cluster(TORCHREC_PYTHON, cluster, per_host, steps, warmup, timeout, extra)
+        return torchrec_launch.run_local(TORCHREC_PYTHON, ranks, steps, warmup, timeout, extra)
     label, system, tree = system, system.split("@")[0], ROOT
     env = dict(os.environ)
     if label.endswith("@before"):  # the other checkout's package and run_one.py
@@ -88,6 +122,8 @@ def run(system, ranks, steps, warmup, global_ranks=0, timeout=900, cluster=None,
 
 
 def plan_runs(args):
+    """(kind, system, ranks, steps, warmup, global_ranks, round) of every run, in order; round is
+    the interleaved round (None: the single-process references after them)."""
     # Repeats run in rounds of every configuration, so a slow spell of this noisy machine
     # lands on all systems alike instead of on every repeat of one.
     runs = []
@@ -98,13 +134,13 @@ def plan_runs(args):
         systems = args.systems[k:] + args.systems[:k]
         for ranks in args.ranks:
             for system in systems:
-                runs.append(("main", system, ranks, args.steps, args.warmup, 0))
+                runs.append(("main", system, ranks, args.steps, args.warmup, 0, round_))
         if 2 in args.ranks and "horovod-sparse-as-dense" not in args.skip:
-            runs.append(("main", "horovod-sparse-as-dense", 2, args.dense_steps, 3, 0))
+            runs.append(("main", "horovod-sparse-as-dense", 2, args.dense_steps, 3, 0, round_))
     for ranks in args.ranks:  # single-process references on the same global batches
         if ranks > 1:
-            for system in (s for s in args.systems if not s.endswith("@before")):
-                runs.append(("reference", system, 1, args.steps, args.warmup, ranks))
+            for system in (s for s in args.systems if not s.endswith("@before") and s != TORCHREC):
+                runs.append(("reference", system, 1, args.steps, args.warmup, ranks, None))
     return runs
 
 
@@ -146,6 +182,8 @@ def summarise(raw):
             "unique_row_min": median([r["unique_row_min_bytes_per_rank_step"] for r in rs]),
             "table_bytes": rs[0]["table_bytes"],
         }
+        if rs[-1].get("plan"):  # TorchRec: the sharding plan its planner chose
+            s["plan"] = rs[-1]["plan"]
         checkpoints = [r["checkpoint"] for r in rs if r.get("checkpoint")]
         if checkpoints:
             s["checkpoint"] = {
@@ -186,7 +224,8 @@ def markdown(summary, meta) -> str:
         "'vs Horovod' is vs Horovod allgather as users run it, 'yield' vs Horovod with "
         "OMPI_MCA_mpi_yield_when_idle=1 (its best setting on this machine); RSS saved is vs Horovod "
         "allgather, in table sizes; 'at wrap' is the peak RSS once the model is built and wrapped, before training; "
-        "PS bytes are sent per rank per step.",
+        "PS bytes are sent per rank per step."
+        + (f" SMOKE RUN: tables of {meta['rows']:,} rows, not the workload's." if meta.get("rows") else ""),
         "",
         "| system | ranks | samples/s | ms/step | scaling | vs Horovod | vs Horovod (yield) | peak RSS/rank | at wrap | RSS saved | PS bytes | / unique-row min | loss | vs 1-process |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -201,6 +240,47 @@ def markdown(summary, meta) -> str:
             f"{fmt(s['bytes_over_min'], '.2f')} | {fmt(s['loss'], '.4f')} | "
             f"{fmt(s['loss_vs_reference'] and 100 * s['loss_vs_reference'], '+.2f')}% |")
     return "\n".join(lines)
+
+
+def side_by_side(summary) -> str:
+    """ms/step of what a team would pick today next to hybridsync as it comes, per rank count
+    (scaling: samples/s over the same system's at 1 rank)."""
+    by = {(s["system"], s["ranks"]): s for s in summary}
+    columns = [(system, name) for system, name in SIDE_BY_SIDE if any(k[0] == system for k in by)]
+    if not columns:
+        return ""
+    lines = ["", "", "Side by side, ms/step (medians of the interleaved rounds; scaling vs the same system at 1 rank):",
+             "", "| ranks | " + " | ".join(name for _, name in columns) + " |",
+             "| ---: | " + " | ".join("---:" for _ in columns) + " |"]
+    for ranks in sorted({k[1] for k in by}):
+        cells = []
+        for system, _ in columns:
+            s = by.get((system, ranks))
+            if not s or s["ms_per_step"] is None:
+                cells.append("-")
+                continue
+            scaling = f" ({s['scaling']:.2f}x)" if s["scaling"] and ranks > 1 else ""
+            cells.append(f"{s['ms_per_step']:.2f} ms{scaling}")
+        lines.append(f"| {ranks}{' (2 per core)' if ranks > (os.cpu_count() or ranks) else ''} | " + " | ".join(cells) + " |")
+    plans = [(s["ranks"], s["plan"]) for s in summary if s.get("plan")]
+    for ranks, plan in plans:
+        kinds = sorted(set(re.findall(r"\|\s*(\w+_wise|data_parallel)\s*\|", plan)))
+        lines.append(f"\nTorchRec's default planner at {ranks} rank(s): {', '.join(kinds) or 'see the JSON'}"
+                     + (" sharding." if kinds else "."))
+    return "\n".join(lines)
+
+
+def rounds_table(raw) -> str:
+    """The load average at the start of every interleaved round: a round run on a busy machine
+    shows as such beside the medians."""
+    rounds = {}
+    for r in raw:
+        if r.get("round") is not None and r.get("loadavg"):
+            rounds.setdefault(r["round"], r["loadavg"])
+    if not rounds:
+        return ""
+    listed = "; ".join(f"round {k + 1}: {' / '.join(f'{x:.2f}' for x in v)}" for k, v in sorted(rounds.items()))
+    return f"\n\nLoad average (1 / 5 / 15 min) at the start of each round: {listed}."
 
 
 def checkpoint_table(summary) -> str:
@@ -267,6 +347,16 @@ def targets(summary) -> list[tuple[str, bool | None, str]]:
         if s and s["loss_vs_reference"] is not None:
             check(f"loss {n} ranks within 1% of single process", abs(s["loss_vs_reference"]) <= 0.01,
                   f"{100 * s['loss_vs_reference']:+.3f}%")
+    # Issue 39: the default path at 2 ranks within 0.9 of what 2 cores allow (2x one rank's samples/s).
+    default_two = by.get(("hybridsync-default", 2))
+    if default_two and default_two["scaling"]:
+        check("hybridsync default, 2 ranks >= 1.8x own 1 rank (0.9 of the 2-core limit)",
+              default_two["scaling"] >= 1.8, f"{default_two['scaling']:.2f}x")
+    for n in sorted({k[1] for k in by}):
+        mine, theirs = by.get(("hybridsync-default", n)), by.get((TORCHREC, n))
+        if mine and theirs and mine["samples_per_s"] and theirs["samples_per_s"]:
+            check(f"hybridsync default vs TorchRec CPU at {n} rank(s)", None,
+                  f"{mine['samples_per_s'] / theirs['samples_per_s']:.2f}x the samples/s")
     return out
 
 
@@ -296,10 +386,9 @@ def plot(summary, path):
 PERFORMANCE_PAGE = ROOT / "docs" / "performance.md"
 
 
-def update_docs(section: str, text: str) -> None:
-    """Replaces what docs/performance.md holds between `<!-- section:start -->` and
-    `<!-- section:end -->` (bench, bench-network, bench-auto) with `text`."""
-    page = PERFORMANCE_PAGE
+def update_docs(section: str, text: str, page: Path = PERFORMANCE_PAGE) -> None:
+    """Replaces what `page` (docs/performance.md) holds between `<!-- section:start -->` and
+    `<!-- section:end -->` (bench, bench-network, bench-auto, ...) with `text`."""
     body = page.read_text()
     start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
     if start not in body or end not in body:
@@ -324,12 +413,19 @@ def main():
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--dense-steps", type=int, default=15, help="steps of horovod-sparse-as-dense (slow)")
     p.add_argument("--skip", default="", help="comma-separated extra systems to skip")
-    p.add_argument("--quick", action="store_true", help="1 repeat, 60 steps: a smoke run")
+    p.add_argument("--quick", action="store_true",
+                   help="1 repeat, 60 steps: a smoke run (writes results/quick.*, never latest.*)")
+    p.add_argument("--rows", type=int, default=None,
+                   help="rows per table (default: the workload's 250,000); smaller for smoke tests")
+    p.add_argument("--name", default=None, help="results/<name>.{json,md,png} (default: latest; --quick: quick)")
+    p.add_argument("--torchrec-python", default=None,
+                   help=f"the TorchRec venv's python for system {TORCHREC!r} (default: $HYBRIDSYNC_TORCHREC_PYTHON, "
+                        "else ~/.cache/hybridsync/torchrec-venv/bin/python; scripts/torchrec-venv.sh builds it)")
     p.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true",
                    help="leave docs/performance.md as it is")
     p.add_argument("--retries", type=int, default=2, help="re-runs of a run that crashed (each failure is reported)")
     p.add_argument("--rerender", action="store_true",
-                   help="no runs: summarise benchmarks/results/latest.json's runs again (tables, targets, docs page)")
+                   help="no runs: summarise benchmarks/results/<name>.json's runs again (tables, targets, docs page)")
     p.add_argument("--compare", metavar="CHECKOUT", help="also run this checkout's hybridsync systems as "
                    "'<system>@before' (its C++ extension built in place), in the same interleaved rounds")
     args = p.parse_args()
@@ -338,6 +434,10 @@ def main():
     args.skip = args.skip.split(",")
     if args.quick:
         args.repeats, args.steps, args.warmup, args.dense_steps = 1, 60, 10, 5
+    args.name = args.name or ("quick" if args.quick else "latest")
+    extra = ("--rows", str(args.rows)) if args.rows else ()
+    if TORCHREC in args.systems and not args.rerender:
+        use_torchrec(args.torchrec_python)
     if args.compare:
         global COMPARE_TREE
         COMPARE_TREE = Path(args.compare).resolve()
@@ -346,15 +446,20 @@ def main():
     runs = [] if args.rerender else plan_runs(args)
     raw = []
     if args.rerender:
-        previous = json.loads((RESULTS / "latest.json").read_text())
+        previous = json.loads((RESULTS / f"{args.name}.json").read_text())
         raw, args.compare = previous["runs"], previous.get("compared_with")
         args.repeats, args.steps = previous["meta"]["repeats"], previous["meta"]["steps"]
-    for kind, system, ranks, steps, warmup, global_ranks in tqdm(runs, desc="benchmark runs", unit="run"):
+    current_round = -1
+    for kind, system, ranks, steps, warmup, global_ranks, round_ in tqdm(runs, desc="benchmark runs", unit="run"):
+        if round_ is not None and round_ != current_round:
+            current_round = round_
+            tqdm.write(f"round {round_ + 1}/{args.repeats}: load average {' / '.join(map(str, load_average()))}")
         # A crashed run is retried, and kept in the results as a failure so it is never hidden
         # (torch's own DDP over Gloo intermittently corrupts its heap at 1 rank with sparse grads).
         for attempt in range(1 + args.retries):
-            result = run(system, ranks, steps, warmup, global_ranks)
-            result["kind"] = kind if "error" not in result else f"failed-{kind}"
+            loadavg = load_average()
+            result = run(system, ranks, steps, warmup, global_ranks, extra=extra)
+            result.update(kind=kind if "error" not in result else f"failed-{kind}", round=round_, loadavg=loadavg)
             raw.append(result)
             if "error" not in result:
                 break
@@ -364,25 +469,29 @@ def main():
             "repeats": args.repeats, "steps": args.steps}
     if args.rerender:
         meta["date"] = previous["meta"]["date"]
-    table = markdown(summary, meta) + checkpoint_table(summary) + failures(raw)
+    if args.rows:
+        meta["rows"] = args.rows
+    table = (markdown(summary, meta) + side_by_side(summary) + rounds_table(raw) + checkpoint_table(summary)
+             + failures(raw))
     checks = targets(summary)
     RESULTS.mkdir(parents=True, exist_ok=True)
     before_lines = compared(summary)
     payload = {"meta": meta, "summary": summary, "targets": [{"target": n, "met": ok, "measured": d} for n, ok, d in checks],
                "compared_with": args.compare, "after_vs_before": before_lines, "runs": raw}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    for name in ([] if args.rerender else [f"bench-{stamp}.json"]) + ["latest.json"]:
+    stamped = [] if args.rerender or args.name != "latest" else [f"bench-{stamp}.json"]
+    for name in stamped + [f"{args.name}.json"]:
         (RESULTS / name).write_text(json.dumps(payload, indent=2))
     target_lines = "\n".join(f"- {'met' if ok else ('MISSED' if ok is False else 'info')}: {n} ({d})"
                              for n, ok, d in checks)
-    (RESULTS / "latest.md").write_text(table + "\n\nTargets:\n\n" + target_lines + "\n")
-    plot(summary, RESULTS / "latest.png")
+    (RESULTS / f"{args.name}.md").write_text(table + "\n\nTargets:\n\n" + target_lines + "\n")
+    plot(summary, RESULTS / f"{args.name}.png")
     print(table)
     print("\nTargets:\n" + target_lines)
     if before_lines:
         print(f"\nThis checkout vs {args.compare} (same run, interleaved):\n" + "\n".join(before_lines))
-    print(f"\nwrote {RESULTS / 'latest.json'}, latest.md, latest.png")
-    if not args.no_docs and not args.quick:
+    print(f"\nwrote {RESULTS / args.name}.json, .md, .png")
+    if not args.no_docs and not args.quick and args.name == "latest" and not args.rows:
         update_docs("bench", table + "\n\n" + target_lines + "\n\n" + results_image("throughput and memory", "latest.png"))
 
 

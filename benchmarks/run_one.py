@@ -20,8 +20,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-SYSTEMS = ("hybridsync-sharded", "hybridsync-replicated", "hybridsync", "horovod-allgather", "horovod-allgather-yield",
-           "horovod-sparse-as-dense", "ddp-gloo")
+SYSTEMS = ("hybridsync-default", "hybridsync-ps", "hybridsync-sharded", "hybridsync-replicated", "hybridsync",
+           "horovod-allgather", "horovod-allgather-yield", "horovod-sparse-as-dense", "ddp-gloo")
+# A script as its user writes it (the DLRM's nn.Embedding tables, DistributedOptimizer(model=...)):
+# "hybridsync-default" as it comes (`sync: auto` on), "hybridsync-ps" with HYBRIDSYNC_AUTO=off
+# (every table on the parameter server, sharded).
+AS_WRITTEN = ("hybridsync", "hybridsync-default", "hybridsync-ps")
 
 
 def parse_args():
@@ -41,7 +45,8 @@ def parse_args():
     p.add_argument("--hot-rows", type=int, default=0,
                    help="table 0 gets this many rows, most of them used every step (a densely used table)")
     p.add_argument("--config", default=None,
-                   help="system 'hybridsync': this YAML decides the routes (none: the defaults, sync: auto)")
+                   help="systems 'hybridsync', 'hybridsync-default', 'hybridsync-ps': this YAML decides the routes "
+                        "(none: the defaults, sync: auto)")
     p.add_argument("--print-routes", action="store_true",
                    help="hybridsync systems: report each sparse variable's final route (and auto's numbers)")
     p.add_argument("--checkpoint-dir", default=None,
@@ -147,7 +152,7 @@ def build(args, rank, size):
             model = dlrm(embedding=lambda r, d: hvd.Embedding(r, d, initializer=("uniform", -1 / np.sqrt(r),
                                                                                     1 / np.sqrt(r))))
             opt = hybridsync.DistributedOptimizer(sgd(model), model=model)
-        elif args.system == "hybridsync":  # as a user writes it: routes by `sync: auto` or the YAML
+        elif args.system in AS_WRITTEN:  # as a user writes it: routes by `sync: auto` or the YAML
             model = dlrm()
             hvd.broadcast_parameters(model.state_dict(), 0)
             opt = hybridsync.DistributedOptimizer(sgd(model), model=model, config=args.config)
@@ -233,6 +238,10 @@ def main():
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
+    if args.system == "hybridsync-ps":
+        os.environ["HYBRIDSYNC_AUTO"] = "off"  # what defines this system; before hybridsync reads its settings
+    elif args.system == "hybridsync-default":
+        os.environ.pop("HYBRIDSYNC_AUTO", None)  # the default, whatever the caller's environment says
     if args.system.startswith("hybridsync"):
         import hybridsync
 

@@ -129,12 +129,12 @@ class Cluster:
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
         _sh("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
         _sh("ip", "link", "set", self.bridge, "up")
-        for i, name in enumerate(self.names):
+        for name in self.names:
             _sh("ip", "netns", "add", name)
             _sh("ip", "link", "add", self._veth(name), "type", "veth", "peer", "name", "eth0", "netns", name)
             _sh("ip", "link", "set", self._veth(name), "master", self.bridge)
             _sh("ip", "link", "set", self._veth(name), "up")
-            _sh("ip", "addr", "add", f"{self.subnet}.{i + 1}/24", "dev", "eth0", ns=name)
+            _sh("ip", "addr", "add", f"{self.address(name)}/24", "dev", "eth0", ns=name)
             _sh("ip", "link", "set", "eth0", "up", ns=name)
             _sh("ip", "link", "set", "lo", "up", ns=name)
         if self.rate:
@@ -191,6 +191,10 @@ class Cluster:
         """`cmd` run on `host` (as `ssh host cmd` would): e.g. mpirun started on the first host,
         as on a real cluster, rather than on this machine, outside every host."""
         return [str(self.bin_dir / "ssh"), host, shlex.join(cmd)]
+
+    def address(self, host: str) -> str:
+        """The host's address on the bridge subnet (what a launcher's rendezvous endpoint names)."""
+        return f"{self.subnet}.{self.names.index(host) + 1}"
 
     def hosts_arg(self, slots: int) -> str:
         """-H value with `slots` ranks on each host: 'hs0:2,hs1:2'."""

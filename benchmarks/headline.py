@@ -1,0 +1,78 @@
+"""The README's headline table, from the side-by-side benchmarks' results (no measuring of its own).
+
+    python benchmarks/headline.py                # README.md between <!-- headline:start/end -->
+    python benchmarks/headline.py --print        # the table only
+    python benchmarks/headline.py --hybridsync hybridsync-default   # another hybridsync column
+
+Reads benchmarks/results/latest.json (benchmarks/bench.py: 2 and 4 ranks on one host, memory) and
+network.json (benchmarks/network.py: 2 hosts x 2 ranks at 1 Gbit). A system a results file does
+not have (TorchRec before a run that included it) shows as "not yet measured".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench import BASELINE, RESULTS, ROOT, TORCHREC, TUNED, update_docs  # noqa: E402
+
+MISSING = "not yet measured"
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def table(hybridsync: str, bench: dict | None, network: dict | None) -> str:
+    one_host = {(s["system"], s["ranks"]): s for s in (bench or {}).get("summary", [])}
+    links = {(s["rate"], s["per_host"], s["system"]): s for s in (network or {}).get("summary", [])}
+    columns = [hybridsync, BASELINE, TUNED, TORCHREC]
+
+    def rate(s):
+        return f"{s['samples_per_s']:,.0f}" if s and s.get("samples_per_s") else MISSING
+
+    def versus(mine, others):
+        """hybridsync over the fastest measured baseline of the row."""
+        best = max((o["samples_per_s"] for o in others if o and o.get("samples_per_s")), default=None)
+        return f"{mine['samples_per_s'] / best:.2f}x" if mine and mine.get("samples_per_s") and best else "-"
+
+    rows = []
+    for label, pick in (("2 ranks, one host", lambda system: one_host.get((system, 2))),
+                        ("4 ranks, one host (2 per core)", lambda system: one_host.get((system, 4))),
+                        ("2 hosts x 2 ranks, 1 Gbit links", lambda system: links.get(("1gbit", 2, system)))):
+        found = [pick(system) for system in columns]
+        rows.append(f"| {label} | " + " | ".join(rate(s) for s in found) + f" | {versus(found[0], found[2:])} |")
+    memory = [one_host.get((system, 4)) for system in columns]
+    mib = [f"{s['peak_rss_per_rank'] / 2**20:,.0f} MiB" if s else MISSING for s in memory]
+    saved = memory[0]["rss_saved_vs_horovod"] if memory[0] and memory[0].get("rss_saved_vs_horovod") is not None else None
+    rows.append("| peak memory per rank, 4 ranks | " + " | ".join(mib)
+                + f" | {f'{saved:.2f} tables less' if saved is not None else '-'} |")
+    repeats = (bench or {}).get("meta", {}).get("repeats", "?")
+    rounds = (network or {}).get("meta", {}).get("repeats", "?")
+    head = (f"Criteo-shaped DLRM (8 tables x 250,000 x 32, batch 512 per rank, SGD) on one 2-core machine;\n"
+            f"samples/s, medians of {repeats} runs (network mode: {rounds} rounds). \"Horovod at its best\" is Horovod "
+            "allgather\nwith `OMPI_MCA_mpi_yield_when_idle=1`; TorchRec is its DistributedModelParallel on CPU "
+            "(benchmarks/torchrec_dlrm.py).\n\"vs best\" is hybridsync over the faster of Horovod at its best and "
+            "TorchRec; memory: tables' worth less than Horovod.")
+    return "\n".join([head, "", f"| setting | hybridsync ({hybridsync.removeprefix('hybridsync-')}) | Horovod allgather | "
+                      "Horovod at its best | TorchRec CPU | vs best |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: |", *rows])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hybridsync", default="hybridsync-sharded", help="the hybridsync system of the first column")
+    p.add_argument("--print", action="store_true", help="print the table; leave README.md as it is")
+    args = p.parse_args()
+    text = table(args.hybridsync, load("latest.json"), load("network.json"))
+    if args.print:
+        print(text)
+        return
+    update_docs("headline", text, page=ROOT / "README.md")
+
+
+if __name__ == "__main__":
+    main()
