@@ -53,4 +53,4 @@ bench-quick: install
 	$(PY) benchmarks/bench.py --quick
 
 clean:
-	rm -rf build hybridsync/_ps*.so
+	rm -rf build hybridsync/_ps*.so hybridsync/_liveness*.so hybridsync/libhybridsync_ps.so

@@ -4,6 +4,7 @@ The CMake build directory is kept under build/ so that `pip install -e .` after 
 recompiles only what changed.
 """
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,6 +22,14 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
+    CORE = "libhybridsync_ps.so"  # the core the modules share, found beside them ($ORIGIN)
+
+    def copy_extensions_to_source(self):
+        """In place (pip install -e, build_ext --inplace): the shared core goes with the modules."""
+        super().copy_extensions_to_source()
+        package_dir = Path(self.get_finalized_command("build_py").get_package_dir("hybridsync"))
+        shutil.copyfile(Path(self.build_lib) / "hybridsync" / self.CORE, package_dir / self.CORE)
+
     def build_extension(self, ext):
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         tag = sysconfig.get_platform() + "-" + sysconfig.get_python_version()
@@ -38,7 +47,8 @@ class CMakeBuild(build_ext):
             cwd=build_dir,
         )
         jobs = str(os.cpu_count() or 2)
-        subprocess.check_call(["cmake", "--build", ".", "--target", "_ps", "-j", jobs], cwd=build_dir)
+        target = ext.name.rsplit(".", 1)[1]  # (the shared core library is built with the first)
+        subprocess.check_call(["cmake", "--build", ".", "--target", target, "-j", jobs], cwd=build_dir)
 
 
 setup(
@@ -48,7 +58,8 @@ setup(
     packages=find_packages(include=["hybridsync", "hybridsync.*"]) + ["hybridsync_launch"],
     package_dir={"hybridsync_launch": "launch"},
     entry_points={"console_scripts": ["hybridsync-run=hybridsync_launch.run:main"]},
-    ext_modules=[CMakeExtension("hybridsync._ps")],
+    ext_modules=[CMakeExtension("hybridsync._ps"), CMakeExtension("hybridsync._liveness"),
+                 CMakeExtension("hybridsync._ps_testing")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
     install_requires=["numpy", "mpi4py", "pyyaml"],

@@ -62,17 +62,17 @@ def _zipf_ranks(rng, n: int, a: float) -> np.ndarray:
 
 
 def _hashed(ranks: np.ndarray) -> np.ndarray:
-    from hybridsync.dynamic import _mix64
+    from hybridsync.ps.dynamic_options import _mix64
 
     return _mix64(ranks.astype(np.uint64)).view(np.int64)
 
 
 def rank_run(args) -> None:
     import hybridsync
-    from hybridsync import dynamic as dyn
+    from hybridsync.ps import dynamic_options as dyn
     from hybridsync import runtime
-    from hybridsync.sync.dynamic_table import DynamicTable
-    from hybridsync.sync.table import PSTable, push
+    from hybridsync.ps.dynamic import DynamicTable
+    from hybridsync.ps.table import PSTable, push
 
     hybridsync.init()
     world = runtime.world()

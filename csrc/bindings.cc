@@ -393,9 +393,6 @@ class PyEngine {
 
 }  // namespace
 
-// Shard and Partitioner on their own, for the unit tests (csrc/testing_bindings.cc).
-void add_testing_bindings(py::module_& m);
-
 PYBIND11_MODULE(_ps, m) {
   m.doc() = "hybridsync parameter server core (C++)";
   if (import_mpi4py() < 0) throw py::error_already_set();
@@ -419,35 +416,6 @@ PYBIND11_MODULE(_ps, m) {
   m.def("optimizer_hyperparameters", [](const std::string& name, const std::map<std::string, double>& hparams) {
     return resolve_rule(name, hparams);
   });
-  add_testing_bindings(m);
-
-  m.def("start_heartbeat", [](py::object comm, double interval_s, double abort_after_s) {
-        MPI_Comm* c = PyMPIComm_Get(comm.ptr());
-        if (!c) throw py::error_already_set();
-        nogil([&] { start_heartbeat(*c, interval_s, abort_after_s); });
-      }, py::arg("comm"), py::arg("interval_s"), py::arg("abort_after_s") = 0.0,
-      "Collective: starts this process's heartbeat thread (peers' liveness, see silent_peers); "
-      "abort_after_s > 0: a peer silent that long aborts the job, naming it.");
-  m.def("set_lost_host_last_words", &set_lost_host_last_words, py::arg("advice"), py::arg("advice_claim"),
-        py::arg("backstop"), py::arg("backstop_note"),
-        "What the heartbeat's watchdog writes and starts just before it aborts the job over a peer on another "
-        "host (hybridsync/liveness.h); empty strings and list: nothing.");
-  m.def("first_on_this_host", &first_on_this_host, py::arg("name"),
-        "Whether this process is the first on its host to claim `name` (held until it ends).");
-  m.def("stop_heartbeat", [] { nogil([] { stop_heartbeat(); }); });
-  m.def("silent_peers", [](double timeout_s) {
-        py::list out;
-        for (const SilentPeer& p : silent_peers(timeout_s)) out.append(py::make_tuple(p.rank, p.host, p.seconds));
-        return out;
-      }, py::arg("timeout_s"), "(rank, host, seconds) of peers not heard from for longer than timeout_s.");
-  m.def("departed_peers", [](double grace_s) {
-        py::list out;
-        for (int p = 0; p < heartbeat_size(); ++p) {
-          const double s = departed_for(p);
-          if (s > grace_s) out.append(py::make_tuple(p, host_of(p), s));
-        }
-        return out;
-      }, py::arg("grace_s"), "(rank, host, seconds) of peers that said goodbye (ended normally) over grace_s ago.");
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init([](py::object comm, double spin_us, double max_sleep_us, double stall_warning_s, double timeout_s,

@@ -1,5 +1,7 @@
-// Python bindings of internals the unit tests check on their own: a single Shard with its
-// update rule, and the Partitioner (which hybridsync/partition.py mirrors). Not the PS API.
+// The Python module hybridsync._ps_testing: internals the unit tests check on their own -- a single
+// Shard with its update rule, the Partitioner and a dynamic table's hash and initial rows (which
+// hybridsync/ps/partition.py and dynamic_options.py mirror), the watchdog's last words. Not the PS
+// API, and not in the engine's module.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -91,7 +93,9 @@ class PyShard {
 
 }  // namespace
 
-void add_testing_bindings(py::module_& m) {
+PYBIND11_MODULE(_ps_testing, m) {
+  // The engine's module translates the core's errors (PSError -> ValueError, ...): load it first.
+  py::module_::import("hybridsync._ps");
   m.def("say_lost_host_last_words", [] { say_lost_host_last_words(); });
   // The C++ sides of hybridsync/dynamic.py's twins.
   m.def("hash_shard", [](const std::vector<int64_t>& ids, int shards) {

@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 
 from . import array_files, comm, runtime
-from .partition import Partition
+from .ps.partition import Partition
 from .types import Placement
 
 FORMAT = "hybridsync-checkpoint/1"
@@ -162,7 +162,7 @@ def _manifest(optimizer, tables, files: dict, extra) -> dict:
         shards, partition = table.layout
         entries.append({
             "variable": var.name, "num_rows": table.num_rows, "dim": table.dim, "shards": shards,
-            "partition": partition, "optimizer": table.rule, "slots": table.slot_names, "step": table.step,
+            "partition": partition, "optimizer": table.optimizer, "slots": table.slot_names, "step": table.step,
             "files": [{"name": _shard_file(i, s), **files[_shard_file(i, s)]} for s in range(shards)],
         })
     dense = files[DENSE]
@@ -312,9 +312,9 @@ def _check_same_model(manifest: dict, tables: list) -> None:
             raise CheckpointError(
                 f"variable '{var.name}' {table.num_rows}x{table.dim} does not match the checkpoint's table #{k} "
                 f"'{entry['variable']}' {entry['num_rows']}x{entry['dim']} (a checkpoint of another model?)")
-        if entry["optimizer"] != table.rule:
+        if entry["optimizer"] != table.optimizer:
             raise CheckpointError(f"variable '{var.name}': checkpoint has server optimizer '{entry['optimizer']}', "
-                                  f"this run uses '{table.rule}'")
+                                  f"this run uses '{table.optimizer}'")
     if len(saved) > len(tables):
         raise CheckpointError(f"the checkpoint's table '{saved[len(tables)]['variable']}' is not on the parameter "
                               "server in this model (a checkpoint of another model?)")
@@ -331,7 +331,7 @@ def _load_table(path: Path, var, table, saved: dict) -> None:
     """Writes the saved rows (and slots) this rank owns under this run's layout."""
     from safetensors import safe_open
 
-    from .sync.dynamic_table import DynamicTable
+    from .ps.dynamic import DynamicTable
 
     rank = runtime.world().rank
     shards, kind = table.layout

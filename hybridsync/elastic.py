@@ -172,7 +172,7 @@ class TableShardsHandler(StateHandler):
 def ps_tables(objects) -> list:
     """Each PS table among `objects` -- PS-backed modules or layers (their `table`) and hybridsync
     DistributedOptimizers (the tables of their plan) -- once."""
-    from .sync.table import PSTable
+    from .ps.table import PSTable
 
     found = {}
     for obj in objects:

@@ -173,13 +173,13 @@ def backstop_note(target: int) -> str:
 
 
 def advice_claim(job_key: str) -> str:
-    """The name under which one rank per host claims the advice (_ps.first_on_this_host): the
+    """The name under which one rank per host claims the advice (_liveness.first_on_this_host): the
     job's key (the same on every rank) keeps jobs sharing a host apart."""
     return f"hybridsync-lost-host-advice-{job_key}"
 
 
 def watchdog_last_words(peer_timeout_s: float, job_key: str, backstop: bool = True, env=None):
-    """The heartbeat watchdog's last words (_ps.set_lost_host_last_words), computed when it starts:
+    """The heartbeat watchdog's last words (_liveness.set_lost_host_last_words), computed when it starts:
     where nothing can raise (a rank blocked in Horovod's own collectives) the C++ watchdog aborts
     the job, past every Python hook, so it says the advice (the first rank on its host to get
     there) and starts the backstop itself. Returns (advice, advice_claim, backstop argv, note)."""

@@ -241,9 +241,9 @@ def explain(file=None, as_json: bool = False) -> str:
 def _dynamic_lines() -> list:
     import sys
 
-    if "hybridsync.sync.dynamic_table" not in sys.modules:  # no dynamic table was ever made
+    if "hybridsync.ps.dynamic" not in sys.modules:  # no dynamic table was ever made
         return []
-    from .sync.dynamic_table import explain_lines
+    from .ps.dynamic import explain_lines
 
     return explain_lines()
 

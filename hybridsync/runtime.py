@@ -160,8 +160,8 @@ def shutdown() -> None:
 def _start_heartbeat(comm) -> None:
     """Collective: a C++ thread that tells every peer this rank is alive, so a peer that
     freezes or becomes unreachable is named within HYBRIDSYNC_PEER_TIMEOUT_S instead of hanging
-    the job (hybridsync/_ps: csrc/transport/heartbeat.cc)."""
-    from . import _ps
+    the job (hybridsync._liveness: csrc/transport/heartbeat.cc)."""
+    from . import _liveness
     from .settings import settings
 
     timeout = settings().peer_timeout_s
@@ -169,8 +169,8 @@ def _start_heartbeat(comm) -> None:
         # The watchdog's limit leaves the waits that check the heartbeat time to raise their
         # own error first; it ends the job where nothing can raise (inside Horovod's collectives).
         abort_after_s = timeout + max(5.0, timeout / 4)
-        _ps.start_heartbeat(comm, min(1.0, max(0.05, timeout / 10)), abort_after_s=abort_after_s)
-        on_shutdown(_ps.stop_heartbeat)
+        _liveness.start_heartbeat(comm, min(1.0, max(0.05, timeout / 10)), abort_after_s=abort_after_s)
+        on_shutdown(_liveness.stop_heartbeat)
         from . import lost_hosts
 
         # The same on every rank, different for every job (two jobs may share a host): one rank
@@ -179,7 +179,7 @@ def _start_heartbeat(comm) -> None:
         _job_key = comm.bcast(uuid.uuid4().hex if comm.Get_rank() == 0 else None, root=0)
         # Said by the watchdog itself: the rank it runs in may be blocked where Python never runs
         # again.
-        _ps.set_lost_host_last_words(*lost_hosts.watchdog_last_words(timeout, _job_key,
+        _liveness.set_lost_host_last_words(*lost_hosts.watchdog_last_words(timeout, _job_key,
                                                                       backstop=settings().lost_host_backstop))
 
 
@@ -221,13 +221,13 @@ def _prepare_for_abort(lost_host: str) -> None:
     host) and leave the backstop, in place of the heartbeat watchdog's last words."""
     from mpi4py import MPI
 
-    from . import _ps, lost_hosts
+    from . import _liveness, lost_hosts
     from .settings import settings
 
     try:
         lost_hosts.prepare_for_abort(lost_host, MPI.Get_processor_name(), settings().peer_timeout_s,
-                                     first_to_advise=lambda: _ps.first_on_this_host(lost_hosts.advice_claim(_job_key)),
+                                     first_to_advise=lambda: _liveness.first_on_this_host(lost_hosts.advice_claim(_job_key)),
                                      backstop=settings().lost_host_backstop)
-        _ps.set_lost_host_last_words("", "", [], "")  # said and armed: the watchdog must not do it again
+        _liveness.set_lost_host_last_words("", "", [], "")  # said and armed: the watchdog must not do it again
     except Exception as err:  # aborting anyway: the abort must not fail on this
         sys.stderr.write(f"hybridsync: could not arm the lost-host backstop: {err}\n")

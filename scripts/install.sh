@@ -110,7 +110,7 @@ fi
 # --- 5. hybridsync itself (editable; rebuilt when the C++ sources change) ---------------
 src_stamp=$(stamp_of "$ROOT/setup.py" "$ROOT/CMakeLists.txt" $(find "$ROOT/csrc" -type f | sort))
 if [ "$(cat "$VENV/.hybridsync-build" 2>/dev/null)" != "$src_stamp" ] || \
-   ! "$VENV/bin/python" -c 'import hybridsync._ps' 2>/dev/null; then
+   ! "$VENV/bin/python" -c 'import hybridsync._ps, hybridsync._liveness, hybridsync._ps_testing' 2>/dev/null; then
   log "building hybridsync (pip install -e .)"
   quiet "${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"
   echo "$src_stamp" >"$VENV/.hybridsync-build"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridsync import dynamic as dyn
+from hybridsync.ps import dynamic_options as dyn
 
 
 class ReferenceTable:

@@ -128,10 +128,10 @@ def raise_if_a_peer_is_lost(comm) -> None:
 
 
 def _raise_if_a_peer_is_silent() -> None:
-    from .. import _ps
+    from .. import _liveness
 
     timeout = settings().peer_timeout_s
-    silent = _ps.silent_peers(timeout) if timeout > 0 else []
+    silent = _liveness.silent_peers(timeout) if timeout > 0 else []
     if silent:
         rank, host, seconds = silent[0]
         raise PeerLostError(f"hybridsync: rank {rank} on host {host} has not been heard from for {seconds:.0f} s "
@@ -145,9 +145,9 @@ _GONE_GRACE_S = 2.0
 
 
 def _raise_if_a_peer_has_left(comm) -> None:
-    from .. import _ps
+    from .. import _liveness
 
-    gone = _ps.departed_peers(_GONE_GRACE_S)
+    gone = _liveness.departed_peers(_GONE_GRACE_S)
     if not gone:
         return
     members = set(_world_ranks(comm if comm is not None else MPI.COMM_WORLD))

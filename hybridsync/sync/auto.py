@@ -248,7 +248,7 @@ class Switch:
     def _reshard(self, var: Variable, shards: int) -> None:
         """Collective: a new table on `shards` shards takes var's rows and server state, each
         rank its new shard's, read from the old shards in chunks (no rank holds the table)."""
-        from .table import PSTable
+        from ..ps.table import PSTable
 
         old, plan = var.table, var.plan
         sharded = plan.placement is Placement.SHARDED

@@ -10,7 +10,7 @@ from ..config import DYNAMIC_KEYS, Config
 from ..plan import VariablePlan
 from ..routing import RouteResolver
 from ..types import GradKind
-from .server_rules import OptimizerSpec, server_rule
+from ..ps.rules import OptimizerSpec, server_rule
 
 
 def route_resolver(config: Config | None, describe: Callable[[object], OptimizerSpec], *, has_model: bool,

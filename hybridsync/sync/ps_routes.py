@@ -16,7 +16,7 @@ from ..types import Placement, Route
 from . import accounting, staleness
 from .base import Synchronizer, Variable
 from .registry import register
-from .table import PSTable, push
+from ..ps.table import PSTable, push
 
 
 def _table_rows(values, dim: int) -> np.ndarray:
@@ -48,7 +48,7 @@ class _PSRoute(Synchronizer):
             return
         for var in self.variables:
             if var.table is not None:
-                stats.ps_round(var.name, var.table.engine.round_stats(var.table.handle), current)
+                stats.ps_round(var.name, var.table.round_stats(), current)
 
     def state_dict(self) -> dict:
         """The server optimizer state of every table, as views that read their rows from the

@@ -8,9 +8,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .. import dynamic as dyn
-from ..sync.dynamic_table import DynamicTable
-from ..sync.table import shared_seed
+from ..ps import dynamic_options as dyn
+from ..ps.dynamic import DynamicTable
+from ..ps.table import shared_seed
 
 MODES = (None, "sum", "mean")
 

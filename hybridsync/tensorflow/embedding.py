@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ..sync.table import PSTable, shared_seed
+from ..ps.table import PSTable, shared_seed
 from .table_weight import TableWeight
 
 

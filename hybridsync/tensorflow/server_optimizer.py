@@ -1,4 +1,4 @@
-"""A Keras optimizer described for hybridsync.sync.server_rules (which decides the server rule
+"""A Keras optimizer described for hybridsync.ps.rules (which decides the server rule
 and words the errors): SGD -> sgd; Adagrad -> adagrad with Keras's epsilon inside the square
 root; Adam -> lazy adam (only rows with a gradient move, as torch's SparseAdam; Keras's own Adam
 decays every row's moments on a sparse gradient). Weight decay, clipping, accumulation and EMA
@@ -8,7 +8,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from ..sync.server_rules import OptimizerSpec
+from ..ps.rules import OptimizerSpec
 
 _BLOCKING_ATTRIBUTES = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .. import comm, runtime, timeline
-from ..sync.table import pull
+from ..ps.table import pull
 from .embedding import Embedding, _Prefetched
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import dynamic as dyn
+from ..ps import dynamic_options as dyn
 from .. import timeline
-from ..sync.dynamic_table import STATE_KEYS, DynamicSnapshot, DynamicTable
-from ..sync.table import shared_seed
+from ..ps.dynamic import STATE_KEYS, DynamicSnapshot, DynamicTable
+from ..ps.table import shared_seed
 from .embedding import _grad_rows, _PSTableModule, _server_events, _unnamed
 from .table_tensor import ShardedTableTensor
 
@@ -140,7 +140,7 @@ class DynamicEmbedding(_PSTableModule):
 
     def export(self, path) -> int:
         """Collective: every stored (id, row) pair into one file, each rank writing its own shard
-        (hybridsync.sync.dynamic_table.read_export reads it back)."""
+        (hybridsync.ps.dynamic.read_export reads it back)."""
         return self.table.export(path)
 
     # -- state: '<prefix>ids', 'rows', 'counts', 'last_touch', 'pending_ids', 'pending_counts',

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import runtime, timeline
-from ..sync.table import PSTable, TableView, pull, shared_seed
+from ..ps.table import PSTable, TableView, pull, shared_seed
 from .table_tensor import ShardedTableTensor
 
 _unnamed = itertools.count()

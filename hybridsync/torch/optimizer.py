@@ -36,7 +36,7 @@ from .planner import apply_dynamic_rules, plan_for, ps_modules, route_for_observ
 from .process_set_optimizer import check_routes, outside_set_optimizer, scope_for, set_config
 from .server_optimizer import describe, group_of
 from .table_tensor import ShardedTableTensor
-from ..sync.table import TableView
+from ..ps.table import TableView
 
 
 def _compression_name(compression) -> str:

@@ -1,11 +1,11 @@
-"""A torch optimizer described for hybridsync.sync.server_rules (which decides the server rule
+"""A torch optimizer described for hybridsync.ps.rules (which decides the server rule
 and words the errors): SGD -> sgd; Adagrad -> adagrad; Adam, AdamW and SparseAdam -> adam
 (lazy); settings the server cannot apply row by row are listed as blockers."""
 from __future__ import annotations
 
 import torch
 
-from ..sync.server_rules import OptimizerSpec
+from ..ps.rules import OptimizerSpec
 
 # Optimizers that apply a sparse gradient themselves (the allgather route needs one).
 _SPARSE_CAPABLE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map
 
-from ..sync.table import TableView
+from ..ps.table import TableView
 
 
 class ShardedTableTensor(torch.Tensor):

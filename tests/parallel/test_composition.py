@@ -191,7 +191,7 @@ def _samples():
 
 def _reshard(table, shards):
     """The reference dynamic table's entries moved to `shards` shards (a load at another world size)."""
-    from hybridsync import dynamic as dyn
+    from hybridsync.ps import dynamic_options as dyn
     from tests.dynamic_reference import ReferenceTable
 
     new = ReferenceTable(table.dim, shards, table.capacity, table.admit_after, table.evict, table.ttl, table.seed,

@@ -249,7 +249,7 @@ def _save(path, model, opt):
 
     import hybridsync
     import hybridsync.torch as hvd
-    from hybridsync.sync.dynamic_table import read_export
+    from hybridsync.ps.dynamic import read_export
 
     hybridsync.save_checkpoint(path, model, opt)
     state = _everything(model)

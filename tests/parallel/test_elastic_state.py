@@ -23,7 +23,7 @@ def _shards_table(table, slot=-1):
     import numpy as np
 
     import hybridsync
-    from hybridsync.partition import Partition
+    from hybridsync.ps.partition import Partition
 
     shards, kind = table.layout
     mine = ((table.engine.local_values(table.handle, slot), Partition(table.num_rows, shards, kind).rows_of(hybridsync.rank()))

@@ -42,7 +42,7 @@ def _shards_table(table):
     import numpy as np
 
     import hybridsync
-    from hybridsync.partition import Partition
+    from hybridsync.ps.partition import Partition
 
     shards, kind = table.layout
     mine = ((table.engine.local_values(table.handle, -1), Partition(table.num_rows, shards, kind).rows_of(hybridsync.rank()))

@@ -8,7 +8,7 @@ from hybridsync.comm.probe import Links, cache_path
 from hybridsync.sync import cost_model
 from hybridsync.sync.auto import candidates_for
 from hybridsync.sync.cost_model import ALLGATHER, DENSE, PS, TableStats, decide
-from hybridsync.sync.server_rules import OptimizerSpec
+from hybridsync.ps.rules import OptimizerSpec
 
 NET = Links(p2p_latency_s=20e-6, p2p_bandwidth=1.25e9, allreduce_latency_s=40e-6, allreduce_bandwidth=0.6e9,
             memory_bandwidth=5e9)

@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from hybridsync import _ps, config
-from hybridsync import dynamic as dyn
+from hybridsync import _ps_testing, config
+from hybridsync.ps import dynamic_options as dyn
 
 
 def _ids():
@@ -19,7 +19,7 @@ def _ids():
 @pytest.mark.parametrize("shards", [1, 2, 3, 7])
 def test_hash_shard_twin_matches_the_engine_and_spreads_sequential_ids(shards):
     ids = _ids()
-    assert dyn.hash_shard(ids, shards).tolist() == _ps.hash_shard(ids.tolist(), shards)
+    assert dyn.hash_shard(ids, shards).tolist() == _ps_testing.hash_shard(ids.tolist(), shards)
     counts = np.bincount(dyn.hash_shard(np.arange(30000), shards), minlength=shards)
     assert counts.min() > 0.9 * 30000 / shards  # no id-mod-shards striping
 
@@ -30,7 +30,7 @@ def test_initial_rows_twin_matches_the_engine(init, dim):
     """The engine's polynomial log / sin / cos against NumPy's float32 functions, over many ids
     (so the tails of the normal, where r is largest, are in)."""
     ids = np.concatenate([_ids(), np.random.default_rng(6).integers(-2**63, 2**63 - 1, 20000, np.int64)])
-    want = np.array(_ps.dynamic_initial_rows(42, ids.tolist(), dim, *init), np.float32).reshape(-1, dim)
+    want = np.array(_ps_testing.dynamic_initial_rows(42, ids.tolist(), dim, *init), np.float32).reshape(-1, dim)
     np.testing.assert_allclose(dyn.initial_rows(42, ids, dim, init), want, rtol=1e-6, atol=1e-6)
 
 

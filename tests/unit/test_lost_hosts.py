@@ -83,14 +83,14 @@ def test_a_peer_lost_on_another_host_gets_the_advice_from_one_rank_per_host(caps
 
 
 def test_one_process_per_host_claims_a_name_and_the_claim_ends_with_it():
-    from hybridsync import _ps
+    from hybridsync import _liveness, _ps_testing
 
     name = f"hybridsync-test-claim-{os.getpid()}-{time.monotonic_ns()}"
-    claim = [sys.executable, "-c", f"import sys; from hybridsync import _ps; sys.exit(0 if _ps.first_on_this_host({name!r}) else 3)"]
+    claim = [sys.executable, "-c", f"import sys; from hybridsync import _liveness; sys.exit(0 if _liveness.first_on_this_host({name!r}) else 3)"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     assert subprocess.run(claim, env=env).returncode == 0  # first: claimed, and released as it ended
-    assert _ps.first_on_this_host(name)
-    assert not _ps.first_on_this_host(name)  # the same process again
+    assert _liveness.first_on_this_host(name)
+    assert not _liveness.first_on_this_host(name)  # the same process again
     assert subprocess.run(claim, env=env).returncode == 3  # another process on this host
 
 
@@ -108,13 +108,13 @@ json.dump({"own_session": os.getsid(0) == os.getpid(), "fds": fds}, open(sys.arg
 
 
 def test_the_watchdogs_last_words_start_a_detached_backstop_and_advise_once_per_host(tmp_path, capfd):
-    from hybridsync import _ps
+    from hybridsync import _liveness, _ps_testing
 
     report = tmp_path / "report.json"
     claim = f"hybridsync-test-advice-{os.getpid()}-{time.monotonic_ns()}"
     backstop = [sys.executable, "-c", _SELF_REPORT, str(report)]
-    _ps.set_lost_host_last_words("ADVICE: pass mpirun the flags", claim, backstop, "NOTE: the backstop is armed")
-    _ps.say_lost_host_last_words()
+    _liveness.set_lost_host_last_words("ADVICE: pass mpirun the flags", claim, backstop, "NOTE: the backstop is armed")
+    _ps_testing.say_lost_host_last_words()
     err = capfd.readouterr().err
     assert "ADVICE: pass mpirun the flags\n" in err and "NOTE: the backstop is armed\n" in err, err
     for _ in range(100):
@@ -128,12 +128,12 @@ def test_the_watchdogs_last_words_start_a_detached_backstop_and_advise_once_per_
     assert seen["fds"] == {"0": "/dev/null", "1": "/dev/null", "2": "/dev/null"}, seen
     # Once: a second silent peer arms nothing more.
     report.unlink()
-    _ps.say_lost_host_last_words()
+    _ps_testing.say_lost_host_last_words()
     time.sleep(0.5)
     assert capfd.readouterr().err == "" and not report.exists()
     # Another rank of this host advised first (it holds the claim): only the backstop, silently.
-    _ps.set_lost_host_last_words("ADVICE", claim, backstop, "NOTE")
-    _ps.say_lost_host_last_words()
+    _liveness.set_lost_host_last_words("ADVICE", claim, backstop, "NOTE")
+    _ps_testing.say_lost_host_last_words()
     assert capfd.readouterr().err == ""
     for _ in range(100):
         if report.exists() and report.stat().st_size:

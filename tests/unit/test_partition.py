@@ -2,14 +2,14 @@
 import numpy as np
 import pytest
 
-from hybridsync import ps
-from hybridsync.partition import Partition
+from hybridsync import _ps_testing as native
+from hybridsync.ps.partition import Partition
 
 
 @pytest.mark.parametrize("kind", ["cyclic", "block"])
 @pytest.mark.parametrize("rows, shards", [(0, 1), (1, 3), (10, 3), (11, 4), (250, 7), (5, 5), (3, 5)])
 def test_python_and_cpp_partitioners_agree(kind, rows, shards):
-    py, cpp = Partition(rows, shards, kind), ps.Partitioner(rows, shards, kind)
+    py, cpp = Partition(rows, shards, kind), native.Partitioner(rows, shards, kind)
     ids = np.arange(rows)
     for i in ids:
         assert py.shard_of(i) == cpp.shard_of(int(i))
@@ -50,6 +50,6 @@ def test_bad_partition_arguments():
     with pytest.raises(ValueError, match="unknown partition 'hash'"):
         Partition(10, 2, "hash")
     with pytest.raises(ValueError, match="unknown partition 'hash'"):
-        ps.Partitioner(10, 2, "hash")
+        native.Partitioner(10, 2, "hash")
     with pytest.raises(ValueError, match="num_shards must be >= 1"):
-        ps.Partitioner(10, 0, "cyclic")
+        native.Partitioner(10, 0, "cyclic")

@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 import torch
 
-from hybridsync import ps
+from hybridsync import _ps_testing as native
 
 
 def make_shard(rows=50, dim=8, optimizer="sgd", seed=0, **hparams):
-    shard = ps.Shard("emb", rows, dim, optimizer, {k: float(v) for k, v in hparams.items()})
+    shard = native.Shard("emb", rows, dim, optimizer, {k: float(v) for k, v in hparams.items()})
     values = np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
     shard.set_values(-1, values)
     return shard, values
@@ -121,7 +121,7 @@ def test_float_ids_are_rejected():
 ])
 def test_bad_optimizer_settings_are_clear_errors(rule, hparams, message):
     with pytest.raises(ValueError, match=message):
-        ps.Shard("emb", 4, 2, rule, hparams)
+        native.Shard("emb", 4, 2, rule, hparams)
 
 
 @pytest.mark.parametrize("in_sqrt", [0.0, 1.0])

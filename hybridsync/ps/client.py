@@ -1,28 +1,26 @@
-"""Python face of the C++ parameter server (hybridsync._ps): one Engine per process.
+"""The C++ parameter server's engine (hybridsync._ps): one per process.
 
 The Engine is created on first use, on a duplicate of the job's MPI communicator, and freed
 at shutdown (after a last barrier: a rank keeps serving its shards until every rank is done).
 Its methods are collective (every rank calls them in the same order), one-sided (this rank
 alone reads or writes any shard; the owners answer from a serving thread while they compute)
-or local. Frameworks reach it only through hybridsync.sync.table.
+or local. Frameworks reach it only through the tables (hybridsync.ps.table, hybridsync.ps.dynamic).
 """
 from __future__ import annotations
 
 import threading
 
-from . import runtime
-from .settings import settings
+from .. import runtime
+from ..settings import settings
 
 try:
-    from . import _ps
+    from .. import _ps
 except ImportError as exc:  # pragma: no cover - a broken install
     raise ImportError(
         "hybridsync's C++ extension (hybridsync._ps) is not built: run `make install` "
         f"(or `pip install -e .` in the repo) ({exc})"
     ) from exc
 
-Shard = _ps.Shard
-Partitioner = _ps.Partitioner
 RemoteError = _ps.RemoteError
 TransportError = _ps.TransportError
 

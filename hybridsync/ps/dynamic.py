@@ -1,6 +1,6 @@
 """A dynamic PS table as every frontend sees it: raw int64 ids, rows created on first touch (see
-hybridsync.dynamic and docs/dynamic-tables.md). Its contents have no fixed row count, so the
-whole-table operations of PSTable (read, write, scatter, replicas) are replaced by per-shard
+dynamic_options.py and docs/dynamic-tables.md). Its contents have no fixed row count, so in place
+of a fixed table's whole-table operations (read, write, scatter, replicas) it has per-shard
 state (ids, rows, optimizer slots, counts, last touches) that checkpoints save and any world
 size restores, by the whole table's state read and written one-sided (a state dict: read by
 one rank through DynamicSnapshot / DynamicView, loaded by any), and by a streaming export."""
@@ -11,47 +11,34 @@ import weakref
 
 import numpy as np
 
-from .. import dynamic as dyn
-from .table import PSTable, TableView
+from . import dynamic_options as dyn
+from .table import TableCore, TableView, shares_core
 
 EXPORT_MAGIC = b"HSDYNEXP"
 _live: "weakref.WeakSet" = weakref.WeakSet()  # for explain()
 
 
-class DynamicTable(PSTable):
+@shares_core
+class DynamicTable:
+    """A dynamic table: raw int64 ids, rows created on first touch. It has no fixed row count, so
+    in place of a fixed table's whole arrays it has per-shard state, the whole table's state read
+    and written one-sided, and a streaming export."""
+
     def __init__(self, name: str, dim: int, options: dict, shards: int = 0, rule: dict | None = None):
-        """Collective: registers the table on every rank (same options everywhere)."""
-        super().__init__(name, -1, dim, shards, "cyclic", rule, dynamic=options)
+        """Collective: registers the table on every rank (same options everywhere; options from
+        dynamic_options.options, where each is checked)."""
+        self.core = TableCore(name, -1, dim, shards, "cyclic", rule, dynamic=options)
+        self.num_rows = -1  # no fixed row count (plans and checkpoints say so)
         self.options = dict(options)
         _live.add(self)
 
     def drop(self) -> None:
         _live.discard(self)
-        super().drop()
+        self.core.drop()
 
     @property
     def layout(self) -> tuple[int, str]:
-        return self.engine.spec(self.handle)["num_shards"], "hash"
-
-    # -- what fixed tables do with whole arrays, refused by name ----------------------------
-    def _whole(self, what):
-        raise ValueError(f"dynamic table '{self.name}' has no fixed row count, so it has no {what}: read rows by id "
-                         "(read_rows), save it with hybridsync.save_checkpoint, or export() it")
-
-    def read(self, slot: int = -1):
-        self._whole("whole-table read")
-
-    def write(self, values, slot: int = -1):
-        self._whole("whole-table write")
-
-    def scatter(self, values, slot: int = -1):
-        self._whole("whole-table load")
-
-    def attach(self, replica):
-        self._whole("replica")
-
-    def initialize(self, initializer, seed):
-        self._whole("initialisation pass (rows start at their seeded value when first touched)")
+        return self.num_shards, "hash"
 
     def state(self) -> dict:
         """The server optimizer's state with no collective and no copy: {"optimizer", "step",
@@ -67,10 +54,7 @@ class DynamicTable(PSTable):
         if state["optimizer"] != self.optimizer:
             raise ValueError(f"variable '{variable}': checkpoint has server optimizer '{state['optimizer']}', "
                              f"this run uses '{self.optimizer}'")
-        if everywhere:
-            self.set_step(int(state["step"]))
-        else:
-            self.engine.set_table_step(self.handle, int(state["step"]))
+        self.set_step(int(state["step"]), everywhere)
         ids, slots = state.get("ids"), state.get("slots") or {}
         if ids is None or not slots or (isinstance(ids, DynamicView) and ids.is_view_of(self)):
             return  # (an older state without slots, or this table's own)

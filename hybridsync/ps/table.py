@@ -1,15 +1,19 @@
-"""PS table handles: one table on the C++ parameter server as every frontend sees it, and the
-batched pull/push rounds over several tables. The only Python code that talks to the engine.
+"""A table on the C++ parameter server as every frontend sees it, and the batched pull/push rounds
+over several tables: with dynamic.py, the only Python code that talks to the engine.
 
-Collective methods (every rank calls them, in the same order) say so; the rest are local.
+Every kind of table holds a TableCore -- its handle in the engine and what any table does (name,
+server rule, staleness, step, lookups) -- and adds its own: a fixed table (PSTable: num_rows x dim
+rows under a row partition) its whole-table reads, writes and replicas; a dynamic table (dynamic.py)
+its per-id state. Collective methods (every rank calls them, in the same order) say so; the rest
+are local or one-sided.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .. import ps
-from ..partition import Partition
-from .server_rules import hyperparameters
+from . import client
+from .partition import Partition
+from .rules import hyperparameters
 
 # The rule a table has until a DistributedOptimizer sets the one matching its optimizer.
 PLACEHOLDER_RULE = {"name": "sgd", "lr": 0.0}
@@ -17,26 +21,122 @@ INITIALIZERS = ("normal", "uniform")
 CHUNK_ROWS = 65536  # rows per one-sided read when a table moves between layouts
 
 
-class PSTable:
-    """A table (num_rows x dim float32 rows) split over `shards` ranks (0: every rank)."""
+class TableCore:
+    """One table's handle in this process's engine, and what every kind of table does with it."""
 
-    def __init__(self, name: str, num_rows: int, dim: int, shards: int = 0, partition: str = "cyclic",
-                 rule: dict | None = None, dynamic: dict | None = None):
-        """Collective: registers the table on every rank (same arguments everywhere). dynamic:
-        the options of a dynamic table (hybridsync.dynamic.options; num_rows is then ignored)."""
-        self.engine = ps.engine()
-        self.name, self.num_rows, self.dim = name, int(num_rows), int(dim)
+    def __init__(self, name: str, num_rows: int, dim: int, shards: int, partition: str, rule: dict | None,
+                 dynamic: dict | None = None):
+        """Collective: registers the table on every rank (same arguments everywhere)."""
+        self.engine = client.engine()
+        self.name, self.dim = name, int(dim)
         self.requested_shards = int(shards or 0)  # 0: every rank, whatever the world size (plans use it)
         rule_name, hparams = hyperparameters(rule or PLACEHOLDER_RULE)
-        self.handle = self.engine.add_table(name, self.num_rows, self.dim, int(shards or 0), partition,
+        self.handle = self.engine.add_table(name, int(num_rows), self.dim, int(shards or 0), partition,
                                             rule_name, hparams, dynamic)
         self.pulled_rows = 0  # unique rows pulled since the last push (byte accounting)
-        self._replica = None  # the array the shard's rows alias (kept alive here)
 
     def drop(self) -> None:
         """Collective (every rank at the same point): frees this rank's shard, rows and optimizer
         state; any later use of the table raises naming it."""
         self.engine.drop_table(self.handle)
+
+    @property
+    def num_shards(self) -> int:
+        return self.engine.spec(self.handle)["num_shards"]
+
+    def rename(self, name: str) -> None:
+        """Local: the name errors use (the variable's path, known after the table was made)."""
+        self.engine.rename_table(self.handle, name)
+        self.name = name
+
+    def set_staleness(self, k: int) -> None:
+        """Local, on every rank alike before the table's first step: pulls may miss at most the
+        other ranks' last k pushes (0: synchronous rounds). See docs/staleness.md."""
+        self.engine.set_staleness(self.handle, int(k))
+
+    def staleness(self) -> dict:
+        """Local: the bound and what this rank's pulls missed so far ({"staleness", "clock",
+        "pulls", "last_lag", "max_lag", "lag_sum", "held", "wait_s"})."""
+        return self.engine.staleness(self.handle)
+
+    def set_rule(self, rule: dict) -> None:
+        """Local: the server optimizer of this rank's shard (its state restarts)."""
+        self.engine.set_rule(self.handle, *hyperparameters(rule))
+
+    @property
+    def optimizer(self) -> str:
+        return self.engine.spec(self.handle)["optimizer"]
+
+    @property
+    def slot_names(self) -> list:
+        return list(self.engine.slot_names(self.handle))
+
+    @property
+    def step(self) -> int:
+        """The server optimizer's step (every shard takes each round; one-sided where this rank
+        holds no shard)."""
+        return int(self.engine.table_step(self.handle))
+
+    def set_step(self, step: int, everywhere: bool = True) -> None:
+        """This rank's shard's step (everywhere: every rank sets its own, as checkpoint loads do),
+        or one-sided every shard's (everywhere=False)."""
+        if everywhere:
+            self.engine.set_step(self.handle, int(step))
+        else:
+            self.engine.set_table_step(self.handle, int(step))
+
+    def round_stats(self) -> dict:
+        """Local: the gradient statistics of this table's newest push round (hybridsync.adaptive)."""
+        return self.engine.round_stats(self.handle)
+
+    def lookup(self, ids, error: str = ""):
+        """Collective (local in a world of one): (unique ids pulled, rows) with rows[i] the row
+        of ids[i], shaped ids.shape + (dim,). error: this rank's bad input, raised on every rank."""
+        unique, rows = self.engine.lookup(self.handle, ids, error)
+        self.pulled_rows += len(unique)
+        return unique, rows
+
+
+class FromCore:
+    """A table attribute that is its TableCore's (read and written through the table): the kinds
+    of table share the core's behaviour by holding one, not by inheriting from each other."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, table, owner=None):
+        return self if table is None else getattr(table.core, self.name)
+
+    def __set__(self, table, value):
+        setattr(table.core, self.name, value)
+
+
+def shares_core(cls):
+    """Class decorator: the TableCore's attributes and methods, on a kind of table."""
+    for name in ("engine", "handle", "name", "dim", "requested_shards", "pulled_rows", "num_shards", "rename",
+                 "set_staleness", "staleness", "set_rule", "optimizer", "slot_names", "step", "set_step",
+                 "round_stats", "lookup"):
+        attribute = FromCore()
+        attribute.__set_name__(cls, name)
+        setattr(cls, name, attribute)
+    return cls
+
+
+@shares_core
+class PSTable:
+    """A fixed table: num_rows x dim float32 rows split over `shards` ranks (0: every rank) by a
+    row partition."""
+
+    def __init__(self, name: str, num_rows: int, dim: int, shards: int = 0, partition: str = "cyclic",
+                 rule: dict | None = None):
+        """Collective: registers the table on every rank (same arguments everywhere)."""
+        self.core = TableCore(name, num_rows, dim, shards, partition, rule)
+        self.num_rows = int(num_rows)
+        self._replica = None  # the array the shard's rows alias (kept alive here)
+
+    def drop(self) -> None:
+        """Collective (every rank at the same point): see TableCore.drop."""
+        self.core.drop()
         self._replica = None
 
     # -- contents -----------------------------------------------------------------------------
@@ -135,46 +235,6 @@ class PSTable:
         spec = self.engine.spec(self.handle)
         return spec["num_shards"], spec["partition"]
 
-    # -- identity and server optimizer --------------------------------------------------------
-    def rename(self, name: str) -> None:
-        """Local: the name errors use (the variable's path, known after the table was made)."""
-        self.engine.rename_table(self.handle, name)
-        self.name = name
-
-    def set_staleness(self, k: int) -> None:
-        """Local, on every rank alike before the table's first step: pulls may miss at most the
-        other ranks' last k pushes (0: synchronous rounds). See docs/staleness.md."""
-        self.engine.set_staleness(self.handle, int(k))
-
-    def staleness(self) -> dict:
-        """Local: the bound and what this rank's pulls missed so far ({"staleness", "clock",
-        "pulls", "last_lag", "max_lag", "lag_sum", "held", "wait_s"})."""
-        return self.engine.staleness(self.handle)
-
-    def set_rule(self, rule: dict) -> None:
-        """Local: the server optimizer of this rank's shard (its state restarts)."""
-        self.engine.set_rule(self.handle, *hyperparameters(rule))
-
-    @property
-    def optimizer(self) -> str:
-        return self.engine.spec(self.handle)["optimizer"]
-
-    rule = optimizer
-
-    @property
-    def slot_names(self) -> list:
-        return list(self.engine.slot_names(self.handle))
-
-    @property
-    def step(self) -> int:
-        """The server optimizer's step (every shard takes each round; one-sided where this rank
-        holds no shard)."""
-        return int(self.engine.table_step(self.handle))
-
-    def set_step(self, step: int) -> None:
-        """Local: this rank's shard's step (checkpoint restores, where every rank loads its own)."""
-        self.engine.set_step(self.handle, int(step))
-
     def state(self) -> dict:
         """The server optimizer's state, with no collective and no copy: {"optimizer", "step",
         "slots": {slot name: TableView}}; the views read their rows on first use."""
@@ -198,18 +258,7 @@ class PSTable:
                 self.scatter(value, k)
             else:
                 self.write(value, k)
-        if everywhere:
-            self.set_step(int(state["step"]))
-        else:
-            self.engine.set_table_step(self.handle, int(state["step"]))
-
-    # -- lookups ----------------------------------------------------------------------------------
-    def lookup(self, ids, error: str = ""):
-        """Collective (local in a world of one): (unique ids pulled, rows) with rows[i] the row
-        of ids[i], shaped ids.shape + (dim,). error: this rank's bad input, raised on every rank."""
-        unique, rows = self.engine.lookup(self.handle, ids, error)
-        self.pulled_rows += len(unique)
-        return unique, rows
+        self.set_step(int(state["step"]), everywhere)
 
 
 class TableView:
@@ -253,7 +302,7 @@ def push(tables: list, ids: list, grads: list, scale: float, lrs: list, return_u
     (ids, gradient rows) to their shards, which sum them over ranks, multiply by `scale` and apply
     their rule once per row at learning rate lrs[i]. With return_updates, waits and returns per
     table (changed ids, their rows); otherwise the shards apply it before the next operation."""
-    return ps.engine().push([t.handle for t in tables], ids, grads, float(scale), return_updates,
+    return client.engine().push([t.handle for t in tables], ids, grads, float(scale), return_updates,
                             [float(lr) for lr in lrs])
 
 
