@@ -75,7 +75,7 @@ def run_example(workload, name, ranks, steps, cluster=None, per_host=1, timeout=
 
 def decided_routes(stdout: str):
     """{variable: 'ps/4' | route} from the table `sync: auto` printed when it decided
-    (hybridsync.plan.auto_decision_table; None if it did not run: a config fixed every route)."""
+    (hybridsync.planning.report.auto_decision_table; None if it did not run: a config fixed every route)."""
     marker = "sync: auto decided at step"
     if marker not in stdout:
         return None

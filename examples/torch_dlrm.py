@@ -155,7 +155,7 @@ def main():
         print(f"{args.steps} steps on {size} rank(s): {rate:,.0f} samples/s\n", end="", flush=True)
         for v in [] if args.horovod else optimizer.plan.variables:
             if getattr(v, "staleness", 0):
-                from hybridsync.plan import describe_staleness
+                from hybridsync.planning.report import describe_staleness
 
                 print(f"staleness: {describe_staleness(v)}\n", end="", flush=True)
 

@@ -82,7 +82,7 @@ def staleness_lines(optimizer) -> list:
     bounded = [v for v in (plan.variables if plan else []) if getattr(v, "staleness", 0)]
     if not bounded:
         return []
-    from hybridsync.plan import describe_staleness
+    from hybridsync.planning.report import describe_staleness
 
     return ["staleness: " + describe_staleness(v) for v in bounded]
 

@@ -85,7 +85,7 @@ def DistributedOptimizer(optimizer, *args, **kwargs):
 def explain(file=None, as_json: bool = False) -> str:
     """Prints the plan (one row per variable: route, placement, shards, server optimizer,
     bytes per step, and why) of every live DistributedOptimizer; returns the text."""
-    from .plan import explain as _explain
+    from .planning import explain as _explain
 
     return _explain(file=file, as_json=as_json)
 

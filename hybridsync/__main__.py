@@ -34,7 +34,8 @@ def explain_command(args) -> int:
     from . import comm, runtime
     from . import config as config_mod
     from .torch.optimizer import _named_parameters
-    from .torch.planner import plan_for
+    from .planning import render
+    from .torch.variables import plan_for
 
     built = _load_factory(args.model)()
     model, optimizer = built if isinstance(built, tuple) else (built, None)
@@ -49,7 +50,7 @@ def explain_command(args) -> int:
     named = _named_parameters(optimizer, None, model)
     plan, _ = plan_for(optimizer, named, model, cfg, "none", backend, world, comm.why(backend))
     plan.offline = True
-    print(plan.table())
+    print(render(plan))
     if args.json:
         with open(args.json, "w") as fh:
             fh.write(plan.dumps() + "\n")

@@ -17,6 +17,8 @@
     strict: true                                        # a rule that matches nothing is an error (else a warning)
     backend: mpi                                        # dense backend: horovod | mpi (optional)
     auto_steps: 20                                      # steps `sync: auto` measures before it decides
+    memory_per_rank: 8GiB                               # what tables may take per rank (bytes or "512MiB",
+                                                        # "8GiB"; default: the host's available memory / its ranks x 0.8)
 
 Loaded with yaml.safe_load semantics; every error is a ConfigError naming file, line and key.
 A plan written by `python -m hybridsync explain --json` loads back as a config.
@@ -83,6 +85,7 @@ class Config:
     strict: bool = False
     backend: str | None = None
     auto_steps: int | None = None  # steps `sync: auto` measures (None: HYBRIDSYNC_AUTO_STEPS)
+    memory_per_rank: int | None = None  # bytes the tables may take per rank (None: from the host's memory)
     source: str = "<dict>"
     where: dict = dataclasses.field(default_factory=dict)  # "defaults.dense" etc. -> "file:line"
 
@@ -242,7 +245,7 @@ class _Checker:
 
 def _parse(root: _Node, source: str) -> Config:
     c = _Checker(source)
-    top = c.mapping(root, "", ("defaults", "variables", "strict", "backend", "auto_steps"))
+    top = c.mapping(root, "", ("defaults", "variables", "strict", "backend", "auto_steps", "memory_per_rank"))
     cfg = Config(Settings(), Settings(), [], source=source)
     if "defaults" in top:
         node, line = top["defaults"]
@@ -280,7 +283,30 @@ def _parse(root: _Node, source: str) -> Config:
         if not isinstance(node.value, int) or isinstance(node.value, bool) or node.value < 1:
             c.fail(line, "auto_steps", f"expected an integer >= 1, got {node.value!r}")
         cfg.auto_steps = node.value
+    if "memory_per_rank" in top:
+        node, line = top["memory_per_rank"]
+        try:
+            cfg.memory_per_rank = parse_bytes(node.value, "memory_per_rank")
+        except ValueError as exc:
+            c.fail(line, "memory_per_rank", str(exc).split(": ", 1)[1])
     return cfg
+
+
+def parse_bytes(value, where: str) -> int:
+    """Bytes from an integer or a string like "512MiB", "8GiB", "100MB"; ValueError naming `where`."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    if isinstance(value, bool):
+        raise ValueError(f"{where}: expected bytes (an integer or a size like '8GiB'), got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        number, unit = (float(digits) if digits else -1.0), text[len(digits):]
+    if unit not in units or number <= 0:
+        raise ValueError(f"{where}: expected bytes (an integer or a size like '8GiB', '512MiB'), got {value!r}")
+    return int(number * units[unit])
 
 
 def _plan_as_config(d: dict, source: str) -> dict:

@@ -252,28 +252,16 @@ class DynamicView(TableView):
         return f"dynamic table '{self.table.name}' {self.key}"
 
 
-def explain_lines() -> list:
-    """Lines for explain(): per live dynamic table, this rank's shards' rows stored against their
-    share of capacity, rows admitted / evicted / expired in the newest step and in total, and
-    bytes per stored row (rows, optimizer slots, and the id map with its per-row counters)."""
-    from ..plan import format_table
-
-    rows = []
+def live_statistics() -> list:
+    """(name, this rank's shard's counters: DynamicTable.stats) of every live dynamic table, by
+    name; explain() shows them."""
+    out = []
     for table in sorted(_live, key=lambda t: t.name):
         try:
-            s = table.stats()
+            out.append((table.name, table.stats()))
         except (ValueError, RuntimeError):  # the engine is gone or unusable
             continue
-        per_row = lambda b: f"{b / s['stored']:.0f} B" if s["stored"] else "-"  # noqa: E731
-        rows.append([table.name, f"{s['stored']}/{s['capacity'] or 'unbounded'}",
-                     f"{s['last_admitted']}/{s['last_evicted']}/{s['last_expired']}",
-                     f"{s['admitted']}/{s['evicted']}/{s['expired']}", str(s["pending"]),
-                     per_row(s["row_bytes"] + s["map_bytes"]), per_row(s["map_bytes"])])
-    if not rows:
-        return []
-    head = ["dynamic table", "stored/capacity", "adm/evict/exp last step", "adm/evict/exp total", "pending",
-            "bytes/row", "of which map"]
-    return ["", "dynamic tables (this rank's shards):"] + format_table(head, rows)
+    return out
 
 
 def read_export(path) -> tuple[np.ndarray, np.ndarray]:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ..plan import VariablePlan
 from ..types import ReduceOp, as_reduce_op
 from .compression import NONE, Codec
+
+if TYPE_CHECKING:  # (the plan is made above the sync core, which only reads it)
+    from ..planning.plan import VariablePlan
 
 
 def check_options(op, gradient_predivide_factor: float, backward_passes_per_step: int) -> ReduceOp:
@@ -79,6 +81,7 @@ class Variable:
     index: int = 0  # position in the plan: the order every rank handles variables in
     table: object = None  # its PSTable once it has one
     passes: int = 0  # backward passes accumulated since the last synchronize()
+    ps_home: dict | None = None  # its parameter-server settings while sync: auto tries another route
 
     @functools.cached_property
     def codec(self) -> Codec:

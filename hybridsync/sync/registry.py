@@ -43,7 +43,7 @@ class SyncSet:
         self.route_of: dict = {}  # Variable -> (route, placement)
         self._order: list = []  # synchronizers, those that only send (PS pushes) first
         self.verified = False
-        self.auto = None  # sync: auto while it measures (hybridsync.sync.auto.AutoStrategy)
+        self.auto = None  # sync: auto while it measures (hybridsync.planning.measure.AutoStrategy)
         self._held: list = []  # synchronizers whose exchange waits for apply_held() / discard_held()
 
     def assign(self, var: Variable) -> Synchronizer:
@@ -66,22 +66,6 @@ class SyncSet:
             del self.by_route[next(k for k, s in self.by_route.items() if s is old)]
             self._order = sorted(self.by_route.values(), key=lambda s: s.waits)
         return self.assign(var)
-
-    def start_auto(self, frontend, steps: int, links=None) -> None:
-        """Collective: `sync: auto` variables are measured for `steps` steps, then switched once."""
-        from .auto import AutoStrategy
-
-        variables = [var for var in self.route_of if var.plan.auto and var.plan.auto.get("status") != "decided"]
-        if variables and steps > 0:
-            self.auto = AutoStrategy(self, sorted(variables, key=lambda v: v.index), frontend, steps, links)
-
-    def adopt_auto(self, frontend, saved: dict) -> None:
-        """Collective: `sync: auto` variables not decided yet take a checkpointed run's decisions
-        instead of measuring (auto.adopt)."""
-        from .auto import adopt
-
-        if adopt(self, frontend, saved):
-            self.auto = None  # measuring, if it had started, is over
 
     def prepare(self) -> None:
         for sync in self.by_route.values():

@@ -10,7 +10,7 @@ config as PyTorch, for model.fit and tf.GradientTape loops.
 from __future__ import annotations
 
 from .. import init, local_rank, local_size, rank, shutdown, size
-from ..plan import explain
+from ..planning import explain
 from ..types import Average, ReduceOp, Sum
 from . import elastic
 from .adaptive import AdaptiveDataset

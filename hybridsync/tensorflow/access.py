@@ -67,7 +67,7 @@ class KerasAccess:
 
 
 class AutoKerasAccess(KerasAccess):
-    """A `sync: auto` variable (hybridsync.sync.auto): whatever its route -- the PS while it is
+    """A `sync: auto` variable (hybridsync.planning.measure): whatever its route -- the PS while it is
     measured, then the one chosen -- its gradient enters the exchange as rows and leaves it as
     the same outputs, so a traced step never needs tracing again: (changed ids, rows) written
     into the variable (PS), (ids, values) the Keras optimizer applies (all-reduced as dense:

@@ -20,19 +20,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .. import plan as plan_mod, runtime
+from .. import planning, runtime
 from .. import config as config_mod
 from ..adaptive import Adaptive, AdaptiveConfig
 from ..adaptive.collect import StepRecorder
-from ..plan import Plan, VariablePlan
-from ..sync.agreement import agree
+from ..planning import Described, Plan, agree, estimate, make_plan, route_resolver
+from ..planning.choose import candidates_for
 from ..sync.base import SyncContext, Variable, check_options
 from ..sync.registry import SyncSet
-from ..sync.planning import ps_embedding_plan, route_resolver
 from ..types import GradKind, Placement, ReduceOp, Route
 from . import collectives
-from ..sync import cost_model
-from ..sync.auto import candidates_for
 from .access import AutoKerasAccess, KerasAccess
 from .micro_steps import MicroSteps
 from .server_optimizer import describe, slots
@@ -73,7 +70,7 @@ class _DistributedKerasOptimizer:
         self._hs_compression = compression
         self._hs_plan = None
         self._hs_unconfirmed = False  # a plan made before the first step, not yet checked by it
-        plan_mod.register(self)
+        planning.register(self)
 
     # -- adaptive batch size and learning rate (hybridsync.adaptive) -----------------------------
     @property
@@ -167,35 +164,34 @@ class _DistributedKerasOptimizer:
         resolver = route_resolver(self._hs_config, lambda param: describe(self), has_model=False,
                                   world_size=world.size, compression=self._hs_compression,
                                   optimizer_name=type(self).__name__)
-        rows = []
+        described = []
         for kind, v in zip(kinds, variables):
             layer = getattr(v, "_hybridsync_table", None)  # a hybridsync.tensorflow.Embedding's anchor
             if layer is not None:
-                rows.append(ps_embedding_plan(resolver, table_variable_name(v), layer.table, "hybridsync.tensorflow"))
-                continue
-            dtype = tf.as_dtype(v.dtype)  # Keras variables give a string, tf.Variables a DType
-            vp = VariablePlan(name=variable_name(v), shape=tuple(v.shape), dtype=dtype.name, kind=kind, route=None)
-            resolver.decide(vp, v)
-            if vp.auto and candidates_for(describe(self), vp.optimizer_source) == (cost_model.PS,):
+                described.append(Described(table_variable_name(v), (layer.table.num_rows, layer.table.dim), "float32",
+                                           GradKind.SPARSE, table=layer.table))
+            else:  # (Keras variables give a dtype string, tf.Variables a DType)
+                described.append(Described(variable_name(v), tuple(v.shape), tf.as_dtype(v.dtype).name, kind, param=v))
+        plan = make_plan(described, resolver, framework="tensorflow", backend="mpi", label="hybridsync.tensorflow",
+                         backend_reason="TensorFlow: MPI via mpi4py (Horovod here is built for PyTorch only)")
+        rows = plan.variables
+        for vp in rows:
+            if vp.auto and candidates_for(describe(self), vp.optimizer_source) == (estimate.PS,):
                 # Nothing to choose, and a Keras optimizer applying no rows would still move
                 # Adam's moments: the variable stays on the PS without being measured.
                 vp.auto = None
                 vp.reason = vp.reason.split("; auto:")[0] + f"; auto: only ps applies {type(self).__name__} exactly"
-            if vp.route is Route.PS and dtype != tf.float32:
+            if vp.route is Route.PS and vp.dtype != "float32":
                 raise ValueError(
-                    f"variable '{vp.name}' is {dtype.name} (Keras mixed-precision policy "
+                    f"variable '{vp.name}' is {vp.dtype} (Keras mixed-precision policy "
                     f"'{keras.mixed_precision.global_policy().name}'): the parameter server holds float32 rows; use "
                     "policy 'mixed_float16' / 'mixed_bfloat16' (float32 variables) or route it with sync: allreduce")
-            rows.append(vp)
-        resolver.check_strict(rows)
         for vp in rows:  # (a Keras layer's table exists, and its graph holds it, before the plan)
             rule = self._hs_config.rule_for(vp.name) if self._hs_config is not None else None
             if rule is not None and rule.dynamic:
                 raise config_mod.ConfigError(f"{rule.where}: dynamic: variable '{vp.name}': dynamic options apply to "
                                              "PyTorch DynamicEmbedding tables; pass a Keras DynamicEmbedding its "
                                              "options as arguments")
-        plan = Plan(rows, framework="tensorflow", backend="mpi", world_size=world.size,
-                    backend_reason="TensorFlow: MPI via mpi4py (Horovod here is built for PyTorch only)")
         backend = collectives.mpi()
         self._hs_plan = agree(plan, backend)
         self._hs_vars = []
@@ -225,15 +221,15 @@ class _DistributedKerasOptimizer:
         with tf.init_scope():  # eager, also while tf.function traces: replicated tables start from rank 0
             self._hs_sync.prepare()
         self._hs_sync.mark_verified()
-        self._hs_sync.start_auto(_KerasAuto(self), resolver.auto_steps)
-        plan_mod.announce(self._hs_plan)
+        planning.start_auto(self._hs_sync, _KerasAuto(self), resolver)
+        planning.announce(self._hs_plan)
 
     # -- every step --------------------------------------------------------------------------------
     def _hs_adopt_auto(self, saved: dict) -> None:
         """Collective (load_checkpoint, once the plan exists): `sync: auto` takes the saved
         run's decisions."""
         if getattr(self, "_hs_sync", None) is not None:
-            self._hs_sync.adopt_auto(_KerasAuto(self), saved)
+            planning.adopt_auto(self._hs_sync, _KerasAuto(self), saved)
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -406,9 +402,12 @@ def _rows(values, ids, v, dense_shape=False):
 
 
 class _KerasAuto:
-    """`sync: auto` in Keras (hybridsync.sync.auto.AutoFrontend). Tables here are replicated (the
-    variable holds every row), so leaving the PS moves no rows; the server's slots reach the
-    Keras optimizer's through the exchange's slot outputs (AutoKerasAccess)."""
+    """`sync: auto` in Keras (hybridsync.planning.switch.AutoFrontend). Tables here are replicated
+    (the variable holds every row), so leaving the PS moves no rows; the server's slots reach the
+    Keras optimizer's through the exchange's slot outputs (AutoKerasAccess). A table does not
+    come back to the PS: Keras takes the model's choice, untried."""
+
+    returns_to_ps = False
 
     def __init__(self, optimizer):
         self.opt = optimizer

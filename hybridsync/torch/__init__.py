@@ -5,7 +5,7 @@ own: the hybrid DistributedOptimizer, PS-backed Embedding/EmbeddingBag, explain(
 from __future__ import annotations
 
 from .. import local_rank, local_size, rank, shutdown, size
-from ..plan import explain
+from ..planning import explain
 from ..types import ReduceOp
 from . import compression, elastic, functions, mpi_ops, optimizer, sync_batch_norm
 from .basics import (HorovodInternalError, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,

@@ -15,12 +15,11 @@ import warnings
 import numpy as np
 import torch
 
-from .. import comm
+from .. import comm, planning, runtime, timeline
 from .. import config as config_mod
-from .. import plan as plan_mod
-from .. import runtime, timeline
+from ..planning import agree
+from ..ps.table import TableView
 from ..settings import settings
-from ..sync.agreement import agree
 from ..sync.base import SyncContext, Variable, check_options
 from ..sync.registry import SyncSet
 from ..types import GradKind, Placement, ReduceOp
@@ -32,11 +31,10 @@ from .compression import Compression, NoneCompressor
 from .embedding import Embedding, EmbeddingBag
 from .optimizer_args import check_groups, check_op, parameter_names, sparse_as_dense_config
 from .dynamic_embedding import DynamicEmbedding
-from .planner import apply_dynamic_rules, plan_for, ps_modules, route_for_observed
+from .variables import apply_dynamic_rules, plan_for, ps_modules, route_for_observed
 from .process_set_optimizer import check_routes, outside_set_optimizer, scope_for, set_config
 from .server_optimizer import describe, group_of
 from .table_tensor import ShardedTableTensor
-from ..ps.table import TableView
 
 
 def _compression_name(compression) -> str:
@@ -116,6 +114,8 @@ class _DistributedOptimizer:
         self._hs_adaptive = AdaptiveStep(self, adaptive, size, self._hs_sync.ctx)
         self._hs_model = model
         self._hs_swapped: dict = {}  # Variable -> ([(PS module, the nn module it replaced)], its parameter)
+        self._hs_left_ps: dict = {}  # Variable -> (those pairs, their batcher) while sync: auto tries a replica
+        self._hs_replica_hooks: dict = {}  # Variable -> its parameter's gradient hook while it is a replica
         self._hs_custom_compression = custom
         self._hs_plan_confirmed = False
         self._hs_pending_state: dict = {}  # server state loaded before its route existed
@@ -126,7 +126,7 @@ class _DistributedOptimizer:
         for var in self._hs_vars:
             if var.plan.route is not None:
                 self._hs_sync.assign(var)
-        plan_mod.announce(self._hs_plan)
+        planning.announce(self._hs_plan)
         self._hs_synchronized = False
         self._hs_unsynced_grads = False
         self._hs_should_sync = True
@@ -140,7 +140,7 @@ class _DistributedOptimizer:
         self._hs_forward_end = None
         if model is not None and timeline.get() is not None:
             self._hs_trace_forward(model)
-        plan_mod.register(self)
+        planning.register(self)
 
     def _hs_table_variable(self, name, module, plan):
         """A PS-backed module's table as a variable: its backward stages rows for the push."""
@@ -230,11 +230,11 @@ class _DistributedOptimizer:
         self._hs_plan_confirmed = True
         self._hs_sync.mark_verified()
         self._hs_load_route_state(self._hs_pending_state)
-        self._hs_sync.start_auto(TorchAuto(self), self._hs_planner.auto_steps)
+        planning.start_auto(self._hs_sync, TorchAuto(self), self._hs_planner)
 
     def _hs_adopt_auto(self, saved: dict) -> None:
         """Collective (load_checkpoint): `sync: auto` takes the saved run's decisions."""
-        self._hs_sync.adopt_auto(TorchAuto(self), saved)
+        planning.adopt_auto(self._hs_sync, TorchAuto(self), saved)
 
     # -- Horovod's optimizer API --------------------------------------------------------------
     @property
@@ -386,9 +386,11 @@ def _map_arrays(state, convert, kind=np.ndarray):
 
 
 class TorchAuto:
-    """`sync: auto` in PyTorch (hybridsync.sync.auto.AutoFrontend): a table leaving the PS gets
-    its nn.Embedding / nn.EmbeddingBag and parameter back, and the server's slots become the
-    wrapped optimizer's state for that parameter."""
+    """`sync: auto` in PyTorch (hybridsync.planning.switch.AutoFrontend): a table leaving the PS
+    gets its nn.Embedding / nn.EmbeddingBag and parameter back, and the server's slots become the
+    wrapped optimizer's state for that parameter; coming back (a trial that lost), the other way."""
+
+    returns_to_ps = True
 
     def __init__(self, optimizer):
         self.opt = optimizer
@@ -397,7 +399,7 @@ class TorchAuto:
         return self.opt._hs_param_of[var] if var in self.opt._hs_param_of else self.opt._hs_swapped[var][1]
 
     def candidates(self, var):
-        from ..sync.auto import candidates_for
+        from ..planning.choose import candidates_for
 
         return candidates_for(describe(self.opt, group_of(self.opt, self._param(var))), var.plan.optimizer_source)
 
@@ -406,6 +408,7 @@ class TorchAuto:
         if rows is None:  # replicated: the parameter held the rows all along
             return
         pairs, p = opt._hs_swapped.pop(var)  # [(PS module, the nn module it replaced)], tied ones too
+        opt._hs_left_ps[var] = (pairs, pairs[0][0]._batcher)  # (the way back: to_table)
         device = torch.device("cpu") if p.is_meta else p.device  # a meta table becomes a real one
         with torch.no_grad():
             p.data = torch.from_numpy(np.ascontiguousarray(rows)).reshape(var.plan.shape).to(device, p.dtype)
@@ -423,7 +426,42 @@ class TorchAuto:
         var.access = ParamAccess(p, opt, opt._hs_sync.ctx.tensor_buffers, opt._hs_custom_compression)
         opt._hs_param_of[var] = p
         if p.requires_grad:
-            opt._hs_hooks.append(p.register_post_accumulate_grad_hook(opt._hs_make_hook(var)))
+            opt._hs_replica_hooks[var] = p.register_post_accumulate_grad_hook(opt._hs_make_hook(var))
+
+    def replica_state(self, var, slot_names) -> tuple:
+        p = self._param(var)
+        state = self.opt.state.get(p, {})
+        host = lambda t: t.detach().to("cpu", torch.float32).reshape(var.plan.shape).numpy()  # noqa: E731
+        slots = {name: host(state[name]) if name in state else np.zeros(var.plan.shape, np.float32)
+                 for name in slot_names}
+        step = state.get("step", 0)
+        return host(p), slots, int(step.item() if isinstance(step, torch.Tensor) else step)
+
+    def to_table(self, var, table) -> None:
+        opt = self.opt
+        left = opt._hs_left_ps.pop(var, None)
+        if left is None:  # replicated: the parameter keeps its rows, which the shards alias
+            return
+        pairs, batcher = left
+        p = opt._hs_param_of.pop(var)
+        hook = opt._hs_replica_hooks.pop(var, None)
+        if hook is not None:
+            hook.remove()
+        opt.state.pop(p, None)  # the server holds the optimizer's state from now on
+        back = {id(old): new for new, old in pairs}
+        for parent in opt._hs_model.modules():
+            for key, child in list(parent._modules.items()):
+                if child is not None and id(child) in back:
+                    parent._modules[key] = back[id(child)]
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # the rows live on the shards again
+        p.grad = None
+        opt._hs_swapped[var] = (pairs, p)
+        var.access = _ModuleRows(opt, pairs[0][0])
+        for module, _ in pairs:
+            module.table, module._sink = table, var.access
+        if batcher is not None:  # its lookups join the batched pull again (learnt at the next forward)
+            batcher.modules.append(pairs[0][0])
+            pairs[0][0]._batcher, batcher.pattern = batcher, None
 
     def set_optimizer_state(self, var, slots: dict, step: int) -> None:
         p = self._param(var)

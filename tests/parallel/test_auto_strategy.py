@@ -14,6 +14,7 @@ import tempfile
 import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
+from hybridsync.planning import render
 
 LOCAL_BATCH, AUTO_STEPS, STEPS = 5, 4, 9
 DENSE_ROWS, SPARSE_ROWS, DIM = 40, 4000, 4
@@ -141,7 +142,7 @@ def rank_auto_parity(backend):
             assert hot["margin"] > 0 and cold["margin"] > 0, (hot, cold)
             # With these links a few rows go fastest to one shard: the table was re-sharded.
             assert cold["shards"] == 1 and plan.by_name()["cold.weight"].shards == 1, cold
-            text = plan.table()
+            text = render(plan)
             line = next(x for x in text.splitlines() if x.strip().startswith("hot.weight: density"))
             assert "allreduce-as-dense" in line and "choice: allreduce-as-dense" in line and "margin" in line, text
             # The JSON plan (measurements and predictions kept) loads back as a fixed config.

@@ -5,6 +5,7 @@ Adagrad, at -np 2 and -np 3. Moving a table off the PS changes explain() and kee
 import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
+from hybridsync.planning import render
 
 CASES = {
     "sparse-as-dense": {"variables": [{"match": "emb.weight", "sync": "allreduce"}]},
@@ -79,7 +80,7 @@ def rank_moving_a_table_changes_explain():
     want, _ = _train("adagrad", None, None, rank, size)
     _, before = _train("adagrad", None, "sharded", rank, size)
     got, after = _train("adagrad", CASES["sparse-as-dense"], "sharded", rank, size)
-    row = lambda plan: next(line for line in plan.table().splitlines() if line.startswith("emb.weight"))
+    row = lambda plan: next(line for line in render(plan).splitlines() if line.startswith("emb.weight"))
     assert " ps " in row(before.plan) and "sharded" in row(before.plan), row(before.plan)
     assert "allreduce-as-dense" in row(after.plan) and "rule 'emb.weight'" in row(after.plan), row(after.plan)
     for key in want:

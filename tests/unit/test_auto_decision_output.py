@@ -3,8 +3,8 @@
 benchmarks/auto.py reads the routes back from that table."""
 import io
 
-from hybridsync import plan as plan_mod
-from hybridsync.plan import Plan, VariablePlan
+from hybridsync.planning import report as plan_mod
+from hybridsync.planning import Plan, VariablePlan
 from hybridsync.types import GradKind, Placement, Route
 
 

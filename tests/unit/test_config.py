@@ -11,6 +11,7 @@ import hybridsync.torch as hvd
 from hybridsync import config as config_mod
 from hybridsync.config import ConfigError
 
+from hybridsync.planning import render
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -240,7 +241,7 @@ def test_staleness_puts_a_table_on_the_ps_and_travels_with_the_plan(tmp_path):
     rows, dist = plan_rows(tmp_path, "variables:\n  - match: emb.weight\n    staleness: 3\n", optimizer=torch.optim.SGD)
     assert rows["emb.weight"].route.value == "ps" and rows["emb.weight"].staleness == 3
     assert rows["bag.weight"].staleness == 0 and rows["mlp.0.weight"].staleness == 0
-    assert "emb.weight: staleness 3; no pull yet" in dist.plan.table()
+    assert "emb.weight: staleness 3; no pull yet" in render(dist.plan)
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(dist.plan.dumps())
     net = Net()

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from hybridsync.comm.probe import Links, cache_path
-from hybridsync.sync import cost_model
-from hybridsync.sync.auto import candidates_for
-from hybridsync.sync.cost_model import ALLGATHER, DENSE, PS, TableStats, decide
+from hybridsync.planning import estimate as cost_model, report
+from hybridsync.planning.choose import candidates_for
+from hybridsync.planning.estimate import ALLGATHER, DENSE, PS, TableStats, decide
 from hybridsync.ps.rules import OptimizerSpec
 
 NET = Links(p2p_latency_s=20e-6, p2p_bandwidth=1.25e9, allreduce_latency_s=40e-6, allreduce_bandwidth=0.6e9,
@@ -110,7 +110,7 @@ def test_decision_json_round_trips():
     d = decide(_stats(rows=1000, dim=16, per_rank=950, union=1000), NET, current_shards=4)
     j = json.loads(json.dumps(d.to_json()))
     assert j["choice"] == DENSE and set(j["predicted_ms"]) == {PS, ALLGATHER, DENSE} and j["margin"] > 0
-    line = cost_model.describe_auto("emb", {"status": "decided", **j, "measured": {"density": 0.95}}, (1000, 16))
+    line = report.describe_auto("emb", {"status": "decided", **j, "measured": {"density": 0.95}}, (1000, 16))
     assert "density 95.00%" in line and "choice: allreduce-as-dense" in line and "margin +" in line
 
 

@@ -3,7 +3,7 @@ against it, and all raise together, naming the first rank that differs, instead 
 deadlocking in a later collective."""
 from __future__ import annotations
 
-from ..plan import Plan
+from .plan import Plan
 
 
 class PlanMismatchError(RuntimeError):

@@ -85,9 +85,10 @@ class Decision:
     ps_by_shards: dict  # k -> seconds per step on k shards
     margin: float  # (runner-up - choice) / runner-up; negative when kept by the threshold
     why: str
+    ps_shards: int = 0  # the best PS shard count, whatever the choice
 
     def to_json(self) -> dict:
-        return {"choice": self.route, "shards": self.shards,
+        return {"choice": self.route, "shards": self.shards, "ps_best_shards": self.ps_shards,
                 "predicted_ms": {k: round(v * 1e3, 4) for k, v in self.predicted_s.items()},
                 "ps_ms_by_shards": {str(k): round(v * 1e3, 4) for k, v in self.ps_by_shards.items()},
                 "margin": round(self.margin, 4), "why": self.why}
@@ -193,28 +194,57 @@ def decide(s: TableStats, links, current_shards: int) -> Decision:
                    f"(switch threshold {SWITCH_THRESHOLD:.0%})")
     others = [t for r, t in predicted.items() if r != choice]
     margin = (min(others) - predicted[choice]) / min(others) if others and min(others) > 0 else 0.0
-    return Decision(choice, best_k if choice == PS else 0, predicted, by_shards, margin, why)
+    return Decision(choice, best_k if choice == PS else 0, predicted, by_shards, margin, why, best_k)
 
 
 def _pct(slow: float, fast: float) -> str:
     return f"{(slow - fast) / slow:.0%}" if slow > 0 else "0%"
 
 
-def format_time(ms: float) -> str:
-    return f"{ms:.3f} ms" if ms >= 1 else f"{ms * 1e3:.1f} us"
+# -- memory per rank ---------------------------------------------------------------------------
+SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2}  # optimizer state per row, in rows
 
 
-def describe_auto(name: str, auto: dict, shape) -> str:
-    """One line of explain() for a `sync: auto` variable (plan.VariablePlan.auto)."""
-    if auto.get("status") != "decided":
-        return f"{name}: measuring ({auto.get('steps')} steps on ps, then the route is chosen once)"
-    m = auto.get("measured", {})
-    pred = auto.get("predicted_ms", {})
-    cands = ", ".join(f"{r} {format_time(ms)}" for r, ms in sorted(pred.items(), key=lambda kv: kv[1]))
-    k = auto.get("shards", 0)
-    shards = f" on {k} shard{'s' if k != 1 else ''}" if auto.get("choice") == PS else ""
-    return (f"{name}: density {m.get('density', 0.0):.2%} ({m.get('rows_per_rank', 0.0):.1f} rows/rank, "
-            f"{m.get('union_rows', 0.0):.1f} over ranks, of {shape[0] if shape else '?'}; "
-            f"{m.get('bytes_per_step', 0.0):.0f} B/rank/step; compute {m.get('compute_ms', 0.0):.2f} ms) | "
-            f"predicted: {cands} | choice: {auto.get('choice')}{shards} at step {auto.get('switched_at_step')}, "
-            f"margin {auto.get('margin', 0.0):+.0%} ({auto.get('why', '')})")
+def memory_per_rank(route: str, num_rows: int, dim: int, world_size: int, shards: int = 0,
+                    placement: str = "sharded", slots: int = 0, rows_per_rank: float = 0.0) -> float:
+    """Bytes one rank holds for a table on `route`: its rows, the optimizer's slots, the gradient
+    and the exchange's buffers (float32 rows of dim; rows_per_rank: unique rows a rank touches
+    per step, 0 before any step). A replica (allgather, allreduce-as-dense, ps replicated) holds
+    the table whole on every rank; the sharded PS holds 1/shards of it on the ranks with a shard."""
+    row = 4 * dim
+    table = float(num_rows) * row
+    touched = rows_per_rank * (row + ID_BYTES)
+    shards = shards or world_size
+    if route == PS:
+        on_shard = table / shards * (1 + slots)  # rows and slots of the busiest shard
+        exchange = 2 * touched * world_size / shards + 2 * touched  # what it serves and what it sends
+        return on_shard + exchange + (table if placement == "replicated" else 0.0)
+    local = table * (1 + slots)  # the replica and the wrapped optimizer's state
+    if route == ALLGATHER:
+        return local + 2 * touched * world_size  # the gathered ids and rows, and the sparse gradient
+    return local + 2 * table  # allreduce-as-dense: the dense gradient and the all-reduce's buffer
+
+
+def default_memory_per_rank(local_ranks: int) -> int:
+    """The host's available memory when the job starts, shared by its ranks, times 0.8."""
+    available = 0
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if not available:
+        import os
+
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(available / max(1, local_ranks) * 0.8)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

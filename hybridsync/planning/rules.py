@@ -13,9 +13,12 @@ import fnmatch
 import warnings
 from typing import Callable
 
-from .config import Config, ConfigError, ConfigWarning, Settings
+from .. import runtime
+from ..config import Config, ConfigError, ConfigWarning, Settings
+from ..settings import settings
+from ..types import GradKind, Placement, Route
+from . import estimate
 from .plan import VariablePlan
-from .types import GradKind, Placement, Route
 
 
 @dataclasses.dataclass
@@ -28,22 +31,19 @@ class RouteResolver:
     applies_sparse: bool  # the wrapped optimizer applies sparse gradients itself (allgather route)
     optimizer_name: str = "the optimizer"
     auto_supported: bool = True  # the frontend can switch a variable's route during training
+    _default_budget: int | None = dataclasses.field(default=None, repr=False)
 
     @property
     def auto_steps(self) -> int:
         """Steps `sync: auto` measures: the config's auto_steps, else HYBRIDSYNC_AUTO_STEPS."""
-        from .settings import settings
-
         if self.config is not None and self.config.auto_steps is not None:
             return self.config.auto_steps
         return settings().auto_steps
 
     def _auto(self, v: VariablePlan, sync: str, ps_module: bool, explicit: bool) -> str:
         """`sync: auto` (the default for sparse variables): measure on the parameter server for
-        auto_steps steps, then hybridsync.sync.auto picks the route once. Returns the route to
+        auto_steps steps, then hybridsync.planning.measure picks the route. Returns the route to
         start on."""
-        from .settings import settings
-
         v.auto = None
         if sync != "auto":
             return sync
@@ -147,6 +147,41 @@ class RouteResolver:
         if s.partitions is not None and v.route is not Route.PS:
             fail("partitions", "partitions apply to variables on the parameter server (sync: ps)")
         v.staleness = self._staleness(v, s.staleness, fail)
+        if sparse and v.shape and v.shape[0] > 0:
+            self._check_memory(v, param, sync, fail)
+
+    def memory_budget(self) -> int:
+        """Bytes per rank the tables may take: the config's memory_per_rank, else the host's
+        available memory at start over its ranks, times 0.8."""
+        if self.config is not None and self.config.memory_per_rank is not None:
+            return self.config.memory_per_rank
+        if self._default_budget is None:
+            self._default_budget = estimate.default_memory_per_rank(runtime.world().local_size)
+        return self._default_budget
+
+    def _slots(self, v: VariablePlan, param) -> int:
+        """Optimizer state per row (in rows) of v on its route."""
+        if v.optimizer:
+            return estimate.SLOTS.get(v.optimizer["name"], 1)
+        try:
+            return estimate.SLOTS.get(self.server_rule(v.name, param)["name"], 1)
+        except ValueError:  # an optimizer with no server rule (it may still apply a replica): say 1
+            return 1
+
+    def _check_memory(self, v: VariablePlan, param, sync: str, fail) -> None:
+        """A table's predicted bytes per rank on its route (explain() shows them); a route the
+        config fixed that does not fit in memory_per_rank is an error naming both numbers (sync:
+        auto never chooses one: the parameter server is where it measures)."""
+        route = estimate.PS if v.route is Route.PS else (estimate.ALLGATHER if v.route is Route.ALLGATHER
+                                                          else estimate.DENSE)
+        v.memory_bytes = int(estimate.memory_per_rank(route, int(v.shape[0]), _dim(v.shape), self.world_size,
+                                                      v.shards, v.placement.value, self._slots(v, param)))
+        budget = self.memory_budget()
+        if sync != "auto" and v.memory_bytes > budget:
+            fail("sync", f"'{v.route.value}'{' ' + v.placement.value if v.route is Route.PS else ''} needs about "
+                         f"{estimate.human_bytes(v.memory_bytes)} per rank for this table (rows, optimizer state, "
+                         f"gradient and buffers), over memory_per_rank {estimate.human_bytes(budget)}: route it to "
+                         "the sharded parameter server, on more shards, or raise memory_per_rank")
 
     @staticmethod
     def _staleness(v: VariablePlan, k, fail) -> int:
@@ -223,10 +258,16 @@ _warned: set = set()  # (file:line, glob) of rules warned about in this process
 
 def _warn_once(rule, message: str) -> None:
     """Rank 0 only (every rank plans alike), once per rule per process."""
-    from . import runtime
 
     key = (rule.where, rule.match)
     if key in _warned or runtime.world().rank != 0:
         return
     _warned.add(key)
     warnings.warn(message, ConfigWarning, stacklevel=2)
+
+
+def _dim(shape) -> int:
+    out = 1
+    for d in shape[1:]:
+        out *= int(d)
+    return out

@@ -1,22 +1,18 @@
-"""Classifies a torch optimizer's variables and picks each one's route: the plan.
+"""A torch optimizer's variables as hybridsync.planning takes them (planning.Described): which
+are sparse, and how the wrapped optimizer looks to the server-rule mapping. The plan itself is
+made by hybridsync.planning, the same way for the TensorFlow frontend.
 
 Kinds: weights of nn.Embedding / nn.EmbeddingBag built with sparse=True (seen through the
 model) and hybridsync.torch PS embeddings are sparse -- unless a module of another kind holds the
 same weight (tied to an nn.Linear output layer: the gradient is dense); without a model, a
 parameter whose first gradient is sparse is. Everything else is dense.
-
-Routes come from hybridsync.routing.RouteResolver (shared with the TensorFlow frontend); this
-module supplies the torch specifics: which variables are sparse and how the wrapped optimizer
-looks to the server-rule mapping.
 """
 from __future__ import annotations
 
 import torch
 
 from ..config import Config, ConfigError
-from ..plan import Plan, VariablePlan
-from ..routing import RouteResolver
-from ..sync.planning import ps_embedding_plan, route_resolver
+from ..planning import Described, Plan, RouteResolver, VariablePlan, make_plan, route_resolver
 from ..types import GradKind
 from .dynamic_embedding import DynamicEmbedding
 from .embedding import PS_MODULES
@@ -83,24 +79,19 @@ def apply_dynamic_rules(config: Config | None, named, model) -> None:
 
 def plan_for(optimizer, named, model, config: Config | None, compression_name: str, backend_name: str,
              world_size: int, backend_reason: str = "") -> tuple[Plan, RouteResolver]:
-    planner = route_resolver(config, lambda param: describe(optimizer, group_of(optimizer, param)),
-                             has_model=model is not None, world_size=world_size, compression=compression_name,
-                             optimizer_name=type(optimizer).__name__)
+    resolver = route_resolver(config, lambda param: describe(optimizer, group_of(optimizer, param)),
+                              has_model=model is not None, world_size=world_size, compression=compression_name,
+                              optimizer_name=type(optimizer).__name__)
     sparse_ids, tied = sparse_parameter_ids(model), tied_dense_reasons(model)
-    variables = []
-    for name, p in named:
-        kind = (GradKind.SPARSE if id(p) in sparse_ids else GradKind.DENSE) if model is not None else None
-        v = VariablePlan(name=name, shape=tuple(p.shape), dtype=str(p.dtype).replace("torch.", ""), kind=kind, route=None)
-        if kind is not None:
-            planner.decide(v, p)
-            if id(p) in tied:
-                v.reason = f"{tied[id(p)]}; {v.reason}"
-        variables.append(v)
-    for name, module in ps_modules(model):
-        variables.append(ps_embedding_plan(planner, name, module.table, "hybridsync.torch"))
-    planner.check_strict(variables)
-    plan = Plan(variables, framework="torch", backend=backend_name, world_size=world_size, backend_reason=backend_reason)
-    return plan, planner
+    described = [Described(name, tuple(p.shape), str(p.dtype).replace("torch.", ""),
+                           (GradKind.SPARSE if id(p) in sparse_ids else GradKind.DENSE) if model is not None else None,
+                           param=p, note=tied.get(id(p), ""))
+                 for name, p in named]
+    described += [Described(name, (module.table.num_rows, module.table.dim), "float32", GradKind.SPARSE,
+                            table=module.table) for name, module in ps_modules(model)]
+    plan = make_plan(described, resolver, framework="torch", backend=backend_name, backend_reason=backend_reason,
+                     label="hybridsync.torch")
+    return plan, resolver
 
 
 def route_for_observed(v: VariablePlan, kind: GradKind, planner: RouteResolver, param) -> None:
