@@ -17,6 +17,8 @@
     strict: true                                        # a rule that matches nothing is an error (else a warning)
     backend: mpi                                        # dense backend: horovod | mpi (optional)
     auto_steps: 20                                      # steps `sync: auto` measures before it decides
+    auto_trial_steps: 8                                 # steps each route worth trying runs, timed (0: the
+                                                        # cost model decides alone)
     memory_per_rank: 8GiB                               # what tables may take per rank (bytes or "512MiB",
                                                         # "8GiB"; default: the host's available memory / its ranks x 0.8)
 
@@ -85,6 +87,7 @@ class Config:
     strict: bool = False
     backend: str | None = None
     auto_steps: int | None = None  # steps `sync: auto` measures (None: HYBRIDSYNC_AUTO_STEPS)
+    auto_trial_steps: int | None = None  # steps each tried assignment runs (None: measure.TRIAL_STEPS; 0: none)
     memory_per_rank: int | None = None  # bytes the tables may take per rank (None: from the host's memory)
     source: str = "<dict>"
     where: dict = dataclasses.field(default_factory=dict)  # "defaults.dense" etc. -> "file:line"
@@ -245,7 +248,8 @@ class _Checker:
 
 def _parse(root: _Node, source: str) -> Config:
     c = _Checker(source)
-    top = c.mapping(root, "", ("defaults", "variables", "strict", "backend", "auto_steps", "memory_per_rank"))
+    top = c.mapping(root, "", ("defaults", "variables", "strict", "backend", "auto_steps", "auto_trial_steps",
+                                   "memory_per_rank"))
     cfg = Config(Settings(), Settings(), [], source=source)
     if "defaults" in top:
         node, line = top["defaults"]
@@ -283,6 +287,11 @@ def _parse(root: _Node, source: str) -> Config:
         if not isinstance(node.value, int) or isinstance(node.value, bool) or node.value < 1:
             c.fail(line, "auto_steps", f"expected an integer >= 1, got {node.value!r}")
         cfg.auto_steps = node.value
+    if "auto_trial_steps" in top:
+        node, line = top["auto_trial_steps"]
+        if not isinstance(node.value, int) or isinstance(node.value, bool) or not (node.value == 0 or node.value >= 3):
+            c.fail(line, "auto_trial_steps", f"expected 0 (no trials) or an integer >= 3, got {node.value!r}")
+        cfg.auto_trial_steps = node.value
     if "memory_per_rank" in top:
         node, line = top["memory_per_rank"]
         try:

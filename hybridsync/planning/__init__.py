@@ -12,7 +12,7 @@
 """
 from .agreement import PlanMismatchError, agree
 from .describe import Described, make_plan, ps_embedding_plan, route_resolver
-from .measure import AutoStrategy
+from .measure import TRIAL_STEPS, AutoStrategy
 from .plan import Plan, VariablePlan
 from .report import announce, explain, register, render
 from .rules import RouteResolver
@@ -26,8 +26,9 @@ def start_auto(sync_set, frontend, resolver: RouteResolver, links=None) -> None:
                         if var.plan.auto and var.plan.auto.get("status") != "decided"), key=lambda v: v.index)
     if variables and resolver.auto_steps > 0:
         fixed = sum(var.plan.memory_bytes or 0 for var in sync_set.route_of if not var.plan.auto)
+        trial_steps = resolver.config.auto_trial_steps if resolver.config is not None else None
         sync_set.auto = AutoStrategy(sync_set, variables, frontend, resolver.auto_steps, resolver.memory_budget(),
-                                     links, fixed)
+                                     links, fixed, trial_steps=TRIAL_STEPS if trial_steps is None else trial_steps)
 
 
 def adopt_auto(sync_set, frontend, saved: dict) -> None:

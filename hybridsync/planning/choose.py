@@ -33,21 +33,21 @@ def _fits(assignment: dict, predictions: dict, budget: float) -> bool:
     return sum(predictions[n]["memory_bytes"].get(a["choice"], 0) for n, a in assignment.items()) <= budget
 
 
-def assignments_to_try(predictions: dict, budget: float, returns_to_ps: bool) -> tuple[list, dict]:
+def assignments_to_try(predictions: dict, budget: float, may_try: bool) -> tuple[list, dict]:
     """(assignments to try, the assignment chosen without trying). An assignment maps each auto
     variable to {"choice": route, "shards": PS shards}. predictions: per variable, the model's
     decision (estimate.Decision.to_json() with "candidates" and "memory_bytes" per route).
     Tried: the model's choice and, per other route, that route wherever it is not pruned; none
     over `budget` (bytes per rank for these variables together); the parameter server's own
     measurement stands for staying. A frontend that cannot bring a table back to the parameter
-    server (returns_to_ps False) tries nothing: the model's choice is taken."""
+    server, or auto_trial_steps 0 (may_try False), tries nothing: the model's choice is taken."""
     staying = {n: {"choice": estimate.PS, "shards": p["ps_current_shards"]} for n, p in predictions.items()}
     model = {n: {"choice": p["choice"], "shards": p["shards"]} for n, p in predictions.items()}
     for n, p in sorted(predictions.items(), key=lambda kv: -max(kv[1]["memory_bytes"].values())):
         if not _fits(model, predictions, budget) and model[n]["choice"] != estimate.PS:
             model[n] = {"choice": estimate.PS, "shards": p["ps_best_shards"]}  # the biggest replicas go first
             p["over_budget"] = True
-    if not returns_to_ps:
+    if not may_try:
         return [], model
     tried = [model] if model != staying else []
     for route in (estimate.ALLGATHER, estimate.DENSE):

@@ -37,8 +37,8 @@ from .choose import assignments_to_try
 from .report import announce_auto_decision
 from .switch import Switch
 
-TRIAL_STEPS = 8  # steps each trial assignment runs: the first TRIAL_WARMUP are not timed
-TRIAL_WARMUP = 2  # (a switch's own cost, and caches settling)
+TRIAL_STEPS = 8  # steps each trial assignment runs (config: auto_trial_steps): the first TRIAL_WARMUP
+TRIAL_WARMUP = 2  # are not timed (a switch's own cost, and caches settling)
 
 
 def collective_s(backend, repeats: int = 10) -> float:
@@ -58,15 +58,17 @@ class _Recording:
     """var.access while measuring: passes everything through, and keeps the unique ids of the
     rows the route takes each step."""
 
-    __slots__ = ("inner", "ids")
+    __slots__ = ("inner", "ids", "spent_s")
 
     def __init__(self, inner):
-        self.inner, self.ids = inner, None
+        self.inner, self.ids, self.spent_s = inner, None, 0.0
 
     def rows(self):
         got = self.inner.rows()
         if got is not None:
+            start = time.perf_counter()
             self.ids = np.unique(np.asarray(got[0], dtype=np.int64))
+            self.spent_s += time.perf_counter() - start  # the PS's measured step leaves this out
         return got
 
     def __getattr__(self, name):
@@ -77,11 +79,13 @@ class AutoStrategy:
     """Measures a SyncSet's auto variables, tries the assignments worth trying, keeps the fastest."""
 
     def __init__(self, sync_set, variables: list, frontend, steps: int, budget: int, links=None,
-                 fixed_bytes: float = 0.0):
+                 fixed_bytes: float = 0.0, trial_steps: int = TRIAL_STEPS):
         """Collective (the link probe, unless `links` is given). budget: bytes per rank the
         tables may take (memory_per_rank); fixed_bytes: what the variables auto does not route
-        take of it."""
+        take of it; trial_steps: steps each tried assignment runs (0: the model's choice is
+        taken untried)."""
         self.sync_set, self.frontend, self.steps = sync_set, frontend, int(steps)
+        self.trial_steps = int(trial_steps)
         self.budget, self.fixed_bytes = budget, fixed_bytes
         self.variables = [var for var in variables if var.plan.auto]
         self.links = links if links is not None else probe.links()
@@ -101,6 +105,7 @@ class AutoStrategy:
         self.measured: list = []  # (assignment, this rank's median step) per finished phase
         self._sync_end = None
         self._last_step_end = None
+        self._due = None  # the move decided, still to make (after_step)
         self._joins = ps.joins()
 
     # -- every step ---------------------------------------------------------------------------------
@@ -109,7 +114,9 @@ class AutoStrategy:
             self.compute_s.append(time.perf_counter() - self._sync_end)
 
     def after_sync(self) -> bool:
-        """Records the step; at the end of a phase, decides what runs next. True when done."""
+        """Records the step; at the end of a phase, decides what runs next and moves the
+        variables there -- or, for a frontend that says the step's update is still to come
+        (moves_after_step), leaves the move to after_step(). True when done."""
         if ps.joins() != self._joins:
             self._measure_afresh()
         now = time.perf_counter()
@@ -120,14 +127,28 @@ class AutoStrategy:
             for var in self.variables:
                 rec = var.access
                 self.ids[var].append(rec.ids if rec.ids is not None else np.zeros(0, np.int64))
-                rec.ids = None
+                if self.step_s:
+                    self.step_s[-1] -= rec.spent_s
+                rec.ids, rec.spent_s = None, 0.0
         self.step += 1
-        phase_end = self.steps if not self.trials else self.steps + TRIAL_STEPS * len(self.measured)
+        phase_end = self.steps if not self.trials else self.steps + self.trial_steps * len(self.measured)
         if self.step < phase_end or not self._everyone_steps():
             self._sync_end = time.perf_counter()
             return False
         with timeline.span(f"sync: auto ({len(self.variables)} variables)", "ps"):
-            done = self._phase_done()
+            self._phase_done()
+        if getattr(self.frontend, "moves_after_step", False):
+            return False
+        return self.after_step()
+
+    def after_step(self) -> bool:
+        """The move decided at the end of the phase, once the step's update is applied (a
+        replica's pending gradient would not reach a table it moves to). True when done."""
+        due, self._due = self._due, None
+        if due is None:
+            return False
+        with timeline.span(f"sync: auto ({len(self.variables)} variables)", "ps"):
+            done = due()
         self._sync_end = self._last_step_end = time.perf_counter()  # (a switch is no step)
         return done
 
@@ -146,7 +167,7 @@ class AutoStrategy:
         return float(np.median(times)) if times else 0.0
 
     # -- phases ---------------------------------------------------------------------------------------
-    def _phase_done(self) -> bool:
+    def _phase_done(self) -> None:
         backend = self.sync_set.ctx.backend
         if not self.trials:  # the parameter server's phase: predict, and choose what to try
             current = {var.name: {"choice": estimate.PS, "shards": var.plan.shards} for var in self.variables}
@@ -159,25 +180,27 @@ class AutoStrategy:
             self.ids.clear()
             self.predictions, self.trials = plan["predictions"], plan["trials"]
             if not self.trials:  # nothing worth trying (or nothing the frontend can try)
-                self.measured = [(plan["decided"], 0.0)]
-                return self._finish(plan["decided"])
+                self.measured = []
+                self._due = lambda: self._finish(plan["decided"])
+                return
         else:  # a trial ended
             self.measured.append((self.trials[len(self.measured) - 1], self._median_step(TRIAL_WARMUP)))
         self.step_s = []
         if len(self.measured) <= len(self.trials):  # the next trial
-            self._switch_to(self.trials[len(self.measured) - 1], trial=True)
-            return False
+            trial = self.trials[len(self.measured) - 1]
+            self._due = lambda: self._switch_to(trial, trial=True)
+            return
         steps = backend.allgather_object([t for _, t in self.measured], name="hybridsync.auto.trial_times")
         slowest = [max(rank[i] for rank in steps) for i in range(len(self.measured))]
         best = min(range(len(slowest)), key=lambda i: (slowest[i], i))
         self.measured = [(a, t) for (a, _), t in zip(self.measured, slowest)]
-        return self._finish(self.measured[best][0])
+        self._due = lambda: self._finish(self.measured[best][0])
 
     def _plan_trials(self, everyone: list) -> dict:
         """Rank 0: each variable's predictions, and the assignments to try."""
         predictions = {var.name: self._predict(i, var, everyone) for i, var in enumerate(self.variables)}
         trials, decided = assignments_to_try(predictions, self.budget - self.fixed_bytes,
-                                             self.frontend.returns_to_ps)
+                                             self.frontend.returns_to_ps and self.trial_steps > 0)
         return {"predictions": predictions, "trials": trials, "decided": decided}
 
     def _predict(self, i: int, var: Variable, everyone: list) -> dict:
@@ -203,13 +226,14 @@ class AutoStrategy:
         return {**decision.to_json(), "measured": measured, "candidates": list(stats.candidates),
                 "memory_bytes": {r: int(b) for r, b in memory.items()}, "ps_current_shards": var.plan.shards}
 
-    def _switch_to(self, assignment: dict, trial: bool) -> None:
+    def _switch_to(self, assignment: dict, trial: bool) -> bool:
         """Collective: every auto variable to its route in `assignment` (name -> choice, shards)."""
         switch = Switch(self.sync_set, self.frontend)
         for var in self.variables:
             if isinstance(var.access, _Recording):
                 var.access = var.access.inner
             switch.move(var, assignment[var.name]["choice"], assignment[var.name]["shards"])
+        return False
 
     def _finish(self, assignment: dict) -> bool:
         """Collective: the variables go to `assignment` for good; the plan says what was measured."""
@@ -219,8 +243,9 @@ class AutoStrategy:
         for var in self.variables:
             p = self.predictions[var.name]
             choice = assignment[var.name]
-            why = (p["why"] if len(self.measured) == 1 and not p.get("over_budget") else
-                   f"measured fastest of {len(self.measured)} assignments ({_measured_list(self.measured)})")
+            why = (f"measured fastest of {len(self.measured)} assignments ({_measured_list(self.measured)})"
+                   if self.measured else p["why"] + ("; the replicas that fit in memory_per_rank"
+                                                     if p.get("over_budget") else ""))
             decision = {**p, "choice": choice["choice"], "shards": choice["shards"], "why": why,
                         "trials": tried}
             Switch(self.sync_set, self.frontend).record(var, decision, self.step)

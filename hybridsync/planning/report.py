@@ -67,7 +67,7 @@ def auto_decision_table(variables: list, step: int) -> str:
     """What `sync: auto` chose for each of its variables (VariablePlans, decided), in the plan's
     table format: the route from now on and, briefly, the numbers it was chosen on."""
     headers = ["variable", "route", "shards", "density", "rows/rank", "over ranks", "predicted",
-               "why"]
+               "measured step", "why"]
     rows = []
     for v in variables:
         auto, measured = v.auto or {}, (v.auto or {}).get("measured", {})
@@ -76,6 +76,8 @@ def auto_decision_table(variables: list, step: int) -> str:
             v.name, v.route.value if v.route else "-", str(v.shards) if v.shards else "-",
             f"{measured.get('density', 0.0):.2%}", f"{measured.get('rows_per_rank', 0.0):.1f}",
             f"{measured.get('union_rows', 0.0):.1f}", ", ".join(f"{r} {format_time(ms)}" for r, ms in predicted),
+            ", ".join(f"{t['routes'].get(v.name, '?')} {format_time(t['step_ms'])}"
+                      for t in auto.get("trials") or []) or "-",
             auto.get("why", ""),
         ])
     title = (f"hybridsync sync: auto decided at step {step}: each table's route from now on "
@@ -209,8 +211,12 @@ def describe_auto(name: str, auto: dict, shape) -> str:
     cands = ", ".join(f"{r} {format_time(ms)}" for r, ms in sorted(pred.items(), key=lambda kv: kv[1]))
     k = auto.get("shards", 0)
     shards = f" on {k} shard{'s' if k != 1 else ''}" if auto.get("choice") == PS else ""
+    memory = ", ".join(f"{r} {human_bytes(b)}" for r, b in (auto.get("memory_bytes") or {}).items())
+    trials = auto.get("trials") or []
+    measured = ", ".join(f"{t['routes'].get(name, '?')} {format_time(t['step_ms'])}" for t in trials)
     return (f"{name}: density {m.get('density', 0.0):.2%} ({m.get('rows_per_rank', 0.0):.1f} rows/rank, "
             f"{m.get('union_rows', 0.0):.1f} over ranks, of {shape[0] if shape else '?'}; "
             f"{m.get('bytes_per_step', 0.0):.0f} B/rank/step; compute {m.get('compute_ms', 0.0):.2f} ms) | "
-            f"predicted: {cands} | choice: {auto.get('choice')}{shards} at step {auto.get('switched_at_step')}, "
+            f"predicted: {cands} | memory/rank: {memory or '-'} | "
+            f"measured step: {measured or 'not tried'} | choice: {auto.get('choice')}{shards} at step {auto.get('switched_at_step')}, "
             f"margin {auto.get('margin', 0.0):+.0%} ({auto.get('why', '')})")

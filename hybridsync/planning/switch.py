@@ -19,6 +19,10 @@ class AutoFrontend(Protocol):
     """What a frontend does for `sync: auto`."""
 
     returns_to_ps: bool  # whether a table can come back to the parameter server (a trial that lost)
+    # whether the frontend calls SyncSet.step_taken() after the step's update: a move is then made
+    # there (a replica's gradient, reduced but not yet applied, must not be left behind by a move
+    # onto the parameter server); otherwise at the step's synchronize
+    moves_after_step: bool
 
     def candidates(self, var: Variable) -> tuple:
         """Routes (estimate's names) whose update of var equals the server rule's."""

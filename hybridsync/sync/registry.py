@@ -125,6 +125,12 @@ class SyncSet:
         if self.auto is not None and self.auto.after_sync():
             self.auto = None  # decided: from now on no auto work at all
 
+    def step_taken(self) -> None:
+        """The frontend applied (or skipped) the step's update: a `sync: auto` move decided at its
+        synchronize is made now (planning.switch.AutoFrontend.moves_after_step)."""
+        if self.auto is not None and self.auto.after_step():
+            self.auto = None
+
     def in_flight(self) -> bool:
         return any(sync.in_flight() for sync in self.by_route.values())
 

@@ -408,6 +408,7 @@ class _KerasAuto:
     come back to the PS: Keras takes the model's choice, untried."""
 
     returns_to_ps = False
+    moves_after_step = False  # (a move off the parameter server is exact at the synchronize)
 
     def __init__(self, optimizer):
         self.opt = optimizer

@@ -328,11 +328,14 @@ class _DistributedOptimizer:
                 "call optimizer.synchronize() before the skip_synchronize() block")
         self._hs_synchronized = False
         with timeline.span("optimizer update (dense)"), sparse_update_checks(self):
-            return super().step(closure)
+            result = super().step(closure)
+        self._hs_sync.step_taken()
+        return result
 
     def zero_grad(self, set_to_none: bool = True):
         if self._hs_synchronized:  # synchronize() and no step(): the step is skipped, tables untouched
             self._hs_sync.discard_held()
+            self._hs_sync.step_taken()
             self._hs_adaptive.step_skipped()
             self._hs_synchronized = False
         elif self._hs_adaptive.mid_accumulation():
@@ -391,6 +394,7 @@ class TorchAuto:
     wrapped optimizer's state for that parameter; coming back (a trial that lost), the other way."""
 
     returns_to_ps = True
+    moves_after_step = True  # step() calls SyncSet.step_taken() after the update
 
     def __init__(self, optimizer):
         self.opt = optimizer
