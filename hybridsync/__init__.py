@@ -3,10 +3,12 @@
 Dense gradients go through all-reduce (Horovod, or MPI via mpi4py); sparse embedding
 gradients go to a C++ parameter server whose shards live on the ranks.
 """
-import sys
 
+from . import config as config_mod
 from . import runtime
-from .runtime import is_initialized, shutdown
+from .comm import choose, objects
+from .frontend import framework_of, module_for
+from .runtime import is_initialized, shutdown, world
 
 __version__ = "0.1.0"
 
@@ -20,9 +22,6 @@ def init(comm=None, backend: str | None = None, config=None) -> None:
     HYBRIDSYNC_BACKEND; a DistributedOptimizer's own `backend=` overrides it).
     config: YAML path or dict used by DistributedOptimizers given no config (overrides
     HYBRIDSYNC_CONFIG); it is validated here, on every rank, before any communication."""
-    from . import config as config_mod
-    from .comm import choose
-
     runtime.init(comm)
     if config is not None:
         loaded = config_mod.load(config)
@@ -31,37 +30,26 @@ def init(comm=None, backend: str | None = None, config=None) -> None:
             backend = loaded.backend
     if backend is not None:
         runtime.set_default_backend(choose(backend))
-    if "torch" in sys.modules and choose() == "horovod":
-        from .comm import horovod
-
-        horovod.module()
+    runtime.run_init_hooks()  # a frontend imported already starts what it needs (Horovod for torch)
 
 
 def rank() -> int:
     """This process's rank in the job (joins the job on first use)."""
-    from .runtime import world
-
     return world().rank
 
 
 def size() -> int:
     """Number of processes in the job."""
-    from .runtime import world
-
     return world().size
 
 
 def local_rank() -> int:
     """Rank among the processes on this host."""
-    from .runtime import world
-
     return world().local_rank
 
 
 def local_size() -> int:
     """Number of processes on this host."""
-    from .runtime import world
-
     return world().local_size
 
 
@@ -69,23 +57,18 @@ def DistributedOptimizer(optimizer, *args, **kwargs):
     """Wraps a PyTorch or Keras optimizer for hybrid synchronization (framework detected from
     the optimizer). See hybridsync.torch.DistributedOptimizer and
     hybridsync.tensorflow.DistributedOptimizer for the arguments."""
-    torch = sys.modules.get("torch")
-    keras = sys.modules.get("keras")  # a Keras optimizer means keras is imported
-    if torch is not None and isinstance(optimizer, torch.optim.Optimizer):
-        from .torch import DistributedOptimizer as frontend
-    elif keras is not None and isinstance(optimizer, keras.optimizers.Optimizer):
-        from .tensorflow import DistributedOptimizer as frontend
-    else:
+    frontend = module_for(optimizer)
+    if frontend is None:
         raise TypeError(
             "hybridsync.DistributedOptimizer wraps a torch.optim.Optimizer or a Keras optimizer "
             f"(keras.optimizers.SGD/Adam/Adagrad); got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
-    return frontend(optimizer, *args, **kwargs)
+    return frontend.DistributedOptimizer(optimizer, *args, **kwargs)
 
 
 def explain(file=None, as_json: bool = False) -> str:
     """Prints the plan (one row per variable: route, placement, shards, server optimizer,
     bytes per step, and why) of every live DistributedOptimizer; returns the text."""
-    from .planning import explain as _explain
+    from .planning import explain as _explain  # (the planning loads the C++ engine, and with it MPI)
 
     return _explain(file=file, as_json=as_json)
 
@@ -93,8 +76,6 @@ def explain(file=None, as_json: bool = False) -> str:
 def save_checkpoint(path, model, optimizer, extra=None):
     """Collective: a sharded, atomic checkpoint of model, optimizer and parameter-server state
     (PyTorch or Keras; see hybridsync.checkpoint). extra: JSON data kept with it."""
-    from .checkpoint import save_checkpoint as _save
-
     return _save(path, model, optimizer, extra)
 
 
@@ -115,21 +96,19 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
     """Collective: every rank's parameters become root_rank's, in place. PyTorch: a module, its
     state_dict(), named_parameters() or tensors; TensorFlow/Keras: a model or its variables
     (framework detected from the values)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(params, torch.nn.Module):
-        params = params.state_dict()
+    if framework_of(params) == "torch" and hasattr(params, "state_dict"):
+        params = params.state_dict()  # a module
     elif hasattr(params, "variables") and not isinstance(params, (dict, list, tuple)):
         params = params.variables  # a Keras model or layer
     params = params if isinstance(params, dict) else list(params)
     first = _first_value(params)
-    if torch is not None and isinstance(first, torch.Tensor):
-        from .torch.functions import broadcast_parameters as frontend
-
-        return frontend(params, root_rank)
-    if first is None or (hasattr(first, "assign") and hasattr(first, "numpy")):
-        from .tensorflow import broadcast_variables
-
-        return broadcast_variables(params, root_rank) if first is not None else None
+    if first is None:
+        return None
+    framework = framework_of(first)
+    if framework == "torch":
+        return module_for(first).broadcast_parameters(params, root_rank)
+    if framework == "tensorflow":
+        return module_for(first).broadcast_variables(params, root_rank)
     raise TypeError(f"broadcast_parameters takes torch tensors (a state_dict, named_parameters()) or TensorFlow/Keras "
                     f"variables; got {type(first).__module__}.{type(first).__qualname__}")
 
@@ -137,39 +116,22 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
 def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
     """Collective: every rank's optimizer state and hyper-parameters become root_rank's
     (torch.optim: hybridsync.torch.broadcast_optimizer_state; Keras: its variables)."""
-    torch = sys.modules.get("torch")
-    keras = sys.modules.get("keras")
-    if torch is not None and isinstance(optimizer, torch.optim.Optimizer):
-        from .torch.functions import broadcast_optimizer_state as frontend
-
-        return frontend(optimizer, root_rank)
-    if keras is not None and isinstance(optimizer, keras.optimizers.Optimizer):
-        from .tensorflow import broadcast_variables
-
-        return broadcast_variables(list(optimizer.variables), root_rank)
+    framework = framework_of(optimizer)
+    if framework == "torch":
+        return module_for(optimizer).broadcast_optimizer_state(optimizer, root_rank)
+    if framework == "tensorflow":
+        return module_for(optimizer).broadcast_variables(list(optimizer.variables), root_rank)
     raise TypeError("broadcast_optimizer_state takes a torch.optim.Optimizer or a Keras optimizer; got "
                     f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
 
 
 def broadcast_object(obj, root_rank: int = 0, name=None):
     """Collective: root_rank's picklable `obj`, on every rank."""
-    if "torch" in sys.modules:
-        from .torch.functions import broadcast_object as frontend
-
-        return frontend(obj, root_rank, name)
-    from .comm import objects
-
     return objects().broadcast_object(obj, root_rank, name=name)
 
 
 def allgather_object(obj, name=None) -> list:
     """Collective: every rank's picklable `obj`, as a list in rank order."""
-    if "torch" in sys.modules:
-        from .torch.functions import allgather_object as frontend
-
-        return frontend(obj, name)
-    from .comm import objects
-
     return objects().allgather_object(obj, name=name)
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 DTYPES_KEY = "hybridsync.dtypes"
 
@@ -51,8 +53,6 @@ def storable(value) -> np.ndarray | RawBits:
 def write(arrays: dict, path: Path) -> None:
     """Writes `arrays` ({key: NumPy array or RawBits}) to the safetensors file `path` and
     flushes it to disk."""
-    from safetensors.numpy import save_file
-
     plain, dtypes = {}, {}
     for key, value in arrays.items():
         value = storable(value)
@@ -67,8 +67,6 @@ def write(arrays: dict, path: Path) -> None:
 
 def read(path: Path) -> dict:
     """What write() wrote: {key: NumPy array, or RawBits where the file records a dtype}."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="numpy") as f:
         dtypes = json.loads((f.metadata() or {}).get(DTYPES_KEY, "{}"))
         arrays = {key: f.get_tensor(key) for key in f.keys()}

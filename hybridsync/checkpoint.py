@@ -34,11 +34,15 @@ import json
 import os
 import re
 import shutil
-import sys
 import uuid
 from pathlib import Path
 
 from . import array_files, comm, runtime
+from . import ps
+from .ps.dynamic import DynamicTable
+from safetensors import safe_open
+from .frontend import framework_of
+from .frontend import of as frontend_of
 from .ps.partition import Partition
 from .types import Placement
 
@@ -54,24 +58,20 @@ class CheckpointError(RuntimeError):
 
 # -- what a frontend hands over ----------------------------------------------------------------
 def _frontend(optimizer):
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(optimizer, torch.optim.Optimizer):
-        from .torch import checkpointing
-        return checkpointing
-    keras = sys.modules.get("keras")
-    if keras is not None and isinstance(optimizer, keras.optimizers.Optimizer):
-        from .tensorflow import checkpointing
-        return checkpointing
+    found = frontend_of(optimizer)
+    if found is not None:
+        return found
+    if framework_of(optimizer) is not None:
+        raise CheckpointError("the optimizer is not a hybridsync DistributedOptimizer (wrap it first)")
     raise TypeError("save_checkpoint / load_checkpoint take a hybridsync DistributedOptimizer (PyTorch or Keras); "
                     f"got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
 
 
-def _tables(optimizer) -> list:
+def _tables(frontend) -> list:
     """(variable, PSTable) of every table the optimizer's plan put on the parameter server."""
-    variables = getattr(optimizer, "_hs_vars", None)
+    variables = frontend.variables()
     if variables is None:
-        raise CheckpointError("the optimizer is not a hybridsync DistributedOptimizer (wrap it first; a Keras one "
-                              "plans at its first step, so save after it)")
+        raise CheckpointError("the optimizer has no plan yet (a Keras one plans at its first step: save after it)")
     return [(var, var.table) for var in variables if var.table is not None]
 
 
@@ -124,10 +124,8 @@ def save_checkpoint(path, model, optimizer, extra=None) -> Path:
         error = f"{final}: {exc}"
     _agree(error, "mkdir")
     try:
-        tables = _tables(optimizer)
+        tables = _tables(frontend)
         if tables:
-            from . import ps
-
             ps.engine().barrier("checkpoint")  # every push started anywhere is in the shards
         for i, (var, table) in enumerate(tables):
             if world.rank < table.layout[0]:
@@ -135,7 +133,7 @@ def save_checkpoint(path, model, optimizer, extra=None) -> Path:
                 records[_shard_file(i, world.rank)] = {"sha256": _write_safetensors(arrays, version / _shard_file(i, world.rank)),
                                                         "rows": int(len(arrays["ids"]))}
         if world.rank == 0:
-            arrays, meta = frontend.dense_state(model, optimizer, [var for var, _ in tables])
+            arrays, meta = frontend.checkpointing.dense_state(model, optimizer, [var for var, _ in tables])
             records[DENSE] = {"sha256": _write_safetensors(arrays, version / DENSE), "meta": meta}
     except Exception as exc:
         error = f"{exc}"
@@ -232,19 +230,19 @@ def load_checkpoint(path, model, optimizer):
         error = str(exc)
     _agree(error, "manifest")
     try:
-        frontend.before_load(model, optimizer, manifest)  # Keras before its first step: its plan, now
+        frontend.checkpointing.before_load(model, optimizer, manifest)  # Keras before its first step: its plan, now
     except Exception as exc:
         error = f"{exc}"
     _agree(error, "planned")
-    _adopt_auto(optimizer, manifest)
+    _adopt_auto(frontend, manifest)
     try:
-        tables = _tables(optimizer)
+        tables = _tables(frontend)
         _check_same_model(manifest, tables)
         for (var, table), saved in zip(tables, manifest["tables"]):
             _load_table(Path(path), var, table, saved)
         dense = Path(path) / DENSE
         _verify(dense, manifest["dense"]["sha256"])
-        frontend.load_dense_state(model, optimizer, [var for var, _ in tables], array_files.read(dense),
+        frontend.checkpointing.load_dense_state(model, optimizer, [var for var, _ in tables], array_files.read(dense),
                                   manifest["dense"]["meta"])
     except Exception as exc:
         error = str(exc)
@@ -275,15 +273,14 @@ def check_dense_match(model: dict, saved: dict, shown=lambda key: key) -> None:
             raise ValueError(f"variable '{shown(key)}': checkpoint has shape {tuple(saved[key])}, the model {tuple(shape)}")
 
 
-def _adopt_auto(optimizer, manifest: dict) -> None:
+def _adopt_auto(frontend, manifest: dict) -> None:
     """Collective: where this run's `sync: auto` is still measuring, it takes the saved run's
     decisions, so tables that run moved off the parameter server (or re-sharded) are laid out as
     they were saved, without the saved JSON plan as config."""
-    adopt = getattr(optimizer, "_hs_adopt_auto", None)
     plan = manifest.get("plan") or {}
     saved = {v["name"]: v["auto"] for v in plan.get("variables", []) if v.get("auto")}
-    if adopt is not None and saved:
-        adopt(saved)
+    if saved:
+        frontend.adopt_auto(saved)
 
 
 def _read_manifest(path: Path) -> dict:
@@ -329,10 +326,6 @@ def _verify(file: Path, sha256: str) -> None:
 
 def _load_table(path: Path, var, table, saved: dict) -> None:
     """Writes the saved rows (and slots) this rank owns under this run's layout."""
-    from safetensors import safe_open
-
-    from .ps.dynamic import DynamicTable
-
     rank = runtime.world().rank
     shards, kind = table.layout
     if rank >= shards:
@@ -373,8 +366,6 @@ def _load_dynamic_table(path: Path, table, saved: dict) -> None:
     this run's hash partition (any world size). The shard is emptied first: what training stored
     before the load (a Keras model steps once to build its plan) is not in the checkpoint. The
     step first: expiry counts from it."""
-    from safetensors import safe_open
-
     table.clear()
     table.set_step(saved["step"])
     slots = [f"slot.{s}" for s in saved["slots"]]

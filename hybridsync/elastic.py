@@ -34,6 +34,8 @@ from pathlib import Path
 
 from . import comm, runtime
 from .checkpoint import MANIFEST, load_checkpoint, save_checkpoint
+from .frontend import of as frontend_of
+from .ps.table import PSTable
 
 try:
     from horovod.common.exceptions import HorovodInternalError
@@ -172,11 +174,11 @@ class TableShardsHandler(StateHandler):
 def ps_tables(objects) -> list:
     """Each PS table among `objects` -- PS-backed modules or layers (their `table`) and hybridsync
     DistributedOptimizers (the tables of their plan) -- once."""
-    from .ps.table import PSTable
-
     found = {}
     for obj in objects:
-        tables = [var.table for var in getattr(obj, "_hs_vars", None) or ()] or [getattr(obj, "table", None)]
+        wrapped = frontend_of(obj)
+        variables = (wrapped.variables() or ()) if wrapped is not None else ()
+        tables = [var.table for var in variables] or [getattr(obj, "table", None)]
         found.update((id(t), t) for t in tables if isinstance(t, PSTable))
     return list(found.values())
 

@@ -14,6 +14,8 @@ import time
 import uuid
 
 from .settings import gloo_world, launched_by_gloo
+from .settings import settings
+from . import lost_hosts
 
 
 class LaunchError(RuntimeError):
@@ -65,7 +67,39 @@ def default_backend() -> str | None:
     return _default_backend
 
 
+_init_hooks: list = []
+
+
+def on_init(hook) -> None:
+    """A frontend's hook for hybridsync.init(), once the backend is chosen (e.g. the torch
+    frontend starts Horovod when it is the backend)."""
+    if hook not in _init_hooks:
+        _init_hooks.append(hook)
+
+
+def run_init_hooks() -> None:
+    for hook in list(_init_hooks):
+        hook()
+
+
 _TCP_EAGER_BYTES = 4 << 20
+
+
+def _mpi_defaults() -> None:
+    """OpenMPI settings hybridsync wants, as environment defaults (a user's setting wins). They
+    must be set before MPI starts -- importing mpi4py.MPI starts it, and the C++ engine imports
+    it -- so this runs when hybridsync is imported."""
+    # Waiting MPI calls yield the core (OpenMPI turns this on only when oversubscribed):
+    # Horovod's MPI controller thread otherwise spins on a core training needs.
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    # Between hosts (TCP), a message above the eager limit moves only while its sender polls MPI,
+    # and a rank that answered a pull goes back to computing: PS answers (~0.1-1 MB) then waited
+    # for the server's next MPI call. Sent eagerly, they leave at once.
+    for param in ("btl_tcp_eager_limit", "btl_tcp_rndv_eager_limit", "btl_tcp_max_send_size"):
+        os.environ.setdefault(f"OMPI_MCA_{param}", str(_TCP_EAGER_BYTES))
+
+
+_mpi_defaults()
 
 
 def init(comm=None) -> World:
@@ -77,16 +111,6 @@ def init(comm=None) -> World:
         if launched_by_gloo():
             _world = World(None)
         else:
-            # Waiting MPI calls yield the core (OpenMPI turns this on only when oversubscribed):
-            # Horovod's MPI controller thread otherwise spins on a core training needs.
-            os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-            # Between hosts (TCP), a message above the eager limit moves only while its sender
-            # polls MPI, and a rank that answered a pull goes back to computing: PS answers
-            # (~0.1-1 MB) then waited for the server's next MPI call. Sent eagerly, they leave at
-            # once (measured: 2 hosts x 2 ranks at 1 Gbit, 21 -> 14 ms per step). A user's
-            # setting wins.
-            for param in ("btl_tcp_eager_limit", "btl_tcp_rndv_eager_limit", "btl_tcp_max_send_size"):
-                os.environ.setdefault(f"OMPI_MCA_{param}", str(_TCP_EAGER_BYTES))
             from mpi4py import MPI
 
             _check_thread_level(MPI)
@@ -162,8 +186,6 @@ def _start_heartbeat(comm) -> None:
     freezes or becomes unreachable is named within HYBRIDSYNC_PEER_TIMEOUT_S instead of hanging
     the job (hybridsync._liveness: csrc/transport/heartbeat.cc)."""
     from . import _liveness
-    from .settings import settings
-
     timeout = settings().peer_timeout_s
     if timeout > 0:
         # The watchdog's limit leaves the waits that check the heartbeat time to raise their
@@ -171,8 +193,6 @@ def _start_heartbeat(comm) -> None:
         abort_after_s = timeout + max(5.0, timeout / 4)
         _liveness.start_heartbeat(comm, min(1.0, max(0.05, timeout / 10)), abort_after_s=abort_after_s)
         on_shutdown(_liveness.stop_heartbeat)
-        from . import lost_hosts
-
         # The same on every rank, different for every job (two jobs may share a host): one rank
         # per host claims the lost-host advice under it, whichever aborts first.
         global _job_key
@@ -205,8 +225,6 @@ def _abort_job_on_uncaught_exception(comm) -> None:
 
 def _on_lost_peer(exc) -> None:
     """The excepthook's error names a silent peer: _prepare_for_abort() if it is on another host."""
-    from . import lost_hosts
-
     lost = lost_hosts.lost_peer(exc)
     if lost is not None:
         _prepare_for_abort(lost[1])
@@ -222,8 +240,6 @@ def _prepare_for_abort(lost_host: str) -> None:
     from mpi4py import MPI
 
     from . import _liveness, lost_hosts
-    from .settings import settings
-
     try:
         lost_hosts.prepare_for_abort(lost_host, MPI.Get_processor_name(), settings().peer_timeout_s,
                                      first_to_advise=lambda: _liveness.first_on_this_host(lost_hosts.advice_claim(_job_key)),

@@ -141,3 +141,12 @@ def gloo_world() -> tuple[int, int, int, int]:
     """(rank, size, local_rank, local_size) that `horovodrun --gloo` gives each process."""
     return tuple(int(os.environ.get(f"HOROVOD_{k}", d)) for k, d in
                  (("RANK", 0), ("SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_SIZE", 1)))
+
+
+def wait_spin_us() -> float:
+    """How long a waiting rank polls, yielding its core on every poll, before it sleeps.
+    Polling with sched_yield costs nothing a co-located rank needs (it runs first), and it
+    notices a peer's answer within microseconds, where a sleep wakes up 50-200 us late
+    (docs/performance.md has the measurement)."""
+    s = settings()
+    return s.spin_us if s.spin_us is not None else 20000.0

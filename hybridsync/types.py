@@ -37,19 +37,17 @@ Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
 
 
-def as_reduce_op(op) -> ReduceOp:
-    """ReduceOp from hybridsync's Average/Sum, 'average'/'sum', or Horovod's constants."""
-    import sys
+# Other libraries' constants for the same ops (Horovod's ints), registered by the backend that
+# imports them.
+REDUCE_OP_ALIASES: dict = {}
 
+
+def as_reduce_op(op) -> ReduceOp:
+    """ReduceOp from hybridsync's Average/Sum, 'average'/'sum', or a registered alias (Horovod's)."""
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, str) and op.lower() in ("average", "sum"):
         return ReduceOp(op.lower())
-    for module_name in ("horovod.torch", "horovod.tensorflow"):
-        hvd = sys.modules.get(module_name)
-        if hvd is not None:
-            if op == getattr(hvd, "Average", object()):
-                return ReduceOp.AVERAGE
-            if op == getattr(hvd, "Sum", object()):
-                return ReduceOp.SUM
+    if not isinstance(op, bool) and isinstance(op, int) and op in REDUCE_OP_ALIASES:
+        return REDUCE_OP_ALIASES[op]
     raise ValueError(f"op must be hybridsync Average or Sum, got {op!r}")

@@ -5,6 +5,7 @@ Python objects (plan agreement, shared seeds)."""
 from __future__ import annotations
 
 import sys
+import os
 import threading
 
 from .. import runtime
@@ -27,8 +28,6 @@ def why(name: str) -> str:
 def horovod_has_spare_cores(local_size: int | None = None) -> bool:
     """Horovod's MPI controller thread busy-waits on every rank but the root; it only costs
     nothing when each local rank (`local_size` of them, default this job's) has a second core."""
-    import os
-
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:

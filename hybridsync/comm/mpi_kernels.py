@@ -12,7 +12,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..settings import settings
+from ..settings import settings, wait_spin_us
 from .buckets import make_buckets
 
 _MPI_OPS = {"average": MPI.SUM, "sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}
@@ -89,8 +89,6 @@ def wait(requests, any_done=False, while_waiting=None, comm=None) -> None:
     comm: the communicator the requests belong to; a member of it that has shut down (its
     script ended, or failed on that rank alone) ends the wait with PeerLostError, as a peer's
     hvd.shutdown() ends Horovod's, instead of leaving this rank waiting forever."""
-    from ..ps import wait_spin_us
-
     def done():
         if while_waiting is not None:
             while_waiting()

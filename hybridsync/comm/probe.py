@@ -26,6 +26,9 @@ import time
 
 import numpy as np
 
+from .. import runtime
+from ..settings import settings
+
 SMALL, LARGE = 8, 1 << 20  # bytes
 SMALL_REPEATS, LARGE_REPEATS = 40, 6
 STREAM_MESSAGES, STREAM_REPEATS = 4, 3  # bandwidth: STREAM_MESSAGES x LARGE one way, then an ack
@@ -61,16 +64,12 @@ class Links:
 
 def cache_path(hostnames, cache_dir: str | None = None) -> str:
     """The cache file of a host set: links-<first 16 hex of sha256(sorted host names)>.json."""
-    from ..settings import settings
-
     digest = hashlib.sha256(json.dumps(sorted(hostnames)).encode()).hexdigest()[:16]
     return os.path.join(cache_dir or settings().cache_dir, f"links-{digest}.json")
 
 
 def links(comm=None) -> Links:
     """Collective: this job's links, from the cache of its host set or probed (then cached)."""
-    from .. import runtime
-
     comm = comm if comm is not None else runtime.mpi_comm()
     rank, size = comm.Get_rank(), comm.Get_size()
     hostnames = comm.allgather(socket.gethostname())

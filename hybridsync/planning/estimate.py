@@ -35,6 +35,8 @@ server, where it was measured) is kept unless another one is predicted SWITCH_TH
 """
 from __future__ import annotations
 
+import os
+
 import dataclasses
 
 ID_BYTES = 8
@@ -236,8 +238,6 @@ def default_memory_per_rank(local_ranks: int) -> int:
     except OSError:
         pass
     if not available:
-        import os
-
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(available / max(1, local_ranks) * 0.8)
 

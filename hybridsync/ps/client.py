@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from .. import runtime
-from ..settings import settings
+from ..settings import settings, wait_spin_us
 
 try:
     from .. import _ps
@@ -26,16 +26,6 @@ TransportError = _ps.TransportError
 
 _engine = None
 _lock = threading.Lock()
-
-
-def wait_spin_us() -> float:
-    """How long a waiting rank polls, yielding its core on every poll, before it sleeps.
-    Polling with sched_yield costs nothing a co-located rank needs (it runs first), and it
-    notices a peer's answer within microseconds, where a sleep wakes up 50-200 us late: at 4 ranks
-    on 2 cores, 20 ms of yielding polls ran the benchmark in ~16.5 ms/step against ~19.8 ms
-    with sleeping at once."""
-    s = settings()
-    return s.spin_us if s.spin_us is not None else 20000.0
 
 
 def engine():

@@ -6,6 +6,8 @@ size restores, by the whole table's state read and written one-sided (a state di
 one rank through DynamicSnapshot / DynamicView, loaded by any), and by a streaming export."""
 from __future__ import annotations
 
+from .. import comm
+
 import os
 import weakref
 
@@ -162,8 +164,6 @@ class DynamicTable:
         """Collective: writes every stored (id, row) pair to one file, each rank its own shard's
         at its own offset (no rank gathers the table). Format: 8-byte magic, int64 count, int64
         dim, then per pair an int64 id and dim float32 values. Returns the pairs written."""
-        from .. import comm
-
         local = self.shard_state()
         ids, rows = local["ids"], local["rows"]
         counts = comm.objects().allgather_object(len(ids), name="hybridsync.dynamic.export")

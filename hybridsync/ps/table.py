@@ -9,6 +9,8 @@ are local or one-sided.
 """
 from __future__ import annotations
 
+from .. import comm, runtime
+
 import numpy as np
 
 from . import client
@@ -308,6 +310,4 @@ def push(tables: list, ids: list, grads: list, scale: float, lrs: list, return_u
 
 def shared_seed(draw: int) -> int:
     """Collective: rank 0's `draw` on every rank (seeds that make all ranks agree)."""
-    from .. import comm, runtime
-
     return int(comm.objects().broadcast_object(int(draw), 0, name="hybridsync.seed")) if runtime.world().size > 1 else int(draw)

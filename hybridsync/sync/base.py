@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from ..types import ReduceOp, as_reduce_op
 from .compression import NONE, Codec
 
-if TYPE_CHECKING:  # (the plan is made above the sync core, which only reads it)
-    from ..planning.plan import VariablePlan
 
 
 def check_options(op, gradient_predivide_factor: float, backward_passes_per_step: int) -> ReduceOp:
@@ -76,7 +74,7 @@ class Variable:
     """One variable under a distributed optimizer."""
 
     name: str
-    plan: VariablePlan
+    plan: "VariablePlan"  # (hybridsync.planning.plan: made above the sync core, which only reads it)
     access: GradAccess
     index: int = 0  # position in the plan: the order every rank handles variables in
     table: object = None  # its PSTable once it has one

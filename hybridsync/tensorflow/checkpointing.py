@@ -9,7 +9,7 @@ import numpy as np
 from ..array_files import RawBits
 from ..checkpoint import check_dense_match
 from ..types import GradKind, Placement
-from .optimizer import variable_name
+from .names import variable_name
 from .table_weight import TableWeight
 
 

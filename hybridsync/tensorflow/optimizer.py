@@ -32,18 +32,9 @@ from ..types import GradKind, Placement, ReduceOp, Route
 from . import collectives
 from .access import AutoKerasAccess, KerasAccess
 from .micro_steps import MicroSteps
+from .names import table_variable_name, variable_name
 from .server_optimizer import describe, slots
-
-
-def variable_name(v) -> str:
-    """Keras 3 variables have a path ('dense/kernel'); tf.Variables a name ('dense/kernel:0')."""
-    name = getattr(v, "path", None) or v.name
-    return name[:-2] if name.endswith(":0") else name
-
-
-def table_variable_name(anchor) -> str:
-    """The plan's name of a hybridsync.tensorflow Embedding's table, from its anchor variable."""
-    return variable_name(anchor).rsplit("/", 1)[0] + "/embeddings"
+from . import checkpointing
 
 
 def _kind(grad) -> GradKind:
@@ -225,6 +216,11 @@ class _DistributedKerasOptimizer:
         planning.announce(self._hs_plan)
 
     # -- every step --------------------------------------------------------------------------------
+    @property
+    def hybridsync_frontend(self) -> "KerasFrontend":
+        """What checkpoint, elastic and explain ask of this optimizer (hybridsync.frontend)."""
+        return KerasFrontend(self)
+
     def _hs_adopt_auto(self, saved: dict) -> None:
         """Collective (load_checkpoint, once the plan exists): `sync: auto` takes the saved
         run's decisions."""
@@ -399,6 +395,23 @@ def _rows(values, ids, v, dense_shape=False):
     ids.set_shape([None])
     values = tf.reshape(values, [-1] + list(v.shape[1:]))
     return tf.IndexedSlices(values, ids, tf.shape(v, out_type=tf.int64) if dense_shape else None)
+
+
+class KerasFrontend:
+    """hybridsync.frontend.Frontend for a wrapped Keras optimizer."""
+
+    framework = "tensorflow"
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+    checkpointing = checkpointing
+
+    def variables(self) -> list | None:
+        return getattr(self._optimizer, "_hs_vars", None) if self._optimizer._hs_plan is not None else None
+
+    def adopt_auto(self, saved: dict) -> None:
+        self._optimizer._hs_adopt_auto(saved)
 
 
 class _KerasAuto:

@@ -70,7 +70,7 @@ class AdaptiveStep:
     def set_batch(self, local_batch: int, accumulation: int = 1) -> None:
         """From now on each step is `accumulation` backward passes of `local_batch` samples."""
         self.controller.set_batch(local_batch, accumulation)
-        self.opt._hs_bpps = accumulation
+        self.opt.set_backward_passes_per_step(accumulation)
         self.ctx.grad_scale = 1.0 / accumulation  # the micro-steps' sum becomes their mean
         self._micro = 0
 

@@ -4,6 +4,8 @@ a fact about it); hybridsync's MPI world otherwise."""
 from __future__ import annotations
 
 from .. import comm, runtime
+from .. import init as _init
+from .. import timeline
 from ..comm import horovod as hvd_backend
 from ..elastic import HorovodInternalError  # noqa: F401  (Horovod's own class where it is installed)
 from ..settings import launched_by_gloo
@@ -16,8 +18,6 @@ def init(comm=None, process_sets=None, backend: str | None = None) -> None:
     comm: an mpi4py communicator, or (as in Horovod) a list of ranks of MPI_COMM_WORLD that
     form the job. process_sets: ProcessSet objects to register now (all ranks, same order), or
     'dynamic' (accepted: sets can always be added later with add_process_set)."""
-    from .. import init as _init
-
     _init(_as_comm(comm), backend)
     runtime.on_shutdown(_sets.reset)  # registered sets die with their communicators
     if process_sets is not None and not (isinstance(process_sets, str) and process_sets.lower() == "dynamic"):
@@ -128,8 +128,6 @@ def start_timeline(file_path, mark_cycles=False) -> None:
     hvd = _horovod_running()
     if hvd is not None:
         return hvd.start_timeline(file_path, mark_cycles)
-    from .. import timeline
-
     if not runtime.is_initialized():
         raise ValueError("hybridsync has not been initialized; use hvd.init().")
     with timeline._lock:  # the same state HYBRIDSYNC_TIMELINE sets at first use
@@ -143,7 +141,14 @@ def stop_timeline() -> None:
     hvd = _horovod_running()
     if hvd is not None:
         return hvd.stop_timeline()
-    from .. import timeline
-
     timeline._close()
 
+
+def _start_horovod_when_chosen() -> None:
+    # (hybridsync.init() with torch's frontend imported: Horovod joins the job at once, as
+    # horovod.torch's init would, rather than at its first collective)
+    if comm.choose() == "horovod":
+        hvd_backend.module()
+
+
+runtime.on_init(_start_horovod_when_chosen)

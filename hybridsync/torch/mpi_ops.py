@@ -14,8 +14,10 @@ import warnings
 import torch
 
 from ..comm.negotiation import op_name
+from .. import ps
 from ..types import ReduceOp
 from . import autograd, ops
+from .adaptive import after_join
 from .compression import Compression
 from .process_sets import global_process_set
 
@@ -249,9 +251,6 @@ def join(device=-1) -> int:
     all-reduces with zeros, and in their parameter-server steps with nothing (its shards keep
     serving them), so ranks with fewer batches can stop early. Returns the rank that joined
     last. (`device` is accepted for Horovod's signature; zeros are made on the CPU.)"""
-    from .. import ps
-    from .adaptive import after_join
-
     last = ps.join(ops.route(None).join)
     after_join(last)  # the adaptive batch's state, taken from the rank that stepped the most
     return last

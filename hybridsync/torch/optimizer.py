@@ -18,6 +18,8 @@ import torch
 from .. import comm, planning, runtime, timeline
 from .. import config as config_mod
 from ..planning import agree
+from ..planning.choose import candidates_for
+from . import checkpointing
 from ..ps.table import TableView
 from ..settings import settings
 from ..sync.base import SyncContext, Variable, check_options
@@ -232,6 +234,11 @@ class _DistributedOptimizer:
         self._hs_load_route_state(self._hs_pending_state)
         planning.start_auto(self._hs_sync, TorchAuto(self), self._hs_planner)
 
+    @property
+    def hybridsync_frontend(self) -> "TorchFrontend":
+        """What checkpoint, elastic and explain ask of this optimizer (hybridsync.frontend)."""
+        return TorchFrontend(self)
+
     def _hs_adopt_auto(self, saved: dict) -> None:
         """Collective (load_checkpoint): `sync: auto` takes the saved run's decisions."""
         planning.adopt_auto(self._hs_sync, TorchAuto(self), saved)
@@ -403,8 +410,6 @@ class TorchAuto:
         return self.opt._hs_param_of[var] if var in self.opt._hs_param_of else self.opt._hs_swapped[var][1]
 
     def candidates(self, var):
-        from ..planning.choose import candidates_for
-
         return candidates_for(describe(self.opt, group_of(self.opt, self._param(var))), var.plan.optimizer_source)
 
     def to_replica(self, var, rows) -> None:
@@ -482,6 +487,25 @@ class TorchAuto:
     def set_table(self, var, table) -> None:
         for module, _ in self.opt._hs_swapped[var][0]:
             module.table = table
+
+
+class TorchFrontend:
+    """hybridsync.frontend.Frontend for a wrapped torch optimizer."""
+
+    framework = "torch"
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+    @property
+    def checkpointing(self):
+        return checkpointing
+
+    def variables(self) -> list:
+        return self._optimizer._hs_vars
+
+    def adopt_auto(self, saved: dict) -> None:
+        self._optimizer._hs_adopt_auto(saved)
 
 
 class _ModuleRows(StagedRowsAccess):

@@ -1,0 +1,13 @@
+"""The plan's names of Keras and TensorFlow variables."""
+from __future__ import annotations
+
+
+def variable_name(v) -> str:
+    """Keras 3 variables have a path ('dense/kernel'); tf.Variables a name ('dense/kernel:0')."""
+    name = getattr(v, "path", None) or v.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def table_variable_name(anchor) -> str:
+    """The plan's name of a hybridsync.tensorflow Embedding's table, from its anchor variable."""
+    return variable_name(anchor).rsplit("/", 1)[0] + "/embeddings"
