@@ -20,7 +20,7 @@ def render(plan: Plan) -> str:
     """The plan as a fixed-width text table, one row per variable, then its sections (sync: auto,
     dynamic tables, bounded staleness, adaptive batch)."""
     headers = ["variable", "shape", "kind", "route", "placement", "shards", "server optimizer",
-               "compression", "bytes/step", "why"]
+               "compression", "bytes/step", "memory/rank", "why"]
     rows = []
     for v in plan.variables:
         opt = "-"
@@ -33,6 +33,7 @@ def render(plan: Plan) -> str:
             v.route.value if v.route else "(first backward)", v.placement.value,
             str(v.shards) if v.shards else "-", opt, v.compression,
             human_bytes(v.bytes_per_step) if v.bytes_per_step is not None else "(after step 1)",
+            human_bytes(v.memory_bytes) if v.memory_bytes is not None else "-",
             v.reason,
         ])
     reason = f" - {plan.backend_reason}" if plan.backend_reason and plan.backend_reason != "default" else ""

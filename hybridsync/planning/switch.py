@@ -79,6 +79,9 @@ class Switch:
     def record(var: Variable, decision: dict, step: int) -> None:
         plan = var.plan
         plan.auto.update(decision, status="decided", switched_at_step=step)
+        predicted = (decision.get("memory_bytes") or {}).get(decision.get("choice"))
+        if predicted is not None:
+            plan.memory_bytes = int(predicted)
         head = plan.reason.split("; auto:")[0]
         placement = (f" {plan.placement.value}, {plan.shards} shard{'s' if plan.shards != 1 else ''}"
                      if plan.route is Route.PS else "")

@@ -4,18 +4,21 @@ Horovod's meaning (except its build internals mpi_lib_v2 and check_extension), p
 own: the hybrid DistributedOptimizer, PS-backed Embedding/EmbeddingBag, explain()."""
 from __future__ import annotations
 
+import sys as _sys
+
 from .. import local_rank, local_size, rank, shutdown, size
 from ..planning import explain
 from ..types import ReduceOp
-from . import compression, elastic, functions, mpi_ops, optimizer, sync_batch_norm
-from .basics import (HorovodInternalError, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+from .horovod import basics, compression, elastic, functions, mpi_ops, process_sets, sync_batch_norm
+from . import optimizer
+from .horovod.basics import (HorovodInternalError, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                      gloo_enabled, init, is_initialized, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
                      rocm_built, start_timeline, stop_timeline)
-from .compression import Compression
+from .horovod.compression import Compression
 from .dynamic_embedding import DynamicEmbedding
 from .embedding import Embedding, EmbeddingBag
-from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce, allreduce_,
+from .horovod.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .horovod.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce, allreduce_,
                       allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
                       broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_allreduce,
                       grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
@@ -23,8 +26,12 @@ from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgat
                       sparse_allreduce_async, synchronize)
 from .adaptive import AdaptiveDataLoader
 from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .sync_batch_norm import SyncBatchNorm
+from .horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .horovod.sync_batch_norm import SyncBatchNorm
+
+# Horovod's module paths (`from horovod.torch.mpi_ops import ...` with the import switched).
+for _module in (basics, compression, elastic, functions, mpi_ops, sync_batch_norm, process_sets):
+    _sys.modules[f"{__name__}.{_module.__name__.rsplit('.', 1)[1]}"] = _module
 
 __all__ = [
     # the job

@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from .. import comm, runtime
-from . import mpi_ops
+from .horovod import mpi_ops
 from .optimizer_args import parameter_names
 
 

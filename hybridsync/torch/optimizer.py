@@ -29,7 +29,7 @@ from .access import ParamAccess, StagedRowsAccess, sparse_update_checks
 from .adasum_optimizer import adasum_optimizer
 from .adaptive import AdaptiveStep
 from .batching import BatchedLookups
-from .compression import Compression, NoneCompressor
+from .horovod.compression import Compression, NoneCompressor
 from .embedding import Embedding, EmbeddingBag
 from .optimizer_args import check_groups, check_op, parameter_names, sparse_as_dense_config
 from .dynamic_embedding import DynamicEmbedding

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 
 from ..types import Route
-from . import process_sets
+from .horovod import process_sets
 from .optimizer_args import parameter_names, sparse_default_config
 
 

@@ -13,11 +13,11 @@ import warnings
 
 import torch
 
-from ..comm.negotiation import op_name
-from .. import ps
-from ..types import ReduceOp
+from ...comm.negotiation import op_name
+from ... import ps
+from ...types import ReduceOp
 from . import autograd, ops
-from .adaptive import after_join
+from ..adaptive import after_join
 from .compression import Compression
 from .process_sets import global_process_set
 

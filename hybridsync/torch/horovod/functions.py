@@ -86,7 +86,7 @@ def broadcast_parameters(params, root_rank=0, process_set=global_process_set):
 def _base_step(optimizer) -> None:
     """The wrapped optimizer's own update (a DistributedOptimizer's step() would exchange
     gradients, which only works if every rank calls it)."""
-    from .optimizer import _DistributedOptimizer
+    from ..optimizer import _DistributedOptimizer
 
     if isinstance(optimizer, _DistributedOptimizer):
         super(_DistributedOptimizer, optimizer).step()

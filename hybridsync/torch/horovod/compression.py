@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sync import compression as codecs
+from ...sync import compression as codecs
 
 
 class Compressor:

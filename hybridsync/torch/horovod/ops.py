@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm, runtime
-from ..comm import horovod as hvd_backend
-from ..comm.negotiation import op_name
-from ..comm.negotiation import Desc
-from ..comm.mpi_kernels import check_adasum
+from ... import comm, runtime
+from ...comm import horovod as hvd_backend
+from ...comm.negotiation import op_name
+from ...comm.negotiation import Desc
+from ...comm.mpi_kernels import check_adasum
 from . import process_sets
-from .access import host_array, viewable
+from ..access import host_array, viewable
 
 
 class Handle:

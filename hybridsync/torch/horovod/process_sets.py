@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from .. import comm, runtime
+from ... import comm, runtime
 
 _lock = threading.Lock()
 _registered: dict = {}  # process_set_id -> ProcessSet

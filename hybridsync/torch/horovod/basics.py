@@ -3,12 +3,12 @@ and the timeline. Horovod's own answers where Horovod is installed (what it was 
 a fact about it); hybridsync's MPI world otherwise."""
 from __future__ import annotations
 
-from .. import comm, runtime
-from .. import init as _init
-from .. import timeline
-from ..comm import horovod as hvd_backend
-from ..elastic import HorovodInternalError  # noqa: F401  (Horovod's own class where it is installed)
-from ..settings import launched_by_gloo
+from ... import comm, runtime
+from ... import init as _init
+from ... import timeline
+from ...comm import horovod as hvd_backend
+from ...elastic import HorovodInternalError  # noqa: F401  (Horovod's own class where it is installed)
+from ...settings import launched_by_gloo
 from . import process_sets as _sets
 
 

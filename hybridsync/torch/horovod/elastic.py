@@ -13,8 +13,8 @@ import random
 
 import torch
 
-from .. import runtime
-from ..elastic import FrameworkState, StateHandler, run
+from ... import runtime
+from ...elastic import FrameworkState, StateHandler, run
 from .functions import _is_ps_backed, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["TorchState", "ElasticSampler", "run"]
