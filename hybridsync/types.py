@@ -37,6 +37,39 @@ Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
 
 
+class MoreOps(enum.Enum):
+    """Horovod's other reduction ops for its collectives (a DistributedOptimizer takes Average
+    and Sum, the PyTorch one Adasum too); shared by the frontends' hvd.Adasum, hvd.Min, ..."""
+
+    ADASUM = "adasum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+
+Adasum, Min, Max, Product = MoreOps.ADASUM, MoreOps.MIN, MoreOps.MAX, MoreOps.PRODUCT
+_HOROVOD_CODES = ("average", "sum", "adasum", "min", "max", "product")  # horovod.torch.Average == 0, ...
+
+
+def horovod_op_name(op, average=None) -> str:
+    """The op of a Horovod collective call, by name ('average', 'sum', 'min', ...): Horovod's rule
+    that `average` (deprecated) and `op` exclude each other, Average when neither is given."""
+    import warnings
+
+    from .comm.negotiation import op_name
+
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        warnings.warn("average is deprecated (as in Horovod): use op=Average or op=Sum", DeprecationWarning, 3)
+        return "average" if average else "sum"
+    if op is None:
+        return "average"
+    if isinstance(op, int) and not isinstance(op, bool) and 0 <= op < len(_HOROVOD_CODES):
+        return _HOROVOD_CODES[op]  # a constant taken from Horovod itself
+    return op_name(op)
+
+
 def as_reduce_op(op) -> ReduceOp:
     """ReduceOp from hybridsync's Average/Sum, 'average'/'sum', or Horovod's constants."""
     import sys

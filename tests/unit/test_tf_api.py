@@ -66,8 +66,8 @@ def test_mixed_precision_policy_the_ps_cannot_hold_is_an_error():
 def test_pytorch_only_arguments_are_errors():
     with pytest.raises(ValueError, match="named_parameters and model are PyTorch arguments"):
         htf.DistributedOptimizer(keras.optimizers.SGD(0.1), model=object())
-    with pytest.raises(ValueError, match="backward_passes_per_step"):
-        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="backward_passes_per_step must be >= 1"):
+        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)
     with pytest.raises(ValueError, match="backend='mpi'"):
         htf.DistributedOptimizer(keras.optimizers.SGD(0.1), backend="horovod")
 
