@@ -15,6 +15,7 @@ from ..sync.table import shared_seed
 MODES = (None, "sum", "mean")
 
 
+@keras.saving.register_keras_serializable(package="hybridsync")
 class DynamicEmbedding(keras.layers.Layer):
     """The Keras twin of hybridsync.torch.DynamicEmbedding, with the same arguments. mode 'sum' /
     'mean' reduce over the last axis of 2-D ids (one bag per row)."""
@@ -30,6 +31,7 @@ class DynamicEmbedding(keras.layers.Layer):
         dyn.options(self.name, *args)  # bad arguments raise here, before any collective
         seed = shared_seed(np.random.randint(0, 2**62)) if seed is None else int(seed)
         self.output_dim, self.mode, self.seed, self._args = embedding_dim, mode, seed, args
+        self.partitions = partitions
         self.input_dim = capacity or 0  # (what the plan shows: the table's bound, 0 = unbounded)
         self.table = DynamicTable(self.name, embedding_dim, dyn.options(self.name, *args, seed=seed), partitions or 0)
 
@@ -93,4 +95,4 @@ class DynamicEmbedding(keras.layers.Layer):
         capacity, admit_after, evict, ttl_steps, initializer = self._args
         return {**super().get_config(), "embedding_dim": self.output_dim, "capacity": capacity,
                 "admit_after": admit_after, "evict": evict, "ttl_steps": ttl_steps, "initializer": initializer,
-                "mode": self.mode, "seed": self.seed}
+                "mode": self.mode, "seed": self.seed, "partitions": self.partitions}
