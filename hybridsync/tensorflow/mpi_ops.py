@@ -54,6 +54,7 @@ def _member(name, i):
 
 # -- the raw collectives (no gradient): one op each, every tensor of a group submitted at once ---
 def _reduce_raw(tensors, name, op: str, pre: float, post: float, process_set):
+    ops.engine(process_set)  # a set this rank is not in, or not registered: ValueError now
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     labels = [ops.np_label(t.dtype) for t in tensors]
 
@@ -71,6 +72,7 @@ def _reduce_raw(tensors, name, op: str, pre: float, post: float, process_set):
 
 
 def _gather_raw(tensors, name, process_set):
+    ops.engine(process_set)  # a set this rank is not in, or not registered: ValueError now
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for t in tensors:
         if t.shape.rank == 0:
@@ -90,6 +92,7 @@ def _gather_raw(tensors, name, process_set):
 
 
 def _broadcast_raw(tensors, root_rank: int, name, process_set):
+    ops.engine(process_set)  # a set this rank is not in, or not registered: ValueError now
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     labels = [ops.np_label(t.dtype) for t in tensors]
 
@@ -106,6 +109,7 @@ def _broadcast_raw(tensors, root_rank: int, name, process_set):
 
 
 def _alltoall_raw(tensor, splits, name, process_set):
+    ops.engine(process_set)  # a set this rank is not in, or not registered: ValueError now
     label = ops.np_label(tensor.dtype)
 
     def run(array, counts):
@@ -121,6 +125,7 @@ def _alltoall_raw(tensor, splits, name, process_set):
 
 
 def _reducescatter_raw(tensors, name, op: str, pre: float, post: float, process_set):
+    ops.engine(process_set)  # a set this rank is not in, or not registered: ValueError now
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for t in tensors:
         if t.shape.rank == 0:
@@ -401,6 +406,7 @@ def join():
 
 def barrier(process_set=global_process_set):
     """Returns once every rank of the process set has reached it (eagerly; an op in a graph)."""
+    ops.engine(process_set)
     def run():
         ops.engine(process_set).barrier()
         return np.int32(0)

@@ -110,16 +110,19 @@ def check_errors_and_job(hvd, tf, np, rank, size):
         _close(hvd.allreduce(tf.ones(2), op=hvd.Sum), [size - 1.0] * 2)
         last = int(hvd.join())
     assert last != 0 and hvd.allgather_object(last) == [last] * size
+    # Unnamed collectives after it match again, though only the ranks that went on numbered theirs
+    # (the MPI backend used to leave rank 0 a number behind: every later collective mismatched).
+    _close(hvd.allreduce(tf.ones(1), op=hvd.Sum), [float(size)])
 
 
 def check_process_sets(hvd, tf, np, rank, size):
-    members = [0, size - 1]
+    members = [0, size - 1] if size > 2 else [size - 1]  # (a set of every rank is the global one)
     pair = hvd.add_process_set(members)
-    assert pair.size() == 2 and hvd.global_process_set.size() == size
+    assert pair.size() == len(members) and hvd.global_process_set.size() == size
     if rank in members:
-        _close(hvd.allreduce(tf.constant([float(rank)]), op=hvd.Sum, process_set=pair), [float(size - 1)])
+        _close(hvd.allreduce(tf.constant([float(rank)]), op=hvd.Sum, process_set=pair), [float(sum(members))])
         assert hvd.allgather_object(rank, process_set=pair) == members
-        assert int(hvd.size_op(process_set_id=pair.process_set_id)) == 2
+        assert int(hvd.size_op(process_set_id=pair.process_set_id)) == len(members)
     else:
         assert int(hvd.process_set_included_op(pair.process_set_id)) == 0
         with pytest.raises(ValueError, match="not part of"):
@@ -142,7 +145,7 @@ def check_gradients(hvd, tf, np, rank, size):
     _close(tape.gradient(mx, x), [size if rank == size - 1 else 0.0] * 2)
     _close(tape.gradient(g, x), [1.0] * 2)  # Horovod's convention: the average of the incoming gradients
     _close(tape.gradient(b, x), [1.0 if rank == 0 else 0.0] * 2)
-    _close(tape.gradient(rs, x), [size * 1.0] * 2)
+    _close(tape.gradient(rs, x), [size * size * 1.0] * 2)  # Horovod's convention: size x the exact gradient
 
     @tf.function
     def step(v):

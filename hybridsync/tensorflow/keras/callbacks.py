@@ -85,8 +85,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Sets the learning rate to initial_lr * multiplier(epoch) from start_epoch until end_epoch
     (exclusive): at each epoch's first batch (staircase=True, integer epochs) or at every batch
     (epoch + batch / steps_per_epoch). multiplier: a function of the epoch, or a constant c
-    meaning c ** (epoch - start_epoch). momentum_correction: an optimizer with momentum gets it
-    scaled by new_lr / old_lr for the batch where the rate changes (Goyal et al.)."""
+    meaning c ** (epoch - start_epoch). momentum_correction: an optimizer with momentum has its
+    velocity scaled by new_lr / old_lr where the rate changes (Goyal et al.)."""
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
                  momentum_correction=True, steps_per_epoch=None):
@@ -97,8 +97,6 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.staircase, self.momentum_correction, self.steps_per_epoch = staircase, momentum_correction, steps_per_epoch
         self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier ** (epoch - start_epoch))
         self.current_epoch = None
-        self.restore_momentum = None
-        self._momentum = None  # (the optimizer, its float momentum) while it is a variable for us
 
     # -- the optimizer's learning rate and momentum ----------------------------------------------
     def _optimizer(self):
@@ -115,34 +113,24 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                              f"{type(optimizer._learning_rate).__name__}: give the optimizer a number instead")
         optimizer.learning_rate = lr
 
-    def _momentum_variable(self):
-        """The optimizer's momentum as a variable (Keras 3 keeps a float, which a compiled step
-        reads once), or None when it has no momentum."""
+    def _velocities(self) -> list:
+        """The optimizer's momentum slots (SGD's momentums, RMSprop's), where it has momentum and
+        has made them (at its first step: before it they are zero)."""
         optimizer = self._optimizer()
-        momentum = getattr(optimizer, "momentum", None)
-        if isinstance(momentum, tf.Variable):
-            return momentum
-        if not isinstance(momentum, (int, float)) or not momentum:
-            return None
-        self._momentum = (optimizer, float(momentum))
-        optimizer.momentum = tf.Variable(float(momentum), trainable=False, dtype=tf.float32,
-                                         name="hybridsync_momentum")
-        self.model.make_train_function(force=True)  # a step traced before read the float
-        return optimizer.momentum
+        if not float(getattr(optimizer, "momentum", 0.0) or 0.0):
+            return []
+        return list(getattr(optimizer, "momentums", None) or getattr(optimizer, "_momentums", None) or [])
 
     def _adjust_learning_rate(self, epoch) -> None:
         old_lr = self._get_lr()
         new_lr = self.initial_lr * self.multiplier(epoch)
         self._set_lr(new_lr)
-        momentum = self._momentum_variable() if self.momentum_correction else None
-        if momentum is not None and old_lr:
-            self.restore_momentum = float(momentum.numpy())
-            momentum.assign(self.restore_momentum * new_lr / old_lr)
-
-    def _restore_momentum_if_needed(self) -> None:
-        if self.restore_momentum is not None:
-            self._optimizer().momentum.assign(self.restore_momentum)
-            self.restore_momentum = None
+        if self.momentum_correction and old_lr and new_lr != old_lr:
+            # Goyal et al.'s correction: the velocity follows the rate. Horovod scales the momentum
+            # by new_lr / old_lr for this batch; Keras 3 reads its momentum (a number) once, when it
+            # compiles the step, so the velocity itself is scaled: the same update.
+            for velocity in self._velocities():
+                velocity.assign(velocity * (new_lr / old_lr))
 
     def _autodetect_steps_per_epoch(self) -> int:
         if self.params.get("steps"):
@@ -152,16 +140,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     # -- Keras's hooks ---------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
-        if self.momentum_correction:
-            self._momentum_variable()
         if not self.staircase and not self.steps_per_epoch:
             self.steps_per_epoch = self._autodetect_steps_per_epoch()
-
-    def on_train_end(self, logs=None):
-        if self._momentum is not None:  # the optimizer's config holds a number again
-            optimizer, _ = self._momentum
-            optimizer.momentum = float(optimizer.momentum.numpy())
-            self._momentum = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
@@ -173,9 +153,6 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             self._adjust_learning_rate(self.current_epoch)
         elif not self.staircase:
             self._adjust_learning_rate(self.current_epoch + float(batch) / self.steps_per_epoch)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._restore_momentum_if_needed()
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
