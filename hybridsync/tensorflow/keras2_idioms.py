@@ -47,9 +47,11 @@ def _variable_ref(self):
 
 def install() -> None:
     """Idempotent."""
-    model = keras.Model
-    if not getattr(model.compile, "_hybridsync_keras2", False):
-        model.compile = _compile_accepting_keras2_keywords(model.compile)
+    # Patched where Keras defines it (its Trainer), so Keras still sees a model's compile() as
+    # its own (keras.models.load_model compiles a model only then).
+    owner = next(c for c in keras.Model.__mro__ if "compile" in c.__dict__)
+    if not getattr(owner.compile, "_hybridsync_keras2", False):
+        owner.compile = _compile_accepting_keras2_keywords(owner.__dict__["compile"])
     # `variables` is a property of a base class of keras.optimizers.Optimizer (BaseOptimizer).
     prop = next((c.__dict__["variables"] for c in keras.optimizers.Optimizer.__mro__ if "variables" in c.__dict__),
                 None)
