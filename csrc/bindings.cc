@@ -302,6 +302,13 @@ class PyEngine {
     return d;
   }
 
+  // One-sided: the ids every shard of a dynamic table stores.
+  py::object dynamic_ids(int table) {
+    std::vector<int64_t> ids = nogil([&] { return client_->dynamic_ids(table); });
+    const auto n = static_cast<py::ssize_t>(ids.size());
+    return to_numpy(std::move(ids), {n});
+  }
+
   // Local: what dynamic_state returned (any shard's: ids this rank's shard does not own are skipped).
   void dynamic_restore(int table, const py::dict& d) {
     DynamicState s;
@@ -424,6 +431,7 @@ PYBIND11_MODULE(_ps, m) {
            py::arg("num_shards") = 0, py::arg("partition") = "cyclic", py::arg("optimizer") = "sgd",
            py::arg("hparams") = std::map<std::string, double>{}, py::arg("dynamic") = py::none())
       .def("dynamic_state", &PyEngine::dynamic_state, py::arg("table"))
+      .def("dynamic_ids", &PyEngine::dynamic_ids, py::arg("table"))
       .def("dynamic_restore", &PyEngine::dynamic_restore, py::arg("table"), py::arg("state"))
       .def("dynamic_clear", [](PyEngine& e, int t) { nogil([&] { e.client().dynamic_clear(t); }); }, py::arg("table"))
       .def("dynamic_stats", [](PyEngine& e, int t) {

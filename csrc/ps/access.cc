@@ -251,6 +251,29 @@ int64_t Client::table_step(int table) {
   return step;
 }
 
+std::vector<int64_t> Client::dynamic_ids(int table) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  detail::ClientState& c = *impl_;
+  c.check_usable();
+  const Table& t = c.table_at(table);
+  if (!t.spec.dynamic.on) throw PSError("table '" + t.spec.name + "' is not dynamic: it has no ids to list");
+  std::vector<int64_t> ids;
+  std::vector<Chunk> ask;
+  for (int s = 0; s < t.spec.num_shards; ++s) {
+    ask.push_back(Chunk{s, [=](int64_t id) {
+                          Writer w = request_writer(RequestKind::kReadIds, id);
+                          w.i64(table);
+                          return w.take();
+                        },
+                        [&](Reader& r) {
+                          const std::vector<int64_t> got = r.i64s(static_cast<size_t>(r.i64()));
+                          ids.insert(ids.end(), got.begin(), got.end());
+                        }});
+  }
+  exchange_chunks(c, ask, RequestKind::kReadIds, "read_ids");
+  return ids;
+}
+
 void Client::set_table_step(int table, int64_t step) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   detail::ClientState& c = *impl_;

@@ -143,6 +143,7 @@ struct detail::ClientState {
   void finish_add_table(std::vector<Request>& requests, std::vector<ErrorNote> errors);
   void finish_join();
   void serve_step(int source, const Request& request, Reader& r);
+  void serve_ids(int source, const Request& request, Reader& r);
   void reply(int dest, Writer& w);
   void reply_head(Writer& w, int dest, RequestKind kind, int64_t seq, std::vector<ErrorNote> errors);
 

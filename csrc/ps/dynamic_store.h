@@ -98,6 +98,8 @@ class DynamicStore {
   // the map keeps its buckets and the arena its pages.
   void clear();
   int64_t stored() const { return rows_.size(); }
+  // The ids stored here, in arena order.
+  const std::vector<int64_t>& stored_ids() const { return rows_.ids(); }
   // The initial row of `id`: a pure function of (seed, id).
   void initial_row(int64_t id, float* out) const;
   // The initial rows of n ids into out (n x dim), computed together (see normal_pairs).

@@ -39,6 +39,7 @@ enum class RequestKind : int64_t {
   kBoundedError = 26,  // a bounded push whose input was bad at its sender: (tables, index error?, text).
                        // No row changes; it counts the sender's step (nobody waits for a push that will
                        // not come) and each shard tells the other ranks with its next answer to them
+  kReadIds = 27,     // (table) -> the ids a dynamic table's shard stores (n, then n int64)
   kAbort = 30,       // the sender's engine failed (text): this one must fail too; no reply
 };
 
@@ -60,6 +61,7 @@ inline const char* operation_name(RequestKind kind) {
     case RequestKind::kBoundedPush: return "push (bounded staleness)";
     case RequestKind::kBoundedPull: return "pull (bounded staleness)";
     case RequestKind::kBoundedError: return "push (bounded staleness)";
+    case RequestKind::kReadIds: return "read_ids";
     case RequestKind::kAbort: return "abort";
   }
   return "an unknown operation";

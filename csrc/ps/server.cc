@@ -475,6 +475,10 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
     serve_step(source, request, r);
     return;
   }
+  if (request.kind == RequestKind::kReadIds) {
+    serve_ids(source, request, r);
+    return;
+  }
   if (request.kind == RequestKind::kBoundedPush || request.kind == RequestKind::kBoundedPull ||
       request.kind == RequestKind::kBoundedError) {
     serve_bounded(source, request);
@@ -522,6 +526,24 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
     write_reply_head(w, request.kind, request.seq, errors);
     tracer.record("serve writes", start, n);
   }
+  reply(source, w);
+}
+
+void detail::ClientState::serve_ids(int source, const Request& request, Reader& r) {
+  const int table = static_cast<int>(r.i64());
+  std::vector<ErrorNote> errors;
+  const std::vector<int64_t>* ids = nullptr;
+  try {
+    const Table& t = table_at(table);
+    if (!t.spec.dynamic.on) throw PSError("table '" + t.spec.name + "' is not dynamic: it has no ids to list");
+    if (t.dynamic) ids = &t.dynamic->stored_ids();
+  } catch (const PSError& e) {
+    errors.push_back(ErrorNote{source, false, e.what(), ""});
+  }
+  Writer w;
+  write_reply_head(w, request.kind, request.seq, errors);
+  w.i64(ids ? static_cast<int64_t>(ids->size()) : 0);
+  if (ids && !ids->empty()) w.i64s(ids->data(), ids->size());
   reply(source, w);
 }
 

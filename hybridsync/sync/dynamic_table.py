@@ -104,6 +104,19 @@ class DynamicTable(PSTable):
         except TypeError as exc:
             return np.zeros(0, np.int64), str(exc)
 
+    def read_all(self) -> tuple[np.ndarray, np.ndarray]:
+        """One-sided: (ids, rows) of every row the table stores, read from its shards by this
+        rank alone while their owners go on training (ids listed shard by shard, then their rows
+        read in chunks). This rank holds the whole table; the shards nothing extra."""
+        ids = np.asarray(self.engine.dynamic_ids(self.handle), np.int64)
+        return ids, (self.read_rows(ids) if len(ids) else np.zeros((0, self.dim), np.float32))
+
+    def write_all(self, ids, rows) -> None:
+        """One-sided: stores `rows` for `ids` on their shards (creating them), as read_all gave them."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        if len(ids):
+            self.engine.write_rows(self.handle, ids, np.ascontiguousarray(rows, np.float32).reshape(len(ids), self.dim))
+
     # -- export -----------------------------------------------------------------------------------
     def export(self, path) -> int:
         """Collective: writes every stored (id, row) pair to one file, each rank its own shard's

@@ -84,12 +84,20 @@ class DynamicEmbedding(keras.layers.Layer):
     def export(self, path) -> int:
         return self.table.export(path)
 
-    # Weight files hold only the anchor: a dynamic table's rows go with hybridsync.save_checkpoint.
+    # Weight files (model.save, save_weights) hold the rows the table stores, read one-sided by the
+    # rank that saves (rank 0 alone may); a rank that loads writes them to their shards, one-sided.
+    # The server optimizer's state and the rows' counters go with hybridsync.save_checkpoint.
     def save_own_variables(self, store):
         store["0"] = self.ps_anchor.numpy()
+        store["ids"], store["rows"] = self.table.read_all()
 
     def load_own_variables(self, store):
         self.ps_anchor.assign(np.asarray(store["0"]))
+        try:
+            ids, rows = np.asarray(store["ids"]), np.asarray(store["rows"])
+        except KeyError:  # saved before the rows were saved with the anchor
+            return
+        self.table.write_all(ids, rows)
 
     def get_config(self):
         capacity, admit_after, evict, ttl_steps, initializer = self._args

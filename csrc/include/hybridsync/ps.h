@@ -212,6 +212,9 @@ class Client {
   void write_rows(int table, int slot, const int64_t* ids, int64_t n, const float* rows);
   // Writes the whole table (num_rows x dim) to its shards, in chunks.
   void write_table(int table, int slot, const float* values);
+  // The ids a dynamic table stores, shard after shard (with read_rows: any rank reads the whole
+  // table while its owners go on training).
+  std::vector<int64_t> dynamic_ids(int table);
   // The server optimizer's step count of `table`, and setting it on every shard.
   int64_t table_step(int table);
   void set_table_step(int table, int64_t step);
