@@ -145,8 +145,9 @@ def _reducescatter_raw(tensors, name, op: str, pre: float, post: float, process_
 
 
 def _grad_name(prefix, grads):
-    return ops.collective_name(prefix, [g for g in grads if g is not None] or [], None) if any(
-        g is not None for g in grads) else None
+    """A backward collective's name, from its incoming gradients (None eagerly: numbered)."""
+    present = [g for g in grads if g is not None]
+    return ops.collective_name(prefix, present, None) if present else None
 
 
 def _zeros_for(grads, tensors):

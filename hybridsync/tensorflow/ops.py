@@ -93,13 +93,16 @@ def _in_build_order():
 def host_op(fn, inputs, out_types, label: str):
     """Runs fn(*input arrays) -> output arrays as one stateful TensorFlow op."""
     check_not_xla(label or "collective")
+    eager = tf.executing_eagerly()
 
     def run(*arrays):
         try:
             return fn(*arrays)
         except CollectiveMismatchError as exc:  # Horovod raises FailedPreconditionError
             raise tf.errors.FailedPreconditionError(None, None, str(exc)) from exc
-        except ValueError as exc:  # bad arguments (alltoall's splits ...): what a graph makes of it too
+        except ValueError as exc:  # bad arguments (alltoall's splits ...): InvalidArgumentError, as
+            if not eager:          # a graph makes of a ValueError itself (of an OpError: UnknownError)
+                raise
             raise tf.errors.InvalidArgumentError(None, None, str(exc)) from exc
 
     with _in_build_order():

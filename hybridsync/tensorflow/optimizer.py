@@ -11,6 +11,11 @@ are known (tf.IndexedSlices from Embedding / tf.gather are sparse):
   ps (replicated)                rows pushed to the C++ parameter server, which sums them over
                                  ranks, applies the server rule once per row and returns every
                                  changed row; each rank writes them into its variable
+
+Horovod's options live here too (optimizer_api.Settings): local variables keep their own
+gradient (scaled), held with the rest when apply() accumulates micro-steps (Horovod's
+backward_passes_per_step, or the adaptive batch's) inside the exchange; a process set's members
+exchange over its communicator, and a rank outside it exchanges nothing.
 """
 from __future__ import annotations
 
