@@ -37,17 +37,26 @@ Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
 
 
-# Other libraries' constants for the same ops (Horovod's ints), registered by the backend that
-# imports them.
-REDUCE_OP_ALIASES: dict = {}
+class MoreOps(enum.Enum):
+    """Horovod's other reduction ops for its collectives (a DistributedOptimizer takes Average
+    and Sum, the PyTorch one Adasum too); shared by the frontends' hvd.Adasum, hvd.Min, ..."""
+
+    ADASUM = "adasum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+
+Adasum, Min, Max, Product = MoreOps.ADASUM, MoreOps.MIN, MoreOps.MAX, MoreOps.PRODUCT
+HOROVOD_OP_CODES = ("average", "sum", "adasum", "min", "max", "product")  # horovod.torch.Average == 0, ...
 
 
 def as_reduce_op(op) -> ReduceOp:
-    """ReduceOp from hybridsync's Average/Sum, 'average'/'sum', or a registered alias (Horovod's)."""
+    """ReduceOp from hybridsync's Average/Sum, 'average'/'sum', or Horovod's constants."""
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, str) and op.lower() in ("average", "sum"):
         return ReduceOp(op.lower())
-    if not isinstance(op, bool) and isinstance(op, int) and op in REDUCE_OP_ALIASES:
-        return REDUCE_OP_ALIASES[op]
+    if not isinstance(op, bool) and isinstance(op, int) and 0 <= op < 2:
+        return ReduceOp(HOROVOD_OP_CODES[op])  # a constant taken from Horovod itself
     raise ValueError(f"op must be hybridsync Average or Sum, got {op!r}")

@@ -25,7 +25,6 @@ import time
 import numpy as np
 
 from .. import runtime
-from ..types import REDUCE_OP_ALIASES, ReduceOp
 from .negotiation import CollectiveMismatchError, Desc, _disagreement, op_name
 
 _lock = threading.Lock()
@@ -48,8 +47,6 @@ def module():
     global _diag_comm, _gate
     import horovod.torch as hvd
 
-    REDUCE_OP_ALIASES.setdefault(hvd.Average, ReduceOp.AVERAGE)  # a script's horovod.torch constants
-    REDUCE_OP_ALIASES.setdefault(hvd.Sum, ReduceOp.SUM)
     with _lock:
         if not hvd.is_initialized():
             world = runtime.world()

@@ -376,7 +376,8 @@ class MPICollectives:
             self._run(rnd.entries)  # the same collectives everywhere: nothing more to exchange
             return None
         fast = self._fast.counts() if self._fast is not None else {}
-        payloads = self.comm.allgather((rnd.entries, rnd.joined, rnd.waiting, self._rounds_joined, fast))
+        payloads = self.comm.allgather((rnd.entries, rnd.joined, rnd.waiting, self._rounds_joined, fast,
+                                        dict(self._unnamed)))
         verdict = analyze([p[0] for p in payloads], [p[1] for p in payloads], [p[2] for p in payloads])
         if verdict.all_joined:
             return payloads
@@ -531,6 +532,10 @@ class MPICollectives:
             for p in payloads:
                 targets |= collections.Counter(p[4])  # the most rounds any rank took part in
             self._fast.finish(dict(targets))
+        # Unnamed collectives are numbered per rank; the ranks that went on working numbered
+        # theirs: every rank goes on from the highest number, so the next ones match again.
+        for p in payloads:
+            self._unnamed |= collections.Counter(p[5])
         # Counted in rounds, not wall-clock times, which hosts' clocks would skew; a tie (joined
         # in the same round) goes to the higher rank, the same answer on every rank.
         rounds = [p[3] for p in payloads]

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
+
+from ..types import HOROVOD_OP_CODES
 
 # Kinds whose tensors must agree in every dimension; the others (allgather, alltoall) all but the first.
 _FULL_SHAPE = ("allreduce", "broadcast", "reducescatter", "process_set", "process_set_remove")
@@ -53,6 +56,21 @@ class Desc:
     def label(self) -> str:
         return f"{self.kind} '{self.name}'"
 
+
+
+def horovod_op_name(op, average=None) -> str:
+    """The op of a Horovod collective call, by name ('average', 'sum', 'min', ...): Horovod's rule
+    that `average` (deprecated) and `op` exclude each other, Average when neither is given."""
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        warnings.warn("average is deprecated (as in Horovod): use op=Average or op=Sum", DeprecationWarning, 3)
+        return "average" if average else "sum"
+    if op is None:
+        return "average"
+    if isinstance(op, int) and not isinstance(op, bool) and 0 <= op < len(HOROVOD_OP_CODES):
+        return HOROVOD_OP_CODES[op]  # a constant taken from Horovod itself
+    return op_name(op)
 
 def digest(entries: list[Desc]) -> int:
     """63-bit fingerprint of a rank's in-flight list (sorted by name): equal everywhere means

@@ -106,6 +106,17 @@ class DynamicTable:
             state["slots"] = [np.ascontiguousarray(arrays[f"slot.{name}"], np.float32) for name in names]
         self.engine.write_dynamic(self.handle, state, "replace", int(step))
 
+    def read_all(self) -> tuple[np.ndarray, np.ndarray]:
+        """One-sided: (ids, rows) of every row the table stores (read_state's, sorted by id)."""
+        state = self.read_state(rows=True)
+        return state["ids"], state["rows"]
+
+    def write_all(self, ids, rows) -> None:
+        """One-sided: stores `rows` for `ids` on their shards (creating them), as read_all gave them."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        if len(ids):
+            self.engine.write_rows(self.handle, ids, np.ascontiguousarray(rows, np.float32).reshape(len(ids), self.dim))
+
     def write_slots(self, ids, slots: list) -> None:
         """One-sided: the server optimizer's slots (in slot_names order) of those `ids` stored."""
         values = [np.ascontiguousarray(v, dtype=np.float32).reshape(-1, self.dim) for v in slots]

@@ -15,6 +15,7 @@ from ..ps.table import shared_seed
 MODES = (None, "sum", "mean")
 
 
+@keras.saving.register_keras_serializable(package="hybridsync")
 class DynamicEmbedding(keras.layers.Layer):
     """The Keras twin of hybridsync.torch.DynamicEmbedding, with the same arguments. mode 'sum' /
     'mean' reduce over the last axis of 2-D ids (one bag per row)."""
@@ -30,6 +31,7 @@ class DynamicEmbedding(keras.layers.Layer):
         dyn.options(self.name, *args)  # bad arguments raise here, before any collective
         seed = shared_seed(np.random.randint(0, 2**62)) if seed is None else int(seed)
         self.output_dim, self.mode, self.seed, self._args = embedding_dim, mode, seed, args
+        self.partitions = partitions
         self.input_dim = capacity or 0  # (what the plan shows: the table's bound, 0 = unbounded)
         self.table = DynamicTable(self.name, embedding_dim, dyn.options(self.name, *args, seed=seed), partitions or 0)
 
@@ -82,15 +84,23 @@ class DynamicEmbedding(keras.layers.Layer):
     def export(self, path) -> int:
         return self.table.export(path)
 
-    # Weight files hold only the anchor: a dynamic table's rows go with hybridsync.save_checkpoint.
+    # Weight files (model.save, save_weights) hold the rows the table stores, read one-sided by the
+    # rank that saves (rank 0 alone may); a rank that loads writes them to their shards, one-sided.
+    # The server optimizer's state and the rows' counters go with hybridsync.save_checkpoint.
     def save_own_variables(self, store):
         store["0"] = self.ps_anchor.numpy()
+        store["ids"], store["rows"] = self.table.read_all()
 
     def load_own_variables(self, store):
         self.ps_anchor.assign(np.asarray(store["0"]))
+        try:
+            ids, rows = np.asarray(store["ids"]), np.asarray(store["rows"])
+        except KeyError:  # saved before the rows were saved with the anchor
+            return
+        self.table.write_all(ids, rows)
 
     def get_config(self):
         capacity, admit_after, evict, ttl_steps, initializer = self._args
         return {**super().get_config(), "embedding_dim": self.output_dim, "capacity": capacity,
                 "admit_after": admit_after, "evict": evict, "ttl_steps": ttl_steps, "initializer": initializer,
-                "mode": self.mode, "seed": self.seed}
+                "mode": self.mode, "seed": self.seed, "partitions": self.partitions}

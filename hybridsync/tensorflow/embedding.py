@@ -16,6 +16,7 @@ from ..ps.table import PSTable, shared_seed
 from .table_weight import TableWeight
 
 
+@keras.saving.register_keras_serializable(package="hybridsync")
 class Embedding(keras.layers.Layer):
     """Embedding(input_dim, output_dim) with rows on the PS. Rows start from `initializer`
     (('uniform', low, high), default Keras's U(-0.05, 0.05), or ('normal', mean, std)), seeded
@@ -28,10 +29,12 @@ class Embedding(keras.layers.Layer):
         if input_dim < 1 or output_dim < 1:
             raise ValueError(f"PS embedding needs input_dim >= 1 and output_dim >= 1, got ({input_dim}, {output_dim})")
         self.input_dim, self.output_dim = int(input_dim), int(output_dim)
+        self.partitions, self.partition, self.initializer = partitions, partition, tuple(initializer)
         # The rule is a placeholder until the DistributedOptimizer sets the real one.
         self.table = PSTable(self.name, self.input_dim, self.output_dim, partitions or 0, partition)
         # A seed from rank 0's NumPy RNG (seeded by keras.utils.set_random_seed).
-        self.table.initialize(initializer, shared_seed(np.random.randint(0, 2**62)) if seed is None else int(seed))
+        self.seed = shared_seed(np.random.randint(0, 2**62)) if seed is None else int(seed)
+        self.table.initialize(self.initializer, self.seed)
 
     def build(self, input_shape=None):
         self.ps_anchor = self.add_weight(shape=(1,), initializer="zeros", trainable=True, name="ps_anchor")
@@ -84,4 +87,8 @@ class Embedding(keras.layers.Layer):
         self.set_table(np.asarray(store["table"]))
 
     def get_config(self):
-        return {**super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim}
+        """Every argument (Keras saves it with the model; keras.models.load_model registers the
+        table again, collectively, and load_own_variables writes its saved rows to the shards)."""
+        return {**super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim,
+                "partitions": self.partitions, "partition": self.partition, "seed": self.seed,
+                "initializer": list(self.initializer)}

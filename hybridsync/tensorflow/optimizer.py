@@ -12,9 +12,15 @@ it, with the kinds the checkpoint's plan recorded (the first apply checks them):
   ps (replicated)                rows pushed to the C++ parameter server, which sums them over
                                  ranks, applies the server rule once per row and returns every
                                  changed row; each rank writes them into its variable
+
+Horovod's options live here too (optimizer_api.Settings): local variables keep their own
+gradient (scaled), held with the rest when apply() accumulates micro-steps (Horovod's
+backward_passes_per_step, or the adaptive batch's) inside the exchange; a process set's members
+exchange over its communicator, and a rank outside it exchanges nothing.
 """
 from __future__ import annotations
 
+import re
 
 import keras
 import numpy as np
@@ -27,12 +33,14 @@ from ..adaptive.collect import StepRecorder
 from ..planning import Described, Plan, agree, estimate, make_plan, route_resolver
 from ..planning.choose import candidates_for
 from ..sync.base import SyncContext, Variable, check_options
+from ..sync.process_set_scope import check_routes
 from ..sync.registry import SyncSet
 from ..types import GradKind, Placement, ReduceOp, Route
 from . import collectives
 from .access import AutoKerasAccess, KerasAccess
 from .micro_steps import MicroSteps
 from .names import table_variable_name, variable_name
+from .optimizer_methods import HorovodMethods
 from .server_optimizer import describe, slots
 from . import checkpointing
 
@@ -46,22 +54,56 @@ def _table_shape(shape) -> tuple[int, int]:
     return rows, int(np.prod(shape[1:])) if len(shape) > 1 else 1
 
 
-class _DistributedKerasOptimizer:
+class _DistributedKerasOptimizer(HorovodMethods):
     """Put in front of the wrapped optimizer's class. Attributes are prefixed `_hs_`."""
 
-    def _hs_setup(self, config, op, compression, gradient_predivide_factor, adaptive=None):
+    def _hs_setup(self, settings):
+        """settings: hybridsync.tensorflow.optimizer_api.Settings (Horovod's arguments and
+        hybridsync's, checked)."""
         runtime.init()
-        cfg = AdaptiveConfig.of(adaptive)
+        cfg = AdaptiveConfig.of(settings.adaptive)
+        self._hs_settings = settings
         self._hs_adaptive = Adaptive(cfg, type(self).__name__, runtime.world().size) if cfg else None
         self._hs_lr_factor = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="hybridsync_lr_factor")
-        self._hs_micro = MicroSteps() if cfg else None
-        self._hs_predivide = gradient_predivide_factor
-        self._hs_config = config_mod.load(config if config is not None else runtime.default_config())
-        self._hs_op = op
-        self._hs_compression = compression
+        self._hs_passes = settings.backward_passes_per_step
+        # Accumulation micro-steps (adaptive, or Horovod's backward_passes_per_step) wait here.
+        self._hs_micro = MicroSteps() if cfg or self._hs_passes > 1 else None
+        self._hs_predivide = settings.gradient_predivide_factor
+        self._hs_config = settings.config
+        self._hs_op = settings.op
+        self._hs_compression = settings.compression
+        self._hs_scope = settings.scope  # None: every rank; a SetScope; False: outside the process set
+        self._hs_local = {}  # ref -> variable: registered local variables (register_local_var)
+        self._hs_reduced = None  # gradients _compute_gradients returned reduced (apply() takes them as they are)
         self._hs_plan = None
         self._hs_unconfirmed = False  # a plan made before the first step, not yet checked by it
         planning.register(self)
+
+    def _hs_backend(self):
+        """The dense collectives of this optimizer's ranks (a process set's, or the job's)."""
+        return self._hs_scope.engine if self._hs_scope else collectives.mpi()
+
+    def _hs_size(self) -> int:
+        """Ranks that average a gradient (the process set's; 1 outside it: nothing to average)."""
+        if self._hs_scope is False:
+            return 1
+        return self._hs_scope.size if self._hs_scope else runtime.world().size
+
+    def _hs_accumulation(self) -> int:
+        """Micro-steps per applied step: the adaptive batch's, or backward_passes_per_step."""
+        return self._hs_adaptive.accumulation if self._hs_adaptive is not None else self._hs_passes
+
+    def _hs_sum_scale(self, k: int) -> float:
+        """What the micro-steps' summed gradient is multiplied by: their mean (adaptive, and
+        Horovod's average_aggregated_gradients=True), else their sum as it is."""
+        return 1.0 / k if self._hs_adaptive is not None or self._hs_settings.average_aggregated_gradients else 1.0
+
+    def _hs_local_scale(self) -> float:
+        """A local variable's gradient factor: 1/size with Horovod's scale_local_gradients."""
+        return 1.0 / self._hs_size() if self._hs_settings.scale_local_gradients and self._hs_scope is not False else 1.0
+
+    def _hs_is_local(self, v) -> bool:
+        return self._hs_scope is False or _ref(v) in self._hs_local
 
     # -- adaptive batch size and learning rate (hybridsync.adaptive) -----------------------------
     @property
@@ -152,8 +194,13 @@ class _DistributedKerasOptimizer:
         """Collective: the plan of `variables`, whose gradients are of `kinds` (GradKind; None
         where unknown, for a PS table's anchor)."""
         world = runtime.world()
+        if self._hs_scope is False:  # outside the process set: nothing is exchanged
+            self._hs_plan, self._hs_vars, self._hs_auto, self._hs_sync = (
+                Plan([], framework="tensorflow", backend="mpi", world_size=world.size), [], set(), None)
+            return
+        size = self._hs_size()
         resolver = route_resolver(self._hs_config, lambda param: describe(self), has_model=False,
-                                  world_size=world.size, compression=self._hs_compression,
+                                  world_size=size, compression=self._hs_compression,
                                   optimizer_name=type(self).__name__)
         described = []
         for kind, v in zip(kinds, variables):
@@ -183,7 +230,10 @@ class _DistributedKerasOptimizer:
                 raise config_mod.ConfigError(f"{rule.where}: dynamic: variable '{vp.name}': dynamic options apply to "
                                              "PyTorch DynamicEmbedding tables; pass a Keras DynamicEmbedding its "
                                              "options as arguments")
-        backend = collectives.mpi()
+        if self._hs_scope:
+            plan.backend_reason = self._hs_scope.reason()
+            check_routes(rows, self._hs_scope)
+        backend = self._hs_backend()
         self._hs_plan = agree(plan, backend)
         self._hs_vars = []
         self._hs_auto = set()  # sync: auto variables keep one graph layout whatever their route
@@ -202,7 +252,7 @@ class _DistributedKerasOptimizer:
             self._hs_vars.append(Variable(vp.name, vp, access, index=i, table=layer.table if layer else None))
             if vp.auto:
                 self._hs_auto.add(self._hs_vars[-1])
-        self._hs_sync = SyncSet(SyncContext(backend, self._hs_op, world.size, self._hs_predivide,
+        self._hs_sync = SyncSet(SyncContext(backend, self._hs_op, size, self._hs_predivide,
                                             loss_scale=float(self.loss_scale_factor or 1.0)))
         if self._hs_adaptive is not None:
             recorder = self._hs_sync.ctx.stats = StepRecorder(self._hs_adaptive, world.size, world.rank)
@@ -230,17 +280,25 @@ class _DistributedKerasOptimizer:
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
+        if self._hs_take_reduced(grads):  # _compute_gradients() reduced them already
+            return super().apply(grads, variables)
+        shared = [i for i, v in enumerate(variables) if not self._hs_is_local(v)]
+        local = [i for i, v in enumerate(variables) if self._hs_is_local(v)]
         if self._hs_plan is None:
-            self._hs_make_plan([_kind(g) for g in grads], variables)
+            self._hs_make_plan([_kind(grads[i]) for i in shared], [variables[i] for i in shared])
         elif self._hs_unconfirmed:
-            self._hs_confirm_plan(grads, variables)
-        grads, variables, apply_now = self._hs_synchronize(grads, variables)
+            self._hs_confirm_plan([grads[i] for i in shared], [variables[i] for i in shared])
+        elif len(shared) != len(self._hs_vars):
+            raise ValueError(f"{type(self).__name__}.apply() got {len(shared)} variables to synchronize, its plan has "
+                             f"{len(self._hs_vars)}: pass the same variables every step, and register local "
+                             "variables (register_local_var) before the first one")
+        grads, variables, apply_now = self._hs_synchronize(grads, variables, shared, local)
         if apply_now is None:
             if not variables:
                 self._iterations.assign_add(1)
                 return None
             return super().apply(grads, variables)
-        # Adaptive: an accumulation micro-step other than the step's last applies nothing.
+        # Accumulation: a micro-step other than the step's last applies nothing.
         if variables and not self.built:
             self.build(variables)  # (not inside the condition: tf.function creates variables once)
         base_apply = super().apply
@@ -252,18 +310,28 @@ class _DistributedKerasOptimizer:
                 self._iterations.assign_add(1)
             return tf.constant(True)
 
-        tf.cond(apply_now, update, lambda: tf.constant(False))
+        def hold():
+            if self._hs_adaptive is None:  # Horovod's backward_passes_per_step counts every pass
+                self._iterations.assign_add(1)
+            return tf.constant(False)
+
+        tf.cond(apply_now, update, hold)
         return None
 
-    def _hs_synchronize(self, grads, variables):
-        """Exchanges every gradient in one op running the sync core; returns what the Keras
-        optimizer should still apply."""
+    def _hs_synchronize(self, grads, variables, shared, local):
+        """Exchanges every gradient of the `shared` variables in one op running the sync core
+        (and holds accumulation micro-steps, local variables' too); returns what the Keras
+        optimizer should still apply, and whether it applies at all this call (None: always)."""
+        sg, sv = [grads[i] for i in shared], [variables[i] for i in shared]
+        lg, lv = [grads[i] for i in local], [variables[i] for i in local]
         routes = [var.plan.route for var in self._hs_vars]
-        if runtime.world().size == 1 and all(r is Route.ALLREDUCE for r in routes) and self._hs_adaptive is None:
-            return grads, variables, None
+        if self._hs_micro is None and (self._hs_sync is None or (
+                self._hs_size() == 1 and all(r is Route.ALLREDUCE for r in routes))):
+            scale, local_at = self._hs_local_scale(), set(local)
+            return [_scaled(g, scale) if i in local_at else g for i, g in enumerate(grads)], variables, None
         collectives.check_not_xla("gradient exchange")
         inputs, layout = [tf.cast(self._hs_base_lr(), tf.float64)], []
-        for g, v, var in zip(grads, variables, self._hs_vars):
+        for g, v, var in zip(sg, sv, self._hs_vars):
             if var in self._hs_auto:
                 kind, parts = "sparse", self._hs_rows(g, v, var)
             elif var.plan.route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE):
@@ -272,33 +340,50 @@ class _DistributedKerasOptimizer:
                 kind, parts = "sparse", self._hs_rows(g, v, var)
             layout.append((kind, len(inputs), len(parts)))
             inputs += parts
+        held = self._hs_micro is not None  # local variables' micro-steps are held with the rest
+        local_layout = []
+        for g, v in zip(lg if held else [], lv):
+            if isinstance(g, tf.IndexedSlices):
+                kind, parts = "sparse", [tf.cast(g.indices, tf.int64), g.values]
+            else:
+                kind, parts = "dense", [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)]
+            local_layout.append((kind, len(inputs), len(parts), tf.as_dtype(v.dtype), tuple(v.shape)))
+            inputs += parts
         out_types = [self._hs_output_types(var, var in self._hs_auto) for var in self._hs_vars]
+        local_types = [[dtype] if kind == "dense" else [tf.int64, dtype] for kind, _, _, dtype, _ in local_layout]
 
         def exchange(lr, *arrays):
-            per_variable = [(kind, arrays[at - 1:at - 1 + n]) for kind, at, n in layout]
-            if self._hs_adaptive is not None:
-                k = self._hs_adaptive.accumulation
-                self._hs_sync.ctx.grad_scale = 1.0 / k  # the core turns the micro-steps' sum into their mean
-                if k > 1:
-                    self._hs_micro.add(per_variable)
-                    if len(self._hs_micro) < k:
-                        return [np.float32(self._hs_adaptive.last_factor), np.bool_(False), *self._hs_idle(out_types)]
-                    per_variable = self._hs_accumulated(k)
+            per_variable = [(kind, arrays[at - 1:at - 1 + n]) for kind, at, n, *_ in layout + local_layout]
+            k = self._hs_accumulation() if held else 1
+            if self._hs_sync is not None:
+                self._hs_sync.ctx.grad_scale = self._hs_sum_scale(k)  # the core scales the micro-steps' sum
+            if k > 1:
+                self._hs_micro.add(per_variable)
+                if len(self._hs_micro) < k:
+                    factor = self._hs_adaptive.last_factor if self._hs_adaptive is not None else 1.0
+                    return [np.float32(factor), np.bool_(False), *self._hs_idle(out_types, local_layout)]
+                per_variable = self._hs_accumulated(k)
             factor = self._hs_begin_adaptive()
-            for var, (kind, parts) in zip(self._hs_vars, per_variable):
-                var.access.begin(kind, parts, float(lr) * factor)
-            self._hs_sync.synchronize()
+            if self._hs_sync is not None:
+                for var, (kind, parts) in zip(self._hs_vars, per_variable):
+                    var.access.begin(kind, parts, float(lr) * factor)
+                self._hs_sync.synchronize()
             self._hs_end_adaptive()
+            scale = self._hs_local_scale() * (self._hs_sum_scale(k) if k > 1 else 1.0)
+            local_out = []
+            for kind, parts in per_variable[len(layout):]:
+                values = parts[-1] * parts[-1].dtype.type(scale) if scale != 1.0 else parts[-1]
+                local_out += [values] if kind == "dense" else [np.asarray(parts[0], np.int64), values]
             return [np.float32(factor), np.bool_(True)] + [a for var, types in zip(self._hs_vars, out_types)
-                                                           for a in var.access.out[:len(types)]]
+                                                           for a in var.access.out[:len(types)]] + local_out
 
         results = tf.numpy_function(exchange, inputs,
-                                    Tout=[tf.float32, tf.bool] + [t for types in out_types for t in types],
-                                    stateful=True, name="hybridsync_exchange")
+                                    Tout=[tf.float32, tf.bool] + [t for types in out_types + local_types for t in types],
+                                    stateful=True, name=_op_name(self._hs_settings.name))
         factor, apply_now, results = results[0], results[1], iter(results[2:])
         apply_now.set_shape([])
-        keep_g, keep_v, updates = [], [], [self._hs_lr_factor.assign(factor)]  # the Keras update's LR follows
-        for i, (v, var) in enumerate(zip(variables, self._hs_vars)):
+        kept, updates = {}, [self._hs_lr_factor.assign(factor)]  # position -> gradient the Keras optimizer applies
+        for i, (at, v, var) in enumerate(zip(shared, sv, self._hs_vars)):
             route, placement = var.plan.route, var.plan.placement
             if var in self._hs_auto:
                 changed, rows, ids, values = (next(results) for _ in range(4))
@@ -306,47 +391,57 @@ class _DistributedKerasOptimizer:
                 for slot in self._hs_slots[i].values():
                     slot_ids, slot_values = next(results), next(results)
                     updates.append(_variable(slot).scatter_update(_rows(slot_values, slot_ids, v)))
-                keep_g.append(_rows(values, ids, v, dense_shape=True))
-                keep_v.append(v)
+                kept[at] = _rows(values, ids, v, dense_shape=True)
             elif route in (Route.ALLREDUCE, Route.SPARSE_AS_DENSE):
                 reduced = next(results)
                 reduced.set_shape(v.shape)
-                keep_g.append(reduced)
-                keep_v.append(v)
+                kept[at] = reduced
             elif route is Route.ALLGATHER:
                 ids, values = next(results), next(results)
                 ids.set_shape([None])
                 values.set_shape([None] + list(v.shape[1:]))
-                keep_g.append(tf.IndexedSlices(values, ids, tf.shape(v, out_type=tf.int64)))
-                keep_v.append(v)
+                kept[at] = tf.IndexedSlices(values, ids, tf.shape(v, out_type=tf.int64))
             elif placement is Placement.REPLICATED:
                 changed, rows = next(results), next(results)
                 target = v.value if hasattr(v, "value") and isinstance(v.value, tf.Variable) else v
                 updates.append(target.scatter_update(tf.IndexedSlices(tf.reshape(rows, [-1] + list(v.shape[1:])),
                                                                       changed)))
+        for (kind, *_), at, v in zip(local_layout, local, lv):
+            if kind == "dense":
+                kept[at] = next(results)
+                kept[at].set_shape(v.shape)
+            else:
+                kept[at] = _rows(next(results), next(results), v, dense_shape=True, ids_first=True)
+        if not held:  # local variables that took no part in the exchange
+            kept.update((at, _scaled(g, self._hs_local_scale())) for at, g in zip(local, lg))
         with tf.control_dependencies(updates):
-            keep_g = [tf.identity(g) if not isinstance(g, tf.IndexedSlices) else
-                      tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape) for g in keep_g]
-        return keep_g, keep_v, (apply_now if self._hs_adaptive is not None else None)
+            keep_g = [g if g is None else tf.identity(g) if not isinstance(g, tf.IndexedSlices) else
+                      tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape) for _, g in sorted(kept.items())]
+        # In the order given: Keras builds (and saves) the optimizer's slots in this order.
+        return keep_g, [variables[at] for at in sorted(kept)], (apply_now if held else None)
 
     def _hs_accumulated(self, k: int) -> list:
-        """The step's last micro-step: the held gradients' sum per variable. A world of one
-        exchanges nothing, so the core cannot scale its all-reduced and all-gathered gradients:
-        they get the mean here (its PS rows still get the sum: the server scales them; `sync:
-        auto` plans the PS on one rank); its statistics come from the micro-steps."""
+        """The step's last micro-step: the held gradients' sum per variable (the shared ones
+        first, then the local ones). A world of one exchanges nothing, so the core cannot scale
+        its all-reduced and all-gathered gradients: they get the sum's scale here (its PS rows are
+        scaled by the server; `sync: auto` plans the PS on one rank); the adaptive statistics come
+        from the micro-steps."""
         summed = self._hs_micro.take()
-        if runtime.world().size > 1:
+        if self._hs_size() > 1 or self._hs_sync is None:
             return summed
-        self._hs_micro.observe(self._hs_adaptive, [var.name for var in self._hs_vars], self._hs_sync.ctx.loss_scale)
+        if self._hs_adaptive is not None:
+            self._hs_micro.observe(self._hs_adaptive, [var.name for var in self._hs_vars],
+                                   self._hs_sync.ctx.loss_scale)
+        scale = self._hs_sum_scale(k)
         out = []
-        for var, (kind, parts) in zip(self._hs_vars, summed):
-            if var.plan.route is not Route.PS:
-                parts = (parts[0] / parts[0].dtype.type(k),) if kind == "dense" else \
-                    (parts[0], parts[1] / parts[1].dtype.type(k))
+        for i, (kind, parts) in enumerate(summed):
+            if i < len(self._hs_vars) and self._hs_vars[i].plan.route is not Route.PS and scale != 1.0:
+                parts = (parts[0] * parts[0].dtype.type(scale),) if kind == "dense" else \
+                    (parts[0], parts[1] * parts[1].dtype.type(scale))
             out.append((kind, parts))
         return out
 
-    def _hs_idle(self, out_types) -> list:
+    def _hs_idle(self, out_types, local_layout) -> list:
         """The exchange's outputs on a micro-step that applies nothing: zeros of a dense
         variable's shape, no rows."""
         out = []
@@ -359,6 +454,11 @@ class _DistributedKerasOptimizer:
                     out.append(np.zeros(0, np.int64))
                 else:
                     out.append(np.zeros((0, var.access.dim), t.as_numpy_dtype))
+        for kind, _, _, dtype, shape in local_layout:
+            if kind == "dense":
+                out.append(np.zeros(shape, dtype.as_numpy_dtype))
+            else:
+                out += [np.zeros(0, np.int64), np.zeros((0,) + shape[1:], dtype.as_numpy_dtype)]
         return out
 
     @staticmethod
@@ -390,8 +490,10 @@ def _variable(v):
     return v.value if hasattr(v, "value") and isinstance(v.value, tf.Variable) else v
 
 
-def _rows(values, ids, v, dense_shape=False):
+def _rows(values, ids, v, dense_shape=False, ids_first=False):
     """(ids, values) from the exchange as IndexedSlices of v's shape."""
+    if ids_first:
+        ids, values = values, ids
     ids.set_shape([None])
     values = tf.reshape(values, [-1] + list(v.shape[1:]))
     return tf.IndexedSlices(values, ids, tf.shape(v, out_type=tf.int64) if dense_shape else None)
@@ -412,6 +514,26 @@ class KerasFrontend:
 
     def adopt_auto(self, saved: dict) -> None:
         self._optimizer._hs_adopt_auto(saved)
+
+
+def _op_name(name) -> str:
+    """The exchange op's name: Horovod's `name` (made a valid op name), or hybridsync's."""
+    name = re.sub("[^a-zA-Z0-9_]", "_", name or "hybridsync_exchange")
+    return name if name[:1].isalpha() else f"hs_{name}"
+
+
+def _scaled(grad, factor: float):
+    """A gradient (dense, IndexedSlices or None) times factor."""
+    if grad is None or factor == 1.0:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, tf.as_dtype(grad.dtype))
+
+
+def _ref(v):
+    """A hashable reference to the tf.Variable behind a (Keras) variable."""
+    return _variable(v).ref()
 
 
 class _KerasAuto:
@@ -439,36 +561,3 @@ class _KerasAuto:
 
     def set_table(self, var, table) -> None:
         raise NotImplementedError(f"variable '{var.name}': a sharded Keras table is not re-sharded")
-
-
-def DistributedOptimizer(optimizer, named_parameters=None, model=None, config=None, compression=None,
-                         backward_passes_per_step=1, op=ReduceOp.AVERAGE, gradient_predivide_factor=1.0,
-                         backend=None, adaptive=None):
-    """Wraps a Keras 3 optimizer (the same object is returned, now synchronizing gradients).
-
-    config: YAML path or dict (or hybridsync.init(config=...) / HYBRIDSYNC_CONFIG), the same file
-    as for PyTorch. compression: 'none' | 'fp16' for the dense all-reduce. op: Average or Sum;
-    gradient_predivide_factor as in PyTorch. named_parameters, model and backward_passes_per_step
-    are PyTorch's and must keep their defaults. adaptive: gradient statistics and LR scaling
-    (hybridsync.adaptive; docs/adaptive.md), as in PyTorch.
-    """
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"expected a Keras optimizer, got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
-    if isinstance(optimizer, _DistributedKerasOptimizer):
-        raise ValueError("this optimizer is already a hybridsync DistributedOptimizer")
-    if named_parameters is not None or model is not None:
-        raise ValueError("named_parameters and model are PyTorch arguments: a Keras optimizer knows its variables")
-    if backward_passes_per_step != 1:
-        raise ValueError("backward_passes_per_step is a PyTorch argument: Keras applies once per batch (for "
-                         "accumulation of dense variables, use the Keras optimizer's gradient_accumulation_steps)")
-    if backend not in (None, "mpi"):
-        raise ValueError(f"the TensorFlow frontend all-reduces over MPI (backend='mpi'); got backend={backend!r}")
-    op = check_options(op, gradient_predivide_factor, backward_passes_per_step)
-    name = compression if isinstance(compression, str) or compression is None else getattr(compression, "name", None)
-    name = {None: "none", "none": "none", "fp16": "fp16"}.get(name)
-    if name is None:
-        raise ValueError(f"compression must be 'none' or 'fp16' for the TensorFlow frontend, got {compression!r}")
-    base = type(optimizer)
-    optimizer.__class__ = type(base.__name__, (_DistributedKerasOptimizer, base), {"__module__": __name__})
-    optimizer._hs_setup(config, op, name, gradient_predivide_factor, adaptive)
-    return optimizer

@@ -13,11 +13,16 @@ from ..ps.rules import OptimizerSpec
 _BLOCKING_ATTRIBUTES = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
 
 
-def _lr(optimizer) -> float:
-    """The current learning rate, read eagerly (also while tf.function traces the step)."""
+def _eager(read) -> float:
+    """A hyper-parameter (a number or a variable) read eagerly, also while tf.function traces."""
     with tf.init_scope():
-        value = optimizer.learning_rate
+        value = read()
         return float(value.numpy() if hasattr(value, "numpy") else value)
+
+
+def _lr(optimizer) -> float:
+    """The current learning rate."""
+    return _eager(lambda: optimizer.learning_rate)
 
 
 def describe(optimizer) -> OptimizerSpec:
@@ -27,8 +32,9 @@ def describe(optimizer) -> OptimizerSpec:
     family, hparams = None, {}
     if isinstance(optimizer, keras.optimizers.SGD):
         family, hparams = "sgd", {"lr": _lr(optimizer)}
-        if float(optimizer.momentum):
-            blockers.append(("momentum", optimizer.momentum))
+        momentum = _eager(lambda: optimizer.momentum)  # (a variable while a LR callback corrects it)
+        if momentum:
+            blockers.append(("momentum", momentum))
     elif isinstance(optimizer, keras.optimizers.Adagrad):
         family, hparams = "adagrad", {"lr": _lr(optimizer), "eps": optimizer.epsilon, "eps_in_sqrt": 1.0,
                                       "initial_accumulator_value": optimizer.initial_accumulator_value}

@@ -2,13 +2,11 @@
 and turned into what the hybrid optimizer understands."""
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
 
-from .. import config as config_mod
-from .. import runtime
+from ..sync.process_set_scope import sparse_as_dense_config, sparse_default_config  # noqa: F401
 
 
 def parameter_names(named) -> dict:
@@ -60,21 +58,3 @@ def check_groups(num_groups, groups, named):
                     raise ValueError("groups names a tensor that the optimizer does not update")
                 seen.add(id(p))
     return groups
-
-
-def sparse_default_config(config, sync: str, why: str):
-    """The config with every sparse variable on route `sync` by default (`why` names who asked);
-    rules in the config's `variables` still win."""
-    cfg = config_mod.load(config if config is not None else runtime.default_config())
-    if cfg is None:
-        cfg = config_mod.load({"defaults": {"sparse": {"sync": sync}}})
-    else:
-        sparse = config_mod.Settings(sync=sync, compression=cfg.sparse.compression)
-        cfg = dataclasses.replace(cfg, sparse=sparse, where=dict(cfg.where))
-    cfg.where["defaults.sparse"] = why
-    return cfg
-
-
-def sparse_as_dense_config(config):
-    """Horovod's sparse_as_dense=True: sparse variables densified and all-reduced by default."""
-    return sparse_default_config(config, "allreduce-as-dense", "DistributedOptimizer(sparse_as_dense=True)")

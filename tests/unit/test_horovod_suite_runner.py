@@ -40,6 +40,26 @@ def test_lists_test_methods_of_test_cases_only(runner):
     assert runner.list_tests(SOURCE) == ["TorchTests::test_a", "TorchTests::test_b"]
 
 
+def test_lists_the_tests_parameterized_expand_makes_and_switches_every_suite_import(runner, tmp_path):
+    source = ("import horovod.keras as hvd_keras\nimport horovod.tensorflow.keras as hvd\n"
+              "from parameterized import parameterized\nimport unittest\n\n"
+              "class Tf2KerasTests(unittest.TestCase):\n"
+              "    @parameterized.expand([[True], [False]])\n    def test_agg(self, average):\n        assert average in (True, False)\n"
+              "    def test_plain(self):\n        pass\n")
+    assert runner.list_tests(source) == ["Tf2KerasTests::test_agg_0_True", "Tf2KerasTests::test_agg_1_False",
+                                         "Tf2KerasTests::test_plain"]
+    copy = runner.write_copy({"test_tensorflow2_keras.py": source}, False, tmp_path, runner.SUITES["keras"])
+    text = copy.read_text()
+    assert "import hybridsync.keras as hvd_keras" in text and "import hybridsync.tensorflow.keras as hvd" in text
+    assert "horovod" not in text.replace("hybridsync", "")
+    namespace = {}
+    exec(compile((tmp_path / "parallel" / "parameterized.py").read_text(), "parameterized.py", "exec"), namespace)
+    tests = {}
+    exec("class T:\n    @parameterized.expand([[True], [False]])\n    def test_agg(self, average):\n        return average\n",
+         {"parameterized": namespace["parameterized"]}, tests)
+    assert [tests["T"]().test_agg_0_True(), tests["T"]().test_agg_1_False()] == [True, False]
+
+
 def test_the_copy_differs_only_in_its_import_line(runner, tmp_path):
     copy = runner.write_copy(SOURCE, real_horovod=False, workdir=tmp_path)
     assert copy.read_text() == SOURCE.replace("import horovod.torch as hvd", "import hybridsync.torch as hvd")
@@ -60,3 +80,15 @@ def test_classifies_each_ranks_summary_even_when_their_output_interleaves(runner
     mixed = "[1,0]<stdout>:1 skipped in 1.0s\n[1,1]<stdout>:1 passed in 1.0s\n"
     assert runner.classify(0, mixed, 2) == "failed"
     assert runner.classify(134, both_passed, 2) == "failed"  # crashed at exit
+
+
+def test_a_tensorflow_test_whose_graph_and_eager_subtests_were_all_skipped_counts_as_skipped(runner):
+    gpu_only = "[1,0]<stdout>:1 passed, 2 skipped in 13.07s\n[1,1]<stdout>:1 passed, 2 skipped in 13.1s\n"
+    assert runner.classify(0, gpu_only, 2) == "skipped"
+    eager_only = ("[1,0]<stdout>:1 passed, 1 skipped, 1 subtests passed in 7.3s\n"
+                  "[1,1]<stdout>:1 passed, 1 skipped, 1 subtests passed in 7.4s\n")
+    assert runner.classify(0, eager_only, 2) == "passed"
+    both = "[1,0]<stdout>:1 passed, 2 subtests passed in 10.1s\n[1,1]<stdout>:1 passed, 2 subtests passed in 10.0s\n"
+    assert runner.classify(0, both, 2) == "passed"
+    graph_failed = "[1,0]<stdout>:1 failed, 1 subtests passed in 9.0s\n[1,1]<stdout>:1 failed, 1 subtests passed in 9s\n"
+    assert runner.classify(1, graph_failed, 2) == "failed"

@@ -66,8 +66,8 @@ def test_mixed_precision_policy_the_ps_cannot_hold_is_an_error():
 def test_pytorch_only_arguments_are_errors():
     with pytest.raises(ValueError, match="named_parameters and model are PyTorch arguments"):
         htf.DistributedOptimizer(keras.optimizers.SGD(0.1), model=object())
-    with pytest.raises(ValueError, match="backward_passes_per_step"):
-        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="backward_passes_per_step must be >= 1"):
+        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)
     with pytest.raises(ValueError, match="backend='mpi'"):
         htf.DistributedOptimizer(keras.optimizers.SGD(0.1), backend="horovod")
 
@@ -120,3 +120,101 @@ def test_ps_backed_keras_layer_trains_and_round_trips_through_save_weights(tmp_p
     other.load_weights(path)
     np.testing.assert_array_equal(other.get_layer("table").get_table(), trained)
     np.testing.assert_array_equal(other.get_layer("head").get_weights()[0], model.get_layer("head").get_weights()[0])
+
+
+# Every public name of Horovod 0.28.1's horovod.tensorflow, horovod.tensorflow.keras (and its
+# callbacks and elastic modules) and horovod.keras, as their __init__ files define or import them.
+HOROVOD_TENSORFLOW = (
+    "elastic Compression allgather_object broadcast_object broadcast_object_fn broadcast_variables allgather "
+    "grouped_allgather broadcast broadcast_ _allreduce _grouped_allreduce alltoall _reducescatter "
+    "_grouped_reducescatter init shutdown is_initialized start_timeline stop_timeline size local_size cross_size "
+    "rank local_rank cross_rank is_homogeneous rank_op local_rank_op size_op local_size_op process_set_included_op "
+    "mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built ddl_built ccl_built cuda_built "
+    "rocm_built ProcessSet global_process_set add_process_set remove_process_set Average Sum Adasum Min Max Product "
+    "handle_average_backwards_compatibility check_num_rank_power_of_2 _executing_eagerly _make_subgraph _cache "
+    "vars_to_refs refs_to_vars join SyncBatchNormalization LocalGradientAggregationHelper allreduce reducescatter "
+    "grouped_allreduce grouped_reducescatter broadcast_global_variables BroadcastGlobalVariablesHook "
+    "DistributedOptimizer DistributedGradientTape PartialDistributedGradientTape").split()
+HOROVOD_KERAS = (
+    "init shutdown is_initialized start_timeline stop_timeline size local_size cross_size rank local_rank "
+    "cross_rank mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built ProcessSet global_process_set "
+    "add_process_set remove_process_set nccl_built ddl_built ccl_built cuda_built rocm_built Average Sum Adasum "
+    "Compression callbacks elastic DistributedOptimizer PartialDistributedOptimizer broadcast_global_variables "
+    "allreduce allgather broadcast reducescatter load_model").split()
+HOROVOD_KERAS_CALLBACKS = ("BroadcastGlobalVariablesCallback MetricAverageCallback LearningRateScheduleCallback "
+                           "LearningRateWarmupCallback BestModelCheckpoint").split()
+HOROVOD_KERAS_ELASTIC = "KerasState CommitStateCallback UpdateBatchStateCallback UpdateEpochStateCallback run".split()
+
+
+def test_every_public_name_of_horovods_tensorflow_and_keras_modules_is_here():
+    import inspect
+
+    import hybridsync.keras
+    import hybridsync.tensorflow.keras as htk
+
+    missing = [n for n in HOROVOD_TENSORFLOW if not hasattr(htf, n)]
+    missing += [f"keras.{n}" for n in HOROVOD_KERAS for module in (htk, hybridsync.keras) if not hasattr(module, n)]
+    missing += [f"keras.callbacks.{n}" for n in HOROVOD_KERAS_CALLBACKS if not hasattr(htk.callbacks, n)]
+    missing += [f"keras.elastic.{n}" for n in HOROVOD_KERAS_ELASTIC if not hasattr(htk.elastic, n)]
+    missing += [f"elastic.{n}" for n in ("TensorFlowKerasState", "TensorFlowState", "run") if not hasattr(htf.elastic, n)]
+    assert not missing
+    assert htf.util._executing_eagerly() and hybridsync.keras.callbacks.BestModelCheckpoint is htk.callbacks.BestModelCheckpoint
+
+    def positional(fn):
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+    # Horovod's arguments in Horovod's order; hybridsync's own are keyword-only after them.
+    assert positional(htk.DistributedOptimizer) == [
+        "optimizer", "name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
+        "gradient_predivide_factor", "op", "backward_passes_per_step", "average_aggregated_gradients", "num_groups",
+        "groups", "process_set", "scale_local_gradients"]
+    assert positional(htf.DistributedOptimizer) == [
+        "optimizer", "name", "use_locking", "device_dense", "device_sparse", "compression", "sparse_as_dense",
+        "backward_passes_per_step", "op", "gradient_predivide_factor", "average_aggregated_gradients", "num_groups",
+        "groups", "process_set", "scale_local_gradients"]
+    assert positional(htf.DistributedGradientTape) == [
+        "gradtape", "device_dense", "device_sparse", "compression", "sparse_as_dense", "op",
+        "gradient_predivide_factor", "num_groups", "groups", "process_set", "scale_local_gradients"]
+    assert positional(htk.load_model) == ["filepath", "custom_optimizers", "custom_objects", "compression",
+                                          "legacy_opts"]
+    assert positional(htk.callbacks.LearningRateWarmupCallback.__init__)[1:] == [
+        "initial_lr", "warmup_epochs", "momentum_correction", "steps_per_epoch", "verbose"]
+
+
+def test_horovod_names_keras_3_cannot_honour_say_why():
+    import hybridsync.tensorflow.keras as htk
+
+    with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
+        htf.LocalGradientAggregationHelper(2, None, False, False)
+    with pytest.raises(NotImplementedError, match="TensorFlow 1 optimizer"):
+        htf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    with pytest.raises(RuntimeError, match="does not support eager execution"):
+        htf.broadcast_global_variables(0)
+    with pytest.raises(NotImplementedError, match="keras.optimizers.legacy"):
+        htk.load_model("unused.keras", legacy_opts=True)
+    with pytest.raises(ValueError, match="does not support fused=True"):
+        htf.SyncBatchNormalization(fused=True)
+    with pytest.raises(ValueError, match="set its filepath"):
+        htk.callbacks.BestModelCheckpoint().on_train_begin()
+
+
+def test_keras_2_idioms_of_horovods_examples_work_on_keras_3():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", experimental_run_tf_function=False)  # Horovod's examples pass it
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        model.compile(optimizer="sgd", loss="mse", not_a_keyword=1)
+    opt = keras.optimizers.SGD(0.1)
+    assert opt.variables() == opt.variables and isinstance(opt.variables, list)
+    v = model.trainable_weights[0]
+    assert v.ref() == v.ref() and v.ref().deref() is v and {v.ref(): 1}[model.trainable_weights[0].ref()] == 1
+
+
+def test_gradient_tape_keeps_horovods_class_and_local_sources_in_a_world_of_one():
+    x = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(x * x)
+    dtape = htf.DistributedGradientTape(tape, compression=htf.Compression.fp16, sparse_as_dense=True)
+    assert isinstance(dtape, tf.GradientTape)
+    dtape.register_local_source(x)
+    np.testing.assert_allclose(dtape.gradient(loss, [x])[0].numpy(), [2.0, 4.0])

@@ -2,54 +2,27 @@
 (the functions of horovod.torch.functions)."""
 from __future__ import annotations
 
-import io
-
 import torch
 
+from ... import objects
 from . import mpi_ops, ops
 from .process_sets import global_process_set
-
-try:  # what Horovod pickles with (lambdas and local classes survive); plain pickle otherwise
-    import cloudpickle as _pickle
-except ImportError:  # pragma: no cover
-    import pickle as _pickle
-
-_unnamed: dict = {}  # process set id -> objects sent without a name
-
-
-def _dumps(obj) -> bytes:
-    buf = io.BytesIO()
-    _pickle.dump(obj, buf)
-    return buf.getvalue()
-
-
-def _auto_name(kind: str, name, process_set):
-    # Horovod names an unnamed object by its type, which differs between the root and the
-    # others in `broadcast_object(x if rank == 0 else None)` (Horovod then waits forever): a
-    # counter per process set is the same on every member.
-    if name is not None:
-        return name
-    key = process_set.process_set_id if process_set is not None else 0
-    _unnamed[key] = _unnamed.get(key, 0) + 1
-    return f"{kind}.noname.{_unnamed[key]}"
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """root_rank's `obj` (pickled; any picklable object), on every rank of the process set."""
-    route, name = ops.route(process_set), _auto_name("broadcast_object", name, process_set)
+    route, name = ops.route(process_set), objects.auto_name("broadcast_object", name, process_set)
     if isinstance(route, ops._HorovodTorch) and route.engine is None:  # horovodrun --gloo
         return route.hvd.broadcast_object(obj, root_rank, name=name)
-    me = ops.global_rank()
-    blob = route.engine.broadcast_object(_dumps(obj) if me == root_rank else None, root_rank, name=name)
-    return obj if me == root_rank else _pickle.loads(blob)
+    return objects.broadcast(route.engine, obj, root_rank, ops.global_rank(), name)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Every rank's `obj`, as a list in rank order."""
-    route, name = ops.route(process_set), _auto_name("allgather_object", name, process_set)
+    route, name = ops.route(process_set), objects.auto_name("allgather_object", name, process_set)
     if isinstance(route, ops._HorovodTorch) and route.engine is None:  # horovodrun --gloo
         return route.hvd.allgather_object(obj, name=name)
-    return [_pickle.loads(b) for b in route.engine.allgather_object(_dumps(obj), name=name)]
+    return objects.allgather(route.engine, obj, name)
 
 
 def _is_ps_backed(tensor) -> bool:

@@ -8,14 +8,11 @@ out-of-place forms are differentiable (hybridsync.torch.autograd).
 """
 from __future__ import annotations
 
-import enum
-import warnings
-
 import torch
 
-from ...comm.negotiation import op_name
+from ...comm.negotiation import horovod_op_name, op_name
 from ... import ps
-from ...types import ReduceOp
+from ...types import Adasum, Max, Min, Product, ReduceOp  # noqa: F401  (Horovod's names)
 from . import autograd, ops
 from ..adaptive import after_join
 from .compression import Compression
@@ -24,31 +21,7 @@ from .process_sets import global_process_set
 Average, Sum = ReduceOp.AVERAGE, ReduceOp.SUM
 
 
-class _MoreOps(enum.Enum):
-    """Horovod's other reduction ops (Average and Sum are hybridsync.types.ReduceOp)."""
-
-    ADASUM = "adasum"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
-
-
-Adasum, Min, Max, Product = _MoreOps.ADASUM, _MoreOps.MIN, _MoreOps.MAX, _MoreOps.PRODUCT
-_HOROVOD_CODES = ("average", "sum", "adasum", "min", "max", "product")  # horovod.torch.Average == 0, ...
-
-
-def _op(op, average) -> str:
-    """Horovod's rule: `average` (deprecated) or `op`, not both; Average when neither."""
-    if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-    if average is not None:
-        warnings.warn("average is deprecated (as in Horovod): use op=Average or op=Sum", DeprecationWarning, 2)
-        return "average" if average else "sum"
-    if op is None:
-        return "average"
-    if isinstance(op, int) and not isinstance(op, bool) and 0 <= op < len(_HOROVOD_CODES):
-        return _HOROVOD_CODES[op]  # a constant taken from horovod.torch itself
-    return op_name(op)
+_op = horovod_op_name  # Horovod's rule: `average` (deprecated) or `op`, not both; Average when neither
 
 
 def _check(tensors, what):
