@@ -6,7 +6,8 @@ gradients go to a C++ parameter server whose shards live on the ranks.
 
 from . import config as config_mod
 from . import runtime
-from .comm import choose, objects
+from .comm import choose
+from .comm import objects as object_collectives  # (`objects` is the hybridsync.objects module's name)
 from .frontend import framework_of, module_for
 from .runtime import is_initialized, shutdown, world
 
@@ -127,12 +128,12 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
 
 def broadcast_object(obj, root_rank: int = 0, name=None):
     """Collective: root_rank's picklable `obj`, on every rank."""
-    return objects().broadcast_object(obj, root_rank, name=name)
+    return object_collectives().broadcast_object(obj, root_rank, name=name)
 
 
 def allgather_object(obj, name=None) -> list:
     """Collective: every rank's picklable `obj`, as a list in rank order."""
-    return objects().allgather_object(obj, name=name)
+    return object_collectives().allgather_object(obj, name=name)
 
 
 from .config import ConfigError, ConfigWarning  # noqa: E402
