@@ -3,8 +3,42 @@ batch size the adaptive optimizer chose (hybridsync.adaptive.batches does the wo
 loop or model.fit (a Python generator; give steps_per_epoch)."""
 from __future__ import annotations
 
-from .. import runtime
+import weakref
+
+from .. import comm, runtime
 from ..adaptive.batches import AdaptiveBatches
+
+_every: list = []  # weakrefs to every adaptive Keras DistributedOptimizer, oldest first (the same on every rank)
+
+
+def track(optimizer) -> None:
+    """Called by a DistributedOptimizer(..., adaptive=...) when it is made (after_join finds it)."""
+    _every[:] = [ref for ref in _every if ref() is not None] + [weakref.ref(optimizer)]
+
+
+def load_state(optimizer, state: dict) -> None:
+    """The adaptive controller's state (a checkpoint's, or the last joined rank's); the next step
+    is timed afresh."""
+    optimizer._hs_adaptive.load_state_dict(state)
+    sync = getattr(optimizer, "_hs_sync", None)
+    if sync is not None and sync.ctx.stats is not None:
+        sync.ctx.stats.reset_clock()
+
+
+def after_join(last: int) -> None:
+    """Collective, when hvd.join() returns on every rank: the ranks that joined early skipped the
+    others' last steps, so their adaptive state (step count, statistics, batch) lags; every rank
+    takes that of the rank that joined last, as hybridsync.torch's join does. (Left as it was,
+    the datasets re-chose the batch at different steps on different ranks.)"""
+    optimizers = [o for o in (ref() for ref in _every) if o is not None]
+    if not optimizers or runtime.world().size == 1:
+        return
+    rank = runtime.world().rank
+    states = comm.objects().broadcast_object([o._hs_adaptive.state_dict() for o in optimizers] if rank == last
+                                             else None, last, name="hybridsync.tensorflow.adaptive.join")
+    for optimizer, state in zip(optimizers, states):
+        if rank != last:
+            load_state(optimizer, state)
 
 
 class AdaptiveDataset:

@@ -9,6 +9,7 @@ import numpy as np
 from ..array_files import RawBits
 from ..checkpoint import check_dense_match
 from ..types import GradKind, Placement
+from . import adaptive
 from .names import variable_name
 from .table_weight import TableWeight
 
@@ -48,7 +49,10 @@ def _dense_variables(model, optimizer, variables):
 
 def dense_state(model, optimizer, variables) -> tuple[dict, dict]:
     # (bfloat16 variables give ml_dtypes arrays: the checkpoint stores their raw bits)
-    return {key: v.numpy() for key, v in _dense_variables(model, optimizer, variables)}, {}
+    arrays = {key: v.numpy() for key, v in _dense_variables(model, optimizer, variables)}
+    adaptive = getattr(optimizer, "_hs_adaptive", None)
+    # The adaptive batch's statistics, batch and scale-invariant progress, as PyTorch's checkpoint keeps them.
+    return arrays, ({"adaptive": adaptive.state_dict()} if adaptive is not None else {})
 
 
 def _from_array(value, key: str) -> np.ndarray:
@@ -68,4 +72,6 @@ def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> N
                       shown=lambda key: key.split(".", 2)[-1])
     for key, v in mine.items():
         v.assign(_from_array(arrays[key], key))
+    if "adaptive" in meta and getattr(optimizer, "_hs_adaptive", None) is not None:
+        adaptive.load_state(optimizer, meta["adaptive"])  # at another world size: the global batch, re-chosen later
 

@@ -397,9 +397,12 @@ def join():
     all-reduces with zeros (and its parameter-server shards keep serving them), so ranks with
     fewer batches can stop early. Returns (as an int32 scalar tensor) the rank that joined last."""
     from .. import ps
+    from .adaptive import after_join
 
     def run():
-        return np.int32(ps.join(ops.engine(None).join))
+        last = ps.join(ops.engine(None).join)
+        after_join(last)  # the adaptive batch's state, taken from the rank that stepped the most
+        return np.int32(last)
 
     out = ops.host_op(run, [], [tf.int32], "HorovodJoin")[0]
     out.set_shape([])

@@ -36,7 +36,7 @@ from ..sync.base import SyncContext, Variable, check_options
 from ..sync.process_set_scope import check_routes
 from ..sync.registry import SyncSet
 from ..types import GradKind, Placement, ReduceOp, Route
-from . import collectives
+from . import adaptive, collectives
 from .access import AutoKerasAccess, KerasAccess
 from .micro_steps import MicroSteps
 from .names import table_variable_name, variable_name
@@ -64,6 +64,8 @@ class _DistributedKerasOptimizer(HorovodMethods):
         cfg = AdaptiveConfig.of(settings.adaptive)
         self._hs_settings = settings
         self._hs_adaptive = Adaptive(cfg, type(self).__name__, runtime.world().size) if cfg else None
+        if cfg:
+            adaptive.track(self)
         self._hs_lr_factor = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="hybridsync_lr_factor")
         self._hs_passes = settings.backward_passes_per_step
         # Accumulation micro-steps (adaptive, or Horovod's backward_passes_per_step) wait here.
