@@ -35,6 +35,7 @@ from pathlib import Path
 from . import comm, runtime
 from .checkpoint import MANIFEST, load_checkpoint, save_checkpoint
 from .frontend import of as frontend_of
+from .ps.dynamic import DynamicTable
 from .ps.table import PSTable
 
 try:
@@ -179,7 +180,7 @@ def ps_tables(objects) -> list:
         wrapped = frontend_of(obj)
         variables = (wrapped.variables() or ()) if wrapped is not None else ()
         tables = [var.table for var in variables] or [getattr(obj, "table", None)]
-        found.update((id(t), t) for t in tables if isinstance(t, PSTable))
+        found.update((id(t), t) for t in tables if isinstance(t, (PSTable, DynamicTable)))
     return list(found.values())
 
 
