@@ -9,15 +9,17 @@ included). Each runs as a user writes it
   auto        no config: the defaults, `sync: auto` for sparse variables
   ps          benchmarks/configs/ps.yaml: every table on the PS, sharded
   allgather   benchmarks/configs/allgather.yaml: every table all-gathered (Horovod's way)
+  dense       benchmarks/configs/dense.yaml: every table all-reduced as dense (the DLRM only)
   hot_dense   benchmarks/configs/hot_dense.yaml: table 0 all-reduced as dense, the rest on the PS
               (the hot workload only)
 
-on one host (2 ranks) and on 2 emulated hosts x 2 ranks at 1 Gbit (launch/cluster.py; root), in
-interleaved rounds, medians. Reports auto / the best hand-written config per workload and place,
+on one host (--ranks, default 2; `--ranks 1,2,4` for the flagship comparison) and on 2 emulated
+hosts x 2 ranks at 1 Gbit (launch/cluster.py; root), in interleaved rounds, medians, the load
+average kept with each run. Reports auto / the best hand-written config per workload and place,
 and the routes auto chose with their predicted times (from the plan). Writes
-benchmarks/results/auto.{json,md} and updates docs/performance.md's `sync: auto` section.
+benchmarks/results/auto.{json,md,png} and updates docs/performance.md's `sync: auto` section.
 
-    python benchmarks/auto.py [--quick] [--no-network]
+    python benchmarks/auto.py [--quick] [--no-network] [--ranks 1,2,4] [--workloads dlrm]
     python benchmarks/auto.py --rerender       # no runs: results/auto.json summarised again
 """
 from __future__ import annotations
@@ -31,14 +33,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench import RESULTS, ROOT, median, run, update_docs  # noqa: E402
+from benchmarks.bench import RESULTS, ROOT, load_average, median, run, update_docs  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
 WORKLOADS = {"dlrm": [], "dlrm-hot": ["--hot-rows", "256"]}
 # The NLP examples, run as they are (their own throughput line; sync: auto measures within the run).
 EXAMPLES = {"word2vec": ("torch_word2vec.py", ["--log-every", "100000"]),
             "lm": ("torch_lm.py", ["--log-every", "100000"])}
-CANDIDATES = {"dlrm": ["auto", "ps", "allgather"], "dlrm-hot": ["auto", "ps", "allgather", "hot_dense"],
+CANDIDATES = {"dlrm": ["auto", "ps", "allgather", "dense"], "dlrm-hot": ["auto", "ps", "allgather", "hot_dense"],
               "word2vec": ["auto", "ps", "allgather"], "lm": ["auto", "ps", "allgather"]}
 
 
@@ -95,6 +97,8 @@ def plan(args, places):
     for round_ in range(args.repeats):
         for place in places:
             for workload, candidates in CANDIDATES.items():
+                if workload not in args.workloads:
+                    continue
                 k = round_ % len(candidates)
                 for name in candidates[k:] + candidates[:k]:
                     runs.append((place, workload, name))
@@ -111,7 +115,8 @@ def summarise(raw):
         rows.append({"place": place, "workload": workload, "config": name, "repeats": len(rs),
                      "samples_per_s": median([r["samples_per_s"] for r in rs]),
                      "ms_per_step": median([r["ms_per_step"] for r in rs]),
-                     "routes": rs[-1].get("routes"), "auto": rs[-1].get("auto")})
+                     "routes": rs[-1].get("routes"), "auto": rs[-1].get("auto"),
+                     "loadavg": [r.get("loadavg") for r in rs]})
     verdicts = []
     for place, workload in sorted({(r["place"], r["workload"]) for r in rows}):
         mine = [r for r in rows if r["place"] == place and r["workload"] == workload]
@@ -153,10 +158,12 @@ def markdown(rows, verdicts, meta, errors=()) -> str:
     lines = [f"Measured {meta['date']}; medians of {meta['repeats']} interleaved rounds. DLRM: {meta['steps']} timed "
              f"steps after {meta['warmup']} untimed ones, within which auto measures ({meta['auto_steps']} steps) and "
              f"switches; NLP: the examples' own rate over {meta['nlp_steps']} steps, auto's measuring included.", "",
-             "| where | workload | config | samples/s | ms/step |", "| --- | --- | --- | ---: | ---: |"]
+             "| where | workload | config | samples/s | ms/step | load average (1 min) at each run |",
+             "| --- | --- | --- | ---: | ---: | --- |"]
     for r in rows:
-        ms = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.1f}"
-        lines.append(f"| {r['place']} | {r['workload']} | {r['config']} | {r['samples_per_s']:,.0f} | {ms} |")
+        ms = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.2f}"
+        load = ", ".join(f"{x[0]:.2f}" for x in r.get("loadavg") or [] if x)
+        lines.append(f"| {r['place']} | {r['workload']} | {r['config']} | {r['samples_per_s']:,.0f} | {ms} | {load} |")
     lines += ["", "| where | workload | best hand-written | auto / best | what auto chose |", "| --- | --- | --- | ---: | --- |"]
     for v in verdicts:
         chose = ", ".join(f"{k}: {x}" for k, x in (v["auto_routes"] or {}).items())
@@ -175,11 +182,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=40, help="untimed steps; auto decides within them")
+    # auto measures 20 steps, then tries up to 3 assignments for 8 steps each: 44 steps at most
+    p.add_argument("--warmup", type=int, default=60, help="untimed steps; auto decides within them")
     # 1000: a 300-step word2vec run lasts 1.5 s, where this machine's noise (+-5%) and auto's
     # one-time cost (~30 ms) weigh more than they do in any real training run.
     p.add_argument("--nlp-steps", type=int, default=1000, help="steps of each NLP example run (auto's included)")
     p.add_argument("--no-network", action="store_true", help="one host only")
+    p.add_argument("--ranks", default="2", help="rank counts on one host, comma-separated (e.g. 1,2,4)")
+    p.add_argument("--workloads", default=",".join(CANDIDATES), help=f"of {', '.join(CANDIDATES)}")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-docs", action="store_true", help="leave docs/performance.md as it is")
     p.add_argument("--rerender", action="store_true",
@@ -191,7 +201,8 @@ def main():
         previous = json.loads((RESULTS / "auto.json").read_text())
         report(previous["runs"], previous["meta"], args)
         return
-    places = ["1 host x 2"]
+    args.workloads = args.workloads.split(",")
+    places = [f"1 host x {n}" for n in args.ranks.split(",")]
     cluster = None
     if not args.no_network:
         from launch.cluster import Cluster
@@ -213,8 +224,8 @@ def main():
             elif on_cluster:
                 result = run("hybridsync", 4, args.steps, args.warmup, cluster=cluster, per_host=2, extra=extra)
             else:
-                result = run("hybridsync", 2, args.steps, args.warmup, extra=extra)
-            result.update(place=place, workload=workload, config=name)
+                result = run("hybridsync", int(place.rsplit("x ", 1)[1]), args.steps, args.warmup, extra=extra)
+            result.update(place=place, workload=workload, config=name, loadavg=load_average())
             if "error" in result:
                 tqdm.write(f"FAILED {workload} {name} on {place}: {result['error'][-400:]}")
             raw.append(result)
@@ -237,10 +248,40 @@ def report(raw: list, meta: dict, args) -> None:
     (RESULTS / "auto.json").write_text(json.dumps({"meta": meta, "summary": rows, "verdicts": verdicts,
                                                    "prediction_errors": errors, "runs": raw}, indent=2))
     (RESULTS / "auto.md").write_text(table + "\n")
+    plot(rows, RESULTS / "auto.png")
     print(table)
-    print(f"\nwrote {RESULTS / 'auto.json'} and auto.md")
+    print(f"\nwrote {RESULTS / 'auto.json'}, auto.md and auto.png")
     if not args.quick and not args.no_docs:
         update_docs("bench-auto", table)
+
+
+def plot(rows: list, path: Path) -> None:
+    """ms/step (DLRM workloads) per place, one bar per config, auto first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r["ms_per_step"]]
+    if not timed:
+        return
+    groups = sorted({(r["workload"], r["place"]) for r in timed})
+    configs = sorted({r["config"] for r in timed}, key=lambda c: (c != "auto", c))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    width = 0.8 / len(configs)
+    for i, config in enumerate(configs):
+        values = [next((r["ms_per_step"] for r in timed if (r["workload"], r["place"]) == g and r["config"] == config),
+                       0.0) for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], values, width, label="auto (default)" if config == "auto"
+               else config)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
+    ax.set_xticklabels([f"{w}\n{p}" for w, p in groups], fontsize=8)
+    ax.set_ylabel("ms per step (median, lower is better)")
+    ax.set_title("sync: auto (default) against each route fixed in YAML")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def explain(file=None, as_json: bool = False) -> str:
 def save_checkpoint(path, model, optimizer, extra=None):
     """Collective: a sharded, atomic checkpoint of model, optimizer and parameter-server state
     (PyTorch or Keras; see hybridsync.checkpoint). extra: JSON data kept with it."""
-    from .checkpoint import save_checkpoint as _save
+    from .checkpoint import save_checkpoint as _save  # (loads the C++ engine, and with it MPI)
 
     return _save(path, model, optimizer, extra)
 

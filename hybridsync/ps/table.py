@@ -91,6 +91,10 @@ class TableCore:
         """Local: the gradient statistics of this table's newest push round (hybridsync.adaptive)."""
         return self.engine.round_stats(self.handle)
 
+    def read_rows(self, ids, slot: int = -1) -> np.ndarray:
+        """One-sided: rows (slot < 0) or slot values of `ids`, shaped ids.shape + (dim,)."""
+        return self.engine.read_rows(self.handle, np.asarray(ids, dtype=np.int64), slot)
+
     def lookup(self, ids, error: str = ""):
         """Collective (local in a world of one): (unique ids pulled, rows) with rows[i] the row
         of ids[i], shaped ids.shape + (dim,). error: this rank's bad input, raised on every rank."""
@@ -117,7 +121,7 @@ def shares_core(cls):
     """Class decorator: the TableCore's attributes and methods, on a kind of table."""
     for name in ("engine", "handle", "name", "dim", "requested_shards", "pulled_rows", "num_shards", "rename",
                  "set_staleness", "staleness", "set_rule", "optimizer", "slot_names", "step", "set_step",
-                 "round_stats", "lookup"):
+                 "round_stats", "read_rows", "lookup"):
         attribute = FromCore()
         attribute.__set_name__(cls, name)
         setattr(cls, name, attribute)
@@ -169,10 +173,6 @@ class PSTable:
         """One-sided: the whole table (slot < 0) or optimizer slot, streamed from the shards in
         chunks to this rank alone (the shards' owners answer while they compute)."""
         return self.engine.read_table(self.handle, slot)
-
-    def read_rows(self, ids, slot: int = -1) -> np.ndarray:
-        """One-sided: rows (slot < 0) or slot values of `ids`, shaped ids.shape + (dim,)."""
-        return self.engine.read_rows(self.handle, np.asarray(ids, dtype=np.int64), slot)
 
     def write(self, values, slot: int = -1) -> None:
         """One-sided: the whole table (slot < 0) or slot, from this rank to every shard, in chunks."""

@@ -74,7 +74,7 @@ class Variable:
     """One variable under a distributed optimizer."""
 
     name: str
-    plan: "VariablePlan"  # (hybridsync.planning.plan: made above the sync core, which only reads it)
+    plan: object  # a hybridsync.planning.plan.VariablePlan (made above the sync core, which only reads it)
     access: GradAccess
     index: int = 0  # position in the plan: the order every rank handles variables in
     table: object = None  # its PSTable once it has one
