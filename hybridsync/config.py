@@ -208,19 +208,21 @@ class _Checker:
     def dynamic(self, entry, key) -> dict:
         node, line = entry
         fields = self.mapping(node, key, DYNAMIC_KEYS)
+        # (the checks are the dynamic table's own, made here too for file:line; imported here:
+        # the ps package loads the C++ engine, which starts MPI)
+        from .ps.dynamic_options import check_eviction, check_option
+
         out = {}
         for k, (v, vline) in fields.items():
-            value = v.value
-            if k == "evict":
-                if value not in (None, "lru", "lfu"):
-                    self.fail(vline, f"{key}.evict", f"{value!r} is not one of lru, lfu, null")
-            elif value is not None or k == "admit_after":
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    none = "" if k == "admit_after" else " (or null)"
-                    self.fail(vline, f"{key}.{k}", f"expected an integer >= 1{none}, got {value!r}")
-            out[k] = value
-        if out.get("evict") and "capacity" in out and out["capacity"] is None:
-            self.fail(line, f"{key}.evict", "eviction needs a capacity")
+            try:
+                out[k] = check_option(k, v.value, "rule")
+            except ValueError as exc:
+                self.fail(vline, f"{key}.{k}", str(exc).split(": ", 1)[1].replace("None", "null"))
+        if "capacity" in out:  # (else the table's own capacity applies: checked when it is made)
+            try:
+                check_eviction(out["capacity"], out.get("evict"), "rule")
+            except ValueError as exc:
+                self.fail(line, f"{key}.evict", str(exc).split(": ", 1)[1].replace("None", "null"))
         return out
 
     def optimizer(self, entry, key) -> dict:

@@ -17,24 +17,33 @@ OPTION_KEYS = ("capacity", "admit_after", "evict", "ttl_steps")
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
+def check_option(key: str, value, where: str):
+    """One option's value (a key of OPTION_KEYS), checked: the one place each option is validated
+    (a constructor's arguments and a YAML `dynamic:` rule alike); ValueError naming `where`."""
+    if key == "evict":
+        if value not in EVICTIONS:
+            raise ValueError(f"{where}: evict must be None, 'lru' or 'lfu', got {value!r}")
+        return value
+    allow_none = key != "admit_after"  # capacity, ttl_steps: None is unbounded, no expiry
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{where}: {key} must be an integer >= 1{' or None' if allow_none else ''}, got {value!r}")
+    return int(value)
+
+
+def check_eviction(capacity, evict, where: str) -> None:
+    if evict is not None and capacity is None:
+        raise ValueError(f"{where}: evict={evict!r} needs a capacity")
+
+
 def options(name: str, capacity=None, admit_after=1, evict=None, ttl_steps=None, initializer=("normal", 0.0, 1.0),
             seed: int = 0) -> dict:
     """The engine's option dict for dynamic table `name`; ValueError naming a bad argument."""
-    def whole(key, value, low, allow_none):
-        if value is None and allow_none:
-            return None
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-            none = " or None" if allow_none else ""
-            raise ValueError(f"dynamic table '{name}': {key} must be an integer >= {low}{none}, got {value!r}")
-        return int(value)
-
-    capacity = whole("capacity", capacity, 1, True)
-    admit_after = whole("admit_after", admit_after, 1, False)
-    ttl_steps = whole("ttl_steps", ttl_steps, 1, True)
-    if evict not in EVICTIONS:
-        raise ValueError(f"dynamic table '{name}': evict must be None, 'lru' or 'lfu', got {evict!r}")
-    if evict is not None and capacity is None:
-        raise ValueError(f"dynamic table '{name}': evict={evict!r} needs a capacity")
+    where = f"dynamic table '{name}'"
+    capacity, admit_after, evict, ttl_steps = (check_option(k, v, where) for k, v in (
+        ("capacity", capacity), ("admit_after", admit_after), ("evict", evict), ("ttl_steps", ttl_steps)))
+    check_eviction(capacity, evict, where)
     kind, a, b = _initializer(name, initializer)
     return {"capacity": capacity, "admit_after": admit_after, "evict": evict, "ttl_steps": ttl_steps,
             "seed": int(seed) & ((1 << 63) - 1), "init": kind, "init_a": a, "init_b": b}

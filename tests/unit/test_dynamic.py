@@ -63,10 +63,10 @@ def test_yaml_dynamic_rule_is_parsed_and_checked():
                                                                         "ttl_steps": None, "admit_after": 3}}]})
     assert cfg.rule_for("users.weight").dynamic == {"capacity": 100, "evict": "lfu", "ttl_steps": None,
                                                     "admit_after": 3}
-    for bad, message in [({"capacity": 0}, "variables[0].dynamic.capacity: expected an integer >= 1"),
-                         ({"evict": "fifo"}, "variables[0].dynamic.evict: 'fifo' is not one of"),
+    for bad, message in [({"capacity": 0}, "variables[0].dynamic.capacity: capacity must be an integer >= 1 or null"),
+                         ({"evict": "fifo"}, "variables[0].dynamic.evict: evict must be null, 'lru' or 'lfu', got 'fifo'"),
                          ({"size": 3}, "variables[0].dynamic.size: unknown key"),
-                         ({"capacity": None, "evict": "lru"}, "eviction needs a capacity")]:
+                         ({"capacity": None, "evict": "lru"}, "evict='lru' needs a capacity")]:
         with pytest.raises(config.ConfigError, match=re.escape(message)):
             config.load({"variables": [{"match": "users.*", "dynamic": bad}]})
     with pytest.raises(config.ConfigError, match="unknown key"):
