@@ -168,33 +168,37 @@ def wrap(optimizer, settings: Settings):
     if isinstance(optimizer, _DistributedKerasOptimizer):
         raise ValueError("this optimizer is already a hybridsync DistributedOptimizer")
     base = type(optimizer)
-    cls = type(base.__name__, (_DistributedKerasOptimizer, base), {"__module__": _DistributedKerasOptimizer.__module__})
+    cls = type(base.__name__, (_DistributedKerasOptimizer, base),
+               {"__module__": _DistributedKerasOptimizer.__module__, "from_config": classmethod(_from_config)})
     register_serializable(cls)
     optimizer.__class__ = cls
     optimizer._hs_setup(settings)
     return optimizer
 
 
+def _from_config(cls, config, custom_objects=None):
+    """The optimizer get_config() describes, wrapped again with its hybridsync settings (a wrapped
+    optimizer's from_config, and what Keras calls when it loads a saved model)."""
+    config = dict(config)
+    extra = config.pop("hybridsync", None)
+    if extra is None:
+        raise ValueError("a hybridsync DistributedOptimizer's config has a 'hybridsync' entry (its wrapped "
+                         "class and settings); this one has none")
+    base = keras.saving.deserialize_keras_object({**extra["optimizer"], "config": config},
+                                                 custom_objects=custom_objects)
+    optimizer = wrap(base, Settings.from_config(extra))
+    if extra.get("built_for") is not None:
+        optimizer._hs_build_for = set(extra["built_for"])
+    return optimizer
+
+
 class _SavedDistributedOptimizer:
     """What Keras finds under 'hybridsync>DistributedOptimizer' when it loads a saved model."""
 
+    from_config = classmethod(_from_config)
+
     def get_config(self):  # (Keras registers only classes that have one; this one is never instantiated)
         raise NotImplementedError
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        """The optimizer get_config() describes, wrapped again with its hybridsync settings."""
-        config = dict(config)
-        extra = config.pop("hybridsync", None)
-        if extra is None:
-            raise ValueError("a hybridsync DistributedOptimizer's config has a 'hybridsync' entry (its wrapped "
-                             "class and settings); this one has none")
-        base = keras.saving.deserialize_keras_object({**extra["optimizer"], "config": config},
-                                                     custom_objects=custom_objects)
-        optimizer = wrap(base, Settings.from_config(extra))
-        if extra.get("built_for") is not None:
-            optimizer._hs_build_for = set(extra["built_for"])
-        return optimizer
 
 
 def register_serializable(cls=None) -> None:
