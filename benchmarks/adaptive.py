@@ -175,7 +175,9 @@ def worker(args) -> None:
         result = {"model": args.model, "config": args.config, "ranks": size, "curve": curve,
                   "final_batch": opt.adaptive.global_batch(), "batches": sorted(set(batches)),
                   "batches_in_order": _batch_path({"batches": batches}),
-                  "changes": loader.changes, "noise_scale": stats["noise_scale"], "by_variable": stats["by_variable"],
+                  "changes": loader.changes, "decisions": opt.adaptive.decider.log,
+                  "judgements": opt.adaptive.decider.judgements,
+                  "noise_scale": stats["noise_scale"], "by_variable": stats["by_variable"],
                   "efficiency_of_final": opt.adaptive.summary()["efficiency"], "steps": opt.adaptive.steps,
                   "progress": opt.progress, "worlds": worlds, "phase": args.phase}
         print(MARK + " " + json.dumps(result), flush=True)
