@@ -156,10 +156,10 @@ class Adaptive:
                                        or self.stats.observations > self._loaded_observations)
 
     def efficiency_of(self, noise_scale: float):
-        """efficiency(global batch, f=1): the statistical efficiency against the base batch,
-        with the noise scale times f (how the decision tells its sensitivity to the statistics)."""
+        """efficiency(global batch): the statistical efficiency against the base batch at this
+        noise scale."""
         base = self.base_batch
-        return lambda batch, f=1.0: efficiency(batch, base, noise_scale * f)
+        return lambda batch: efficiency(batch, base, noise_scale)
 
     def decision_due(self, warmup: int, interval: int) -> bool:
         return self.decider.due(self.steps, warmup, interval)
@@ -201,9 +201,9 @@ class Adaptive:
         if not in_limits:
             self.choice = dataclasses.replace(best, kind="limits", noise_scale=phi)
             return self.choice
-        decision = self.decider.judge(best, current, self.throughput,
-                                      lambda f: eff(best.global_batch, f) / eff(now, f), phi,
-                                      steady["noise_scale_error"], self.steps)
+        ratio = lambda value: self.efficiency_of(value)(best.global_batch) / self.efficiency_of(value)(now)  # noqa: E731
+        decision = self.decider.judge(best, current, self.throughput, ratio, phi, steady["noise_scale_bounds"],
+                                      self.steps)
         self.choice = decision or current
         return decision
 

@@ -73,9 +73,10 @@ class BatchDecider:
 
     # -- whether to change ------------------------------------------------------------------------
     def judge(self, best: BatchChoice, current: BatchChoice, throughput: ThroughputModel, efficiency_ratio,
-              noise_scale: float, noise_error: float, step: int = 0) -> BatchChoice | None:
+              noise_scale: float, noise_bounds: tuple[float, float], step: int = 0) -> BatchChoice | None:
         """The change to `best` as a decision (kind, gain, threshold), or None to keep `current`.
-        efficiency_ratio(f): best's efficiency over current's with every noise scale times f."""
+        efficiency_ratio(phi): best's efficiency over current's were the noise scale phi;
+        noise_bounds: the noise scale one standard error below and above."""
         if (best.local_batch, best.accumulation) == (current.local_batch, current.accumulation):
             return None
         world = current.world
@@ -84,13 +85,10 @@ class BatchDecider:
             return None
         err_best = throughput.uncertainty(world, best.local_batch)
         probe = err_best is None  # an extrapolation: its error is what the probe will measure
-        if math.isinf(noise_error):
-            err_stats = math.inf
-        else:
-            ratio = efficiency_ratio(1.0)
-            moved = 1.0 + noise_error  # the noise scale one standard error up (and down)
-            err_stats = max(abs(math.log(efficiency_ratio(moved) / ratio)),
-                            abs(math.log(efficiency_ratio(1 / moved) / ratio)))
+        # How much the efficiency ratio moves with the noise scale one standard error either way
+        # (none where the noise scale reads inf and may not be below its bound: all noise).
+        ratio = efficiency_ratio(noise_scale)
+        err_stats = max(abs(math.log(efficiency_ratio(phi) / ratio)) for phi in noise_bounds)
         sigma = math.sqrt(err_current ** 2 + (err_best or 0.0) ** 2 + err_stats ** 2)
         margin = max(math.log(self.config.min_gain), self.config.confidence * sigma)
         going = 1 if best.global_batch > current.global_batch else -1

@@ -180,11 +180,24 @@ class GradientStats:
 
     def steady(self) -> dict:
         """The steady averages (see the class): {"sqr", "var", "noise_scale", "by_variable",
-        "noise_scale_error"}, the last the noise scale's relative standard error (delta method,
-        from each variable's averages' errors, the variables taken as independent; inf while it
-        cannot be told: too few steps held, or |G|^2 not above zero)."""
+        "noise_scale_error", "noise_scale_bounds"}: the noise scale's relative standard error
+        (delta method, from each variable's averages' errors, the variables taken as
+        independent; inf while it cannot be told: too few steps held, or |G|^2 not above zero),
+        and the noise scale one standard error below and above. With |G|^2 not above zero the
+        noise scale reads inf (all noise), and the lower bound is tr(Sigma) over |G|^2 one
+        standard error up: how small it may yet be."""
         totals = _totals(self._steady)
-        return {**totals, "noise_scale_error": _relative_error(self._steady, totals)}
+        error = _relative_error(self._steady, totals)
+        phi = totals["noise_scale"]
+        if math.isfinite(error):
+            bounds = (phi / (1.0 + error), phi * (1.0 + error))
+        elif phi == math.inf:
+            se_sqr = math.sqrt(sum(m.errors()[0] for m in self._steady.values()))
+            upper = totals["sqr"] + se_sqr
+            bounds = (max(totals["var"], 0.0) / upper if upper > 0 else math.inf, math.inf)
+        else:
+            bounds = (0.0, math.inf)
+        return {**totals, "noise_scale_error": error, "noise_scale_bounds": bounds}
 
     def ready(self) -> bool:
         return bool(self._by_variable)
