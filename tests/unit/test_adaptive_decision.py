@@ -132,3 +132,36 @@ def test_the_noise_scale_read_far_below_it_scatters_but_its_parts_are_unbiased()
         else:
             assert off_2x == 0.0 and np.all(np.abs(read / truth - 1.0) < 0.3), sorted(read)
             assert np.median(read) == pytest.approx(truth, rel=0.1)
+
+
+def test_the_noise_scale_bounds_hold_an_infinite_reading_too():
+    """The decision's noise-scale error comes from the bounds one standard error either way. A
+    reading of inf (|G|^2's average at or below zero: all noise, as far as can be told) still
+    has a finite lower bound -- tr(Sigma) over |G|^2 one standard error up -- so a gain predicted
+    from it is weighed against how small the noise scale may yet be, not taken as certain."""
+    stats = GradientStats(0.8)
+    for sqr in (1.0, 1.2, 0.8, 1.1, 0.9):  # noise scale ~4000, some spread
+        stats.observe("w", sqr + 4000.0 / 16, 16, sqr + 4000.0 / 32, 32)
+    steady = stats.steady()
+    lo, hi = steady["noise_scale_bounds"]
+    assert lo < steady["noise_scale"] < hi and math.isfinite(hi)
+    noisy = GradientStats(0.8)
+    for sqr in (0.5, -0.8, 0.4, -0.6, 0.3):  # |G|^2 averages below zero: the reading is inf
+        noisy.observe("w", sqr + 4000.0 / 16, 16, sqr + 4000.0 / 32, 32)
+    steady = noisy.steady()
+    lo, hi = steady["noise_scale_bounds"]
+    assert steady["noise_scale"] == math.inf and hi == math.inf and 0 < lo < math.inf, steady
+
+
+def test_an_all_noise_reading_still_lets_a_large_gain_through():
+    """Early in training |G|^2's average can sit at or below zero (the noise scale reads inf).
+    A bigger batch's step-time gain is then weighed against the noise scale's lower bound rather
+    than held back for good (its error read as infinite, no change was ever made)."""
+    a = Adaptive(AdaptiveConfig(local_batch_size=16), "Adagrad", world_size=2)
+    for _ in range(8):
+        a.throughput.record(2, 16, 0.001, 0.05)  # a large fixed cost per step: a bigger batch is much faster
+    for sqr in (0.5, -0.8, 0.4, -0.6, 0.3):
+        a.stats.observe("w", sqr + 4000.0 / 16, 16, sqr + 4000.0 / 32, 32)
+    assert a.stats.steady()["noise_scale"] == math.inf
+    choice = a.choose(4096, (8, 2048), 1)
+    assert choice is not None and choice.global_batch > 32 and choice.kind == "probe", a.decider.judgements
