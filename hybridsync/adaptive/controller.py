@@ -201,9 +201,12 @@ class Adaptive:
         if not in_limits:
             self.choice = dataclasses.replace(best, kind="limits", noise_scale=phi)
             return self.choice
-        ratio = lambda value: self.efficiency_of(value)(best.global_batch) / self.efficiency_of(value)(now)  # noqa: E731
-        decision = self.decider.judge(best, current, self.throughput, ratio, phi, steady["noise_scale_bounds"],
-                                      self.steps)
+        def efficiency_ratio(noise_scale: float) -> float:  # best's over the current's, at that noise scale
+            eff_there = self.efficiency_of(noise_scale)
+            return eff_there(best.global_batch) / eff_there(now)
+
+        decision = self.decider.judge(best, current, self.throughput, efficiency_ratio, phi,
+                                      steady["noise_scale_bounds"], self.steps)
         self.choice = decision or current
         return decision
 
