@@ -175,7 +175,9 @@ def worker(args) -> None:
         result = {"model": args.model, "config": args.config, "ranks": size, "curve": curve,
                   "final_batch": opt.adaptive.global_batch(), "batches": sorted(set(batches)),
                   "batches_in_order": _batch_path({"batches": batches}),
-                  "changes": loader.changes, "noise_scale": stats["noise_scale"], "by_variable": stats["by_variable"],
+                  "changes": loader.changes, "decisions": opt.adaptive.decider.log,
+                  "judgements": opt.adaptive.decider.judgements,
+                  "noise_scale": stats["noise_scale"], "by_variable": stats["by_variable"],
                   "efficiency_of_final": opt.adaptive.summary()["efficiency"], "steps": opt.adaptive.steps,
                   "progress": opt.progress, "worlds": worlds, "phase": args.phase}
         print(MARK + " " + json.dumps(result), flush=True)
@@ -226,6 +228,9 @@ def median_run(runs: list) -> dict:
     chosen = dict(ordered[len(ordered) // 2])
     chosen["times"] = [r["time_to_target_s"] for r in runs]
     chosen["samples"] = [r["samples_to_target"] for r in runs]
+    chosen["traces"] = [_batch_path(r) for r in runs]  # every run's batch trace, in run order
+    chosen["reversals_per_run"] = [reversals(_batch_path(r)) for r in runs]
+    chosen["load_averages"] = [r.get("load_average") for r in runs]
     if key(chosen) == float("inf"):
         chosen["time_to_target_s"] = None
     return chosen
@@ -263,6 +268,12 @@ def _batch_path(r: dict) -> list:
         if not path or path[-1] != b:
             path.append(b)
     return path
+
+
+def reversals(path: list) -> int:
+    """How often a batch trace turned back (grew after shrinking or shrank after growing)."""
+    moves = [1 if b > a else -1 for a, b in zip(path, path[1:]) if b != a]
+    return sum(1 for x, y in zip(moves, moves[1:]) if x != y)
 
 
 def plot(results: list, path: Path) -> None:
@@ -321,9 +332,12 @@ def main() -> None:
         for scenario in args.scenarios:
             for model in args.models:
                 for config in args.configs:
+                    load = os.getloadavg()[0]  # (a busy machine makes every configuration slower: say so)
                     r = run_scenario(model, config, scenario, args.budget)
+                    r["load_average"] = load
                     hits = [(T, at_target(r, T)["time_to_target_s"]) for T in MODELS[model]["targets"]]
-                    print(f"{model:9s} {scenario:7s} {config:8s} time to targets {hits}  batches {r['batches']}  "
+                    print(f"{model:9s} {scenario:7s} {config:8s} load {load:.2f}  time to targets {hits}  "
+                          f"batches {_batch_path(r)} ({reversals(_batch_path(r))} reversals)  "
                           f"noise scale {r['noise_scale']:.0f}", flush=True)
                     runs.setdefault((scenario, model, config), []).append(r)
     results = [median_run([at_target(r, T) for r in v]) for (_, model, _), v in runs.items()

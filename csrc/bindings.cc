@@ -506,8 +506,11 @@ PYBIND11_MODULE(_ps, m) {
         d["local_sq"] = s.local_sq;
         d["combined_sq"] = s.combined_sq;
         d["ranks"] = s.ranks;
+        d["rows"] = s.rows;
+        d["pushed"] = s.pushed;
         return d;
-      }, py::arg("table"), "The newest complete push round's gradient statistics of the table (round -1: none).")
+      }, py::arg("table"), "The newest complete push round's gradient statistics of the table (round -1: none), "
+                           "with its distinct rows and the rows it received (each rank's distinct rows, summed).")
       .def("set_staleness", [](PyEngine& e, int t, int k) { nogil([&] { e.client().set_staleness(t, k); }); },
            py::arg("table"), py::arg("k"), "Local (every rank alike): the table's bounded staleness (0: synchronous).")
       .def("staleness", [](PyEngine& e, int t) {

@@ -115,6 +115,8 @@ void read_pull_stats(detail::ClientState& c, Reader& r) {
     part.ranks = static_cast<int>(r.i64());
     part.local_sq = r.f64();
     part.combined_sq = r.f64();
+    part.rows = r.i64();
+    part.pushed = r.i64();
     if (part.round >= 0) c.stats.add(table, c.table_at(table).spec.num_shards, part);
   }
 }
@@ -326,6 +328,8 @@ std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, flo
       part.ranks = static_cast<int>(r.i64());
       part.local_sq = r.f64();
       part.combined_sq = r.f64();
+      part.rows = r.i64();
+      part.pushed = r.i64();
       const Table& t = c.table_at(table);
       c.stats.add(table, t.spec.num_shards, part);
       const std::vector<int64_t> ids = r.i64s(r.count(count, sizeof(int64_t)));

@@ -112,6 +112,8 @@ void StatsCollector::add(int table, int shards, const RoundStats& part) {
   p.sum.local_sq += part.local_sq;
   p.sum.combined_sq += part.combined_sq;
   p.sum.ranks = std::max(p.sum.ranks, part.ranks);
+  p.sum.rows += part.rows;
+  p.sum.pushed += part.pushed;
   if (++p.shards < shards) return;
   RoundStats& newest = done[table];
   if (part.round > newest.round) newest = p.sum;
@@ -346,6 +348,8 @@ void detail::ClientState::serve_pulls(std::vector<Request>& requests, const std:
         w.i64(t.last_round.ranks);
         w.f64(t.last_round.local_sq);
         w.f64(t.last_round.combined_sq);
+        w.i64(t.last_round.rows);
+        w.i64(t.last_round.pushed);
       }
       int64_t floats = 0;
       for (const Entry& e : entries) floats += e.rows.n * dim_of(e.table);
@@ -371,7 +375,9 @@ void detail::ClientState::apply_to_table(Table& t, const std::vector<GradientRow
   } else {
     t.sums.step(*t.shard, sources, scale);
   }
-  t.last_round = RoundStats{round, t.sums.local_sq(), t.sums.combined_sq(), ranks};
+  int64_t pushed = 0;
+  for (const GradientRows& s : sources) pushed += s.n;
+  t.last_round = RoundStats{round, t.sums.local_sq(), t.sums.combined_sq(), ranks, t.sums.size(), pushed};
 }
 
 void detail::ClientState::apply_push_round(std::vector<Request>& requests, const std::vector<ErrorNote>& errors,
@@ -438,6 +444,8 @@ void detail::ClientState::apply_push_round(std::vector<Request>& requests, const
     body.i64(t.last_round.ranks);
     body.f64(t.last_round.local_sq);
     body.f64(t.last_round.combined_sq);
+    body.i64(t.last_round.rows);
+    body.i64(t.last_round.pushed);
     for (int64_t k = 0; k < n; ++k) body.i64(t.part.global_id(rank(), t.sums.rows()[k]));
     t.shard->gather(t.sums.rows(), n, body.f32_slot(static_cast<size_t>(n * t.spec.dim)));
   }

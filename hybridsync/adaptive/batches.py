@@ -69,15 +69,20 @@ class AdaptiveBatches:
 
     def rechoose(self, controller, set_batch, allreduce_sum) -> None:
         """Collective, at the same step on every rank that still steps (a rank that called
-        hvd.join() stands in): the lowest such rank's choice (or none) everywhere.
+        hvd.join() stands in): the lowest such rank's decision (or none) everywhere, adopted by
+        every rank's controller before the batch changes. Due every `interval` steps after
+        `warmup`, and measure_steps after a change (controller.decision_due).
         allreduce_sum(array, name): the optimizer's dense backend's sum all-reduce."""
-        if self.autoscale is None or controller.steps < self.warmup or controller.steps % self.interval:
+        if self.autoscale is None or not controller.decision_due(self.warmup, self.interval):
             return
         change = controller.choose(*self.autoscale)
         if self.world > 1:
             change, controller.choice = agree_on_decision(allreduce_sum, self.rank, self.world, change,
                                                           controller.choice)
-        if change is not None and (change.local_batch, change.accumulation) != controller.sizes():
+        if change is not None and (change.local_batch, change.accumulation) == controller.sizes():
+            change = None
+        controller.adopt(change)
+        if change is not None:
             set_batch(change.local_batch, change.accumulation)
             self.changes.append((controller.steps, change.local_batch, change.accumulation))
 

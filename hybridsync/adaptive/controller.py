@@ -6,8 +6,9 @@ import dataclasses
 import math
 
 from . import scaling
+from .decision import BatchDecider
 from .gns import GradientStats
-from .goodput import BatchChoice, ThroughputModel, allowed, choose_batch, efficiency, goodput, nearest_allowed
+from .goodput import BatchChoice, ThroughputModel, allowed, choose_batch, efficiency, nearest_allowed
 
 
 @dataclasses.dataclass
@@ -22,11 +23,21 @@ class AdaptiveConfig:
         (default: the first global batch seen).
     smoothing: the statistics' moving-average factor (closer to 1: smoother, slower).
     min_gain: a new batch size is taken only if its predicted goodput beats the current one's
-        by this factor.
+        by at least this factor ...
+    confidence: ... and by this many standard errors of the prediction (from the spread of the
+        step times measured at both sizes and of the gradient statistics): a gain the model
+        cannot tell from its own noise changes nothing.
+    hysteresis: a change against the direction of the last one (a reversal) needs this many
+        times the usual margin (in log gain); and a size left behind is not gone back to until
+        the noise scale has moved `revisit` times in its favour since.
+    revisit: see hysteresis.
     explore: how far outside the local batch sizes measured so far (at this world size) a
         choice may go, up or down: the step-time lines are extrapolations there, so the batch
-        grows (or shrinks) by at most this factor per decision and is measured before moving
-        further.
+        grows (or shrinks) by at most this factor per decision, as a probe: measured, then
+        kept, or left (a return, which bars the size until the noise scale grows `revisit`
+        times).
+    measure_steps: after a change, the batch is decided on again after this many steps (its
+        step times' median), not after a whole loader interval.
     """
 
     scaling_rule: str | None = "auto"
@@ -34,7 +45,21 @@ class AdaptiveConfig:
     base_batch_size: int | None = None
     smoothing: float = 0.8  # per base batch: ~5 base batches of memory (see docs/adaptive.md)
     min_gain: float = 1.05
+    confidence: float = 2.0
+    hysteresis: float = 2.0
+    revisit: float = 2.0
     explore: float = 2.0
+    measure_steps: int = 5
+
+    def __post_init__(self):
+        checks = {"min_gain": self.min_gain >= 1.0, "confidence": self.confidence >= 0.0,
+                  "hysteresis": self.hysteresis >= 1.0, "revisit": self.revisit >= 1.0, "explore": self.explore > 1.0,
+                  "measure_steps": int(self.measure_steps) >= 1}
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            limits = {"min_gain": ">= 1", "confidence": ">= 0", "hysteresis": ">= 1", "revisit": ">= 1",
+                      "explore": "> 1", "measure_steps": ">= 1"}
+            raise ValueError("adaptive: " + "; ".join(f"{n}={getattr(self, n)!r} must be {limits[n]}" for n in bad))
 
     @classmethod
     def of(cls, value) -> "AdaptiveConfig | None":
@@ -68,6 +93,7 @@ class Adaptive:
         self.last_gain = 1.0
         self.last_factor = 1.0
         self.choice: BatchChoice | None = None
+        self.decider = BatchDecider(config)  # when the batch changes (margins, probes, hysteresis)
         # The batch chosen, while an epoch's partial last step runs at what was left (batches.py).
         self.partial_step_of: tuple[int, int] | None = None
         self._loaded_observations = None  # stats.observations right after a checkpoint's were loaded
@@ -129,16 +155,30 @@ class Adaptive:
         return self.stats.ready() and (self._loaded_observations is None
                                        or self.stats.observations > self._loaded_observations)
 
+    def efficiency_of(self, noise_scale: float):
+        """efficiency(global batch): the statistical efficiency against the base batch at this
+        noise scale."""
+        base = self.base_batch
+        return lambda batch: efficiency(batch, base, noise_scale)
+
+    def decision_due(self, warmup: int, interval: int) -> bool:
+        return self.decider.due(self.steps, warmup, interval)
+
     def choose(self, max_batch: int, local_bounds: tuple[int, int], max_accumulation: int) -> BatchChoice | None:
-        """The batch to use from now on, or None to keep the current one: a new one only when
-        its predicted goodput beats the current one's by min_gain (or at once when the batch in
-        force breaks the limits, e.g. one restored at another world size). Deterministic in the
-        shared statistics and step times, so every rank decides the same."""
-        if not self.throughput.fitted(self.world) or not self.base_batch:
+        """The batch to use from now on, or None to keep the current one: the goodput-maximising
+        size (within what was measured, see `explore`, and what hysteresis allows) when its
+        predicted gain clears the decision's margin (decision.py), or at once when the batch in
+        force breaks the limits (e.g. one restored at another world size). Deterministic in the
+        shared statistics and step times, so every rank proposes the same; nothing changes
+        until adopt() takes the agreed decision."""
+        if not self.base_batch:
             return None
-        if not self.measured_here():
+        if not self.measured_here():  # (needs no step times: at once after a restart)
             return self._choose_unmeasured(max_batch, local_bounds, max_accumulation)
-        phi = self.noise_scale()
+        if not self.throughput.fitted(self.world):
+            return None
+        steady = self.stats.steady()  # (averaged over at least a few steps: see GradientStats)
+        phi = steady["noise_scale"]
         if math.isnan(phi):  # no statistics yet (inf is fine: all noise)
             return None
         lo, hi = local_bounds
@@ -149,19 +189,31 @@ class Adaptive:
         lowest = max(int(lo), min(explored, math.ceil(self.throughput.smallest_measured(self.world) / self.config.explore)))
         # A world of one measures the noise only across micro-steps: it keeps at least two.
         min_accumulation = 2 if self.world == 1 and max_accumulation >= 2 else 1
+        eff = self.efficiency_of(phi)
+        in_limits = allowed(self.world, self.local_batch, self.accumulation, max_batch, local_bounds, max_accumulation)
+        bars = self.decider.bounds(phi) if in_limits else (0, math.inf)
         best = choose_batch(self.throughput, self.world, self.base_batch, phi, max_batch, (lowest, explored),
-                            max_accumulation, min_accumulation)
-        current = goodput(self.throughput, self.world, self.local_batch, self.accumulation, self.base_batch, phi)
-        if not allowed(self.world, self.local_batch, self.accumulation, max_batch, local_bounds, max_accumulation):
-            self.choice = best
-            return best
-        if (best.local_batch, best.accumulation) == (self.local_batch, self.accumulation) or \
-                best.goodput < current * self.config.min_gain:  # keep the batch in force
-            self.choice = BatchChoice(self.local_batch, self.accumulation, self.world, current,
-                                      efficiency(self.global_batch(), self.base_batch, phi))
-            return None
-        self.choice = best
-        return best
+                            max_accumulation, min_accumulation, efficiency_of=eff, global_bounds=bars)
+        now = self.global_batch()
+        current = BatchChoice(self.local_batch, self.accumulation, self.world,
+                              self.throughput.throughput(self.world, self.local_batch, self.accumulation) * eff(now),
+                              eff(now), noise_scale=phi)
+        if not in_limits:
+            self.choice = dataclasses.replace(best, kind="limits", noise_scale=phi)
+            return self.choice
+        def efficiency_ratio(noise_scale: float) -> float:  # best's over the current's, at that noise scale
+            eff_there = self.efficiency_of(noise_scale)
+            return eff_there(best.global_batch) / eff_there(now)
+
+        decision = self.decider.judge(best, current, self.throughput, efficiency_ratio, phi,
+                                      steady["noise_scale_bounds"], self.steps)
+        self.choice = decision or current
+        return decision
+
+    def adopt(self, decision: BatchChoice | None) -> None:
+        """The agreed decision (the same on every rank), before the batch changes to it."""
+        current = BatchChoice(self.local_batch, self.accumulation, self.world, math.nan, math.nan)
+        self.decider.adopt(decision, current, self.steps, self.stats.steady()["noise_scale"])
 
     def _choose_unmeasured(self, max_batch: int, local_bounds: tuple[int, int], max_accumulation: int):
         """choose() with no statistics of this run: only what needs none. Statistics a
@@ -177,7 +229,7 @@ class Adaptive:
             sizes = (self.local_batch // 2, 2)
         if sizes is None or sizes == self.sizes():
             return None
-        self.choice = BatchChoice(*sizes, self.world, math.nan, math.nan)
+        self.choice = BatchChoice(*sizes, self.world, math.nan, math.nan, kind="restored")
         return self.choice
 
     def summary(self) -> dict:
@@ -193,7 +245,8 @@ class Adaptive:
         local_batch, accumulation = self.partial_step_of or self.sizes()  # the batch chosen, not a remainder
         return {"stats": self.stats.state_dict(), "throughput": self.throughput.state_dict(),
                 "local_batch": local_batch, "accumulation": accumulation, "base_batch": self.base_batch,
-                "progress": self.progress, "steps": self.steps, "world": self.world}
+                "progress": self.progress, "steps": self.steps, "world": self.world,
+                "decider": self.decider.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.stats.load_state_dict(state.get("stats", {}))
@@ -203,6 +256,9 @@ class Adaptive:
         self.progress = float(state.get("progress", 0.0))
         self.steps = int(state.get("steps", 0))
         saved_world = int(state.get("world", self.world))
+        self.decider.load_state_dict(state.get("decider", {}))
+        if saved_world != self.world:
+            self.decider.reset()
         if saved_world == self.world and state.get("local_batch"):
             self.set_batch(int(state["local_batch"]), int(state.get("accumulation", 1)))
         elif state.get("local_batch"):  # another world size: the nearest global batch until re-chosen

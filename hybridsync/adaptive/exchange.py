@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .goodput import BatchChoice
+from .goodput import KINDS, BatchChoice
 
 
 def gather_rows(allreduce_sum, rank: int, world: int, row, name: str) -> dict[int, np.ndarray]:
@@ -26,19 +26,21 @@ def gather_rows(allreduce_sum, rank: int, world: int, row, name: str) -> dict[in
     return {r: table[r, 1:] for r in range(world) if table[r, 0] == 1.0}
 
 
-_CHOICE_FIELDS = 6  # present flag + BatchChoice's five fields
+_CHOICE_FIELDS = 10  # present flag + BatchChoice's nine fields (its kind by index)
 
 
 def _encode_choice(choice: BatchChoice | None) -> list[float]:
     if choice is None:
         return [0.0] * _CHOICE_FIELDS
-    return [1.0, choice.local_batch, choice.accumulation, choice.world, choice.goodput, choice.efficiency]
+    return [1.0, choice.local_batch, choice.accumulation, choice.world, choice.goodput, choice.efficiency,
+            KINDS.index(choice.kind), choice.gain, choice.threshold, choice.noise_scale]
 
 
 def _decode_choice(values) -> BatchChoice | None:
     if values[0] != 1.0:
         return None
-    return BatchChoice(int(values[1]), int(values[2]), int(values[3]), float(values[4]), float(values[5]))
+    return BatchChoice(int(values[1]), int(values[2]), int(values[3]), float(values[4]), float(values[5]),
+                       KINDS[int(values[6])], float(values[7]), float(values[8]), float(values[9]))
 
 
 def agree_on_decision(allreduce_sum, rank: int, world: int, change, choice):

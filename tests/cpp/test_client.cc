@@ -125,6 +125,7 @@ TEST(a_push_is_applied_before_the_next_pull_and_sums_duplicates) {
   CHECK(s.round >= 0 && s.ranks == 1);
   CHECK_NEAR(s.local_sq, 2 + 8 + 32, 1e-9);
   CHECK_NEAR(s.combined_sq, 18 + 32, 1e-9);
+  CHECK(s.rows == 2 && s.pushed == 3);  // distinct rows updated; rows received (the duplicate too)
 }
 
 TEST(a_pull_in_input_order_writes_every_ids_row_into_out) {
@@ -309,6 +310,8 @@ TEST(three_ranks_train_a_table_as_one_rank_does) {
     const std::vector<float> got = whole(c, t);
     for (size_t i = 0; i < got.size(); ++i) CHECK_NEAR(got[i], reference[i], 1e-5);
     CHECK(c.round_stats(t).ranks == 3);
+    // Steps 4 and 5 alike: 5 distinct rows from each rank, 11 distinct among the 15.
+    CHECK(c.round_stats(t).pushed == 15 && c.round_stats(t).rows == 11);
   });
   for (auto& e : errors) CHECK(message(e).empty());
 }

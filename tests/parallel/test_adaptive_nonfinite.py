@@ -37,7 +37,10 @@ def _check(hvd, opt, loader, what):
     import hybridsync
 
     stats = opt.gradient_stats()
-    assert math.isfinite(stats["noise_scale"]) and stats["noise_scale"] > 0, (what, stats)
+    # Not NaN (what one inf norm in the averages made it for good). inf is a reading, not a
+    # failure: this problem's noise scale is far above its batches, where |G|^2's average of the
+    # newest step or two may dip below zero -- all noise, as far as can be told (docs/adaptive.md).
+    assert not math.isnan(stats["noise_scale"]) and stats["noise_scale"] > 0, (what, stats)
     assert all(math.isfinite(v["sqr"]) and math.isfinite(v["var"]) for v in stats["by_variable"].values()), stats
     # Adaptation goes on on finite numbers: whether the batch grows depends on the step times
     # measured (a loaded machine may keep it), so what is checked is that every input of the

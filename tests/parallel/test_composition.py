@@ -312,7 +312,11 @@ def _skip_a_non_finite_step(model, opt, k):
     opt.zero_grad()  # the step is skipped: no table, row, slot or counter moves
     _assert_same(_snapshot(model, opt), before, "a skipped step")
     assert opt.gradient_stats()["nonfinite_steps"] == skipped + 1
-    assert math.isfinite(opt.gradient_stats()["noise_scale"])
+    # The step's inf left out: every average finite. (The noise scale itself may read inf -- all
+    # noise, |G|^2's newest average below zero -- a reading, not a failure: test_adaptive_nonfinite.)
+    stats = opt.gradient_stats()
+    assert all(math.isfinite(v["sqr"]) and math.isfinite(v["var"]) for v in stats["by_variable"].values()), stats
+    assert stats["noise_scale"] > 0, stats
 
 
 def rank_job1(tmp):

@@ -9,6 +9,18 @@ from hybridsync.adaptive import Adaptive, AdaptiveConfig, GradientStats, Through
 from hybridsync.adaptive import efficiency, rule_for, scaling
 
 
+def _times(a, world, local_batch, micro_s, sync_s, steps=5):
+    """`steps` identical step times at one size: a median with no spread (decided at min_gain)."""
+    for _ in range(steps):
+        a.throughput.record(world, local_batch, micro_s, sync_s)
+
+
+def _observe(a, noise_scale, small, big, steps=5, sqr=1.0):
+    """`steps` identical steps' statistics: a noise scale with no spread."""
+    for _ in range(steps):
+        a.stats.observe("w", sqr + sqr * noise_scale / small, small, sqr + sqr * noise_scale / big, big)
+
+
 def test_estimate_solves_the_two_batch_equations_exactly():
     sqr, var = 2.0, 30.0  # |G|^2 and tr(Sigma) per sample
     small = sqr + var / 8
@@ -177,7 +189,7 @@ def test_an_evaluation_every_so_many_samples_is_not_a_cost_of_the_batch():
             model.record(2, b, 0.010 + 1e-5 * b + (0.100 if step % every == every - 1 else 0.0), 0.004)
     ac, bc, as_, bs = model.params(2)
     assert (ac, bc, as_, bs) == (pytest.approx(0.010), pytest.approx(1e-5), pytest.approx(0.004), pytest.approx(0.0, abs=1e-12))
-    b, micro, _ = zip(*model._samples[2])
+    b, micro = zip(*[(b, m) for b, rows in model._samples[2].items() for m, _, _ in rows])
     assert np.polyfit(b, micro, 1)[0] > 3e-5  # what the raw fit made of it
 
 
@@ -240,7 +252,7 @@ def test_a_fast_ranks_wait_is_not_counted_twice():
     recorder.last_times = (0.015, 0.004, 8, 1)
     # rank 1's row: its step times, then whether its numbers (this step's, the previous push's) were finite
     recorder.end_step(_peers({1: [0.004, 0.015, 8, 1, 1.0, 1.0]}))
-    assert a.throughput._samples[2] == [(8.0, 0.015, pytest.approx(0.004))]
+    assert a.throughput._samples[2] == {8: [(0.015, pytest.approx(0.004), 1)]}
     assert a.throughput.step_time(2, 8) == pytest.approx(0.019)
 
 
@@ -294,8 +306,8 @@ def test_choice_grows_the_batch_with_the_noise_scale_and_respects_bounds():
 def test_choose_keeps_the_batch_unless_the_gain_is_worth_it():
     a = Adaptive(AdaptiveConfig(local_batch_size=8, min_gain=1.05), "SGD", world_size=2)
     for b in (8, 16):
-        a.throughput.record(2, b, 0.0001 * b, 0.01)
-    a.stats.observe("w", 1.0 + 5000.0 / 8, 8, 1.0 + 5000.0 / 16, 16)  # noise scale 5000: bigger is better
+        _times(a, 2, b, 0.0001 * b, 0.01)
+    _observe(a, 5000.0, 8, 16)  # noise scale 5000: bigger is better
     choice = a.choose(4096, (8, 1024), 1)
     assert choice is not None and choice.global_batch > 16
     a.set_batch(choice.local_batch, choice.accumulation)
@@ -351,8 +363,8 @@ def test_one_rank_measures_across_micro_steps_so_it_keeps_two():
     batches.set_autoscale(256, (2, 128), 8)
     batches.start(a, a.set_batch)
     assert a.sizes() == (8, 2) and a.global_batch() == 16
-    a.throughput.record(1, 8, 0.0, 1.0)  # all fixed cost per step: one big micro-step would be best
-    a.stats.observe("w", 1.0 + 1e6 / 8, 8, 1.0 + 1e6 / 16, 16)
+    _times(a, 1, 8, 0.0, 1.0)  # all fixed cost per step: one big micro-step would be best
+    _observe(a, 1e6, 8, 16)
     chosen = a.choose(256, (2, 128), 8)
     assert chosen is not None and chosen.accumulation >= 2 and chosen.global_batch > 16
     no_accumulation = AdaptiveBatches(1000, 16, 0, 1)
@@ -377,7 +389,8 @@ def test_statistics_restored_at_one_rank_choose_nothing_until_it_measures():
     chosen = b.choose(512, (2, 256), 4)
     assert (chosen.local_batch, chosen.accumulation) == (16, 2)
     b.set_batch(16, 2)
-    b.stats.observe("w", 1.0 + 1e6 / 16, 16, 1.0 + 1e6 / 32, 32)  # the micro-steps' own statistics
+    _times(b, 1, 16, 0.0, 1.0)
+    _observe(b, 1e6, 16, 32)  # the micro-steps' own statistics
     assert b.measured_here()
     chosen = b.choose(512, (2, 256), 4)
     assert chosen is not None and chosen.global_batch > 32 and chosen.accumulation >= 2
@@ -395,8 +408,8 @@ def test_batches_split_one_permutation_and_follow_the_choice():
     batches.start(a, a.set_batch)
     assert a.sizes() == (4, 1) and a.base_batch == 12
     for b in (4, 8):
-        a.throughput.record(3, b, 0.0001 * b, 0.01)
-    a.stats.observe("w", 1.0 + 1e6 / 4, 4, 1.0 + 1e6 / 12, 12)  # all noise: the biggest batch allowed
+        _times(a, 3, b, 0.0001 * b, 0.01)
+    _observe(a, 1e6, 4, 12)  # all noise: the biggest batch allowed
     sent = []
     sizes = []
     for idx in batches.epoch_batches(a, a.set_batch, lambda table, name: sent.append(name) or table):
@@ -412,12 +425,12 @@ def test_growth_is_bounded_by_what_was_measured():
     """With one batch size measured, the step-time lines are a guess: a choice goes at most
     `explore` times beyond the largest local batch measured, then further once that is measured."""
     a = Adaptive(AdaptiveConfig(local_batch_size=16, explore=2.0), "SGD", world_size=2)
-    a.throughput.record(2, 16, 0.0001 * 16, 0.05)  # a large sync per step: the biggest batch looks best
-    a.stats.observe("w", 1.0 + 1e6 / 16, 16, 1.0 + 1e6 / 32, 32)  # all noise: no statistical cost
+    _times(a, 2, 16, 0.0001 * 16, 0.05)  # a large sync per step: the biggest batch looks best
+    _observe(a, 1e6, 16, 32)  # all noise: no statistical cost
     first = a.choose(4096, (8, 2048), 1)
-    assert first.local_batch == 32
+    assert first.local_batch == 32 and first.kind == "probe"
     a.set_batch(first.local_batch)
-    a.throughput.record(2, 32, 0.0001 * 32, 0.05)
+    _times(a, 2, 32, 0.0001 * 32, 0.05)
     assert a.choose(4096, (8, 2048), 1).local_batch == 64
 
 
@@ -430,7 +443,7 @@ def test_shrinking_is_bounded_by_what_was_measured_too():
     for b in (512, 1024):
         for _ in range(5):
             a.throughput.record(2, b, 2e-6 * b, 0.0)
-    a.stats.observe("w", 1.0 + 200.0 / 512, 512, 1.0 + 200.0 / 1024, 1024)  # noise scale 200: small is efficient
+    _observe(a, 200.0, 512, 1024)  # noise scale 200: small is efficient
     a.set_batch(1024)
     choice = a.choose(1 << 20, (8, 4096), 1)
     assert choice is not None and choice.local_batch == 256  # not 8: half the smallest measured
@@ -441,11 +454,15 @@ def test_one_measured_size_explores_a_bigger_one_then_the_fit_decides():
     cost) tries a batch twice as big; once measured there with no throughput gained, the fit
     takes the batch back to the base (better statistical efficiency at the same throughput)."""
     a = Adaptive(AdaptiveConfig(local_batch_size=16), "SGD", world_size=2)
-    a.stats.observe("w", 1.0 + 200.0 / 16, 16, 1.0 + 200.0 / 32, 32)  # noise scale 200
-    a.throughput.record(2, 16, 0.0001 * 16, 0.0)  # the truth: all per-sample compute
+    _observe(a, 200.0, 16, 32)  # noise scale 200
+    _times(a, 2, 16, 0.0001 * 16, 0.0)  # the truth: all per-sample compute
     first = a.choose(4096, (8, 2048), 1)
-    assert first is not None and first.local_batch == 32
+    assert first is not None and first.local_batch == 32 and first.kind == "probe"
+    a.adopt(first)
     a.set_batch(first.local_batch)
-    a.throughput.record(2, 32, 0.0001 * 32, 0.0)
+    _times(a, 2, 32, 0.0001 * 32, 0.0)
     back = a.choose(4096, (8, 2048), 1)
-    assert back is not None and back.local_batch == 16
+    assert back is not None and back.local_batch == 16 and back.kind == "return"
+    a.adopt(back)
+    a.set_batch(back.local_batch)
+    assert a.choose(4096, (8, 2048), 1) is None  # the probed size is barred now (until the noise scale doubles)

@@ -104,11 +104,14 @@ struct RowUpdates {
 // One table's gradient statistics of one synchronous push round, summed over its shards (each
 // shard computes its part where the rows are; only these scalars travel): `local_sq` is the sum
 // over ranks of each rank's |gradient|^2, `combined_sq` the |sum over ranks|^2, both before the
-// push's scale. round < 0: none complete yet.
+// push's scale. round < 0: none complete yet. `rows` are the distinct rows the round updated,
+// `pushed` the rows it received (each rank's distinct rows, summed over ranks): how often rows
+// repeat across ranks, which the adaptive batch's row-frequency model reads.
 struct RoundStats {
   int64_t round = -1;
   double local_sq = 0.0, combined_sq = 0.0;
   int ranks = 0;  // ranks whose push reached the table in that round
+  int64_t rows = 0, pushed = 0;
 };
 
 // A table's bounded staleness as this rank saw it (csrc/ps/bounded.cc). Lag: how many of the
