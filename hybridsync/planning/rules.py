@@ -146,6 +146,10 @@ class RouteResolver:
             fail("optimizer", "a server optimizer applies to variables on the parameter server (sync: ps)")
         if s.partitions is not None and v.route is not Route.PS:
             fail("partitions", "partitions apply to variables on the parameter server (sync: ps)")
+        if s.storage is not None and (v.route is not Route.PS or v.placement is not Placement.SHARDED):
+            fail("storage", "storage applies to tables sharded on the parameter server (sync: ps, placement: "
+                            "sharded): a replica's rows are the framework's own")
+        v.storage = dict(s.storage) if s.storage is not None else None
         v.staleness = self._staleness(v, s.staleness, fail)
         if sparse and v.shape and v.shape[0] > 0:
             self._check_memory(v, param, sync, fail)
