@@ -2,6 +2,8 @@
 few rows trains bit-identically to the same table all in memory at -np 1, 2 and 3 -- fixed and
 dynamic tables, SGD / Adagrad / Adam, float32 and 16-bit rows; the tier files really hold rows;
 checkpoints carry both tiers; a missing or truncated tier file is an error naming it."""
+import os
+
 import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
@@ -232,10 +234,76 @@ def rank_tiered_checkpoint_load(tmp):
                 np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"{stage} {key}")
 
 
+def rank_tiered_steps(tmp):
+    model, opt = _tiered_model(tmp, "timeline")
+    _tiered_steps(model, opt, range(4))
+
+
+def test_the_timeline_shows_tier_io(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    run_ranks(__file__, "rank_tiered_steps", 2, str(tmp_path), env={"HYBRIDSYNC_TIMELINE": str(trace)})
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    for rank in (0, 1):
+        names = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"tier prefetch", "tier read", "tier write"} <= names, (rank, sorted(names))
+
+
 def test_checkpoints_carry_both_tiers_to_another_world_size(tmp_path):
     run_ranks(__file__, "rank_tiered_checkpoint_save", 2, str(tmp_path))
     run_ranks(__file__, "rank_tiered_checkpoint_load", 3, str(tmp_path))
     run_ranks(__file__, "rank_tiered_checkpoint_load", 1, str(tmp_path))
+
+
+def rank_full_disk(tmp):
+    """One rank's disk fills up (RLIMIT_FSIZE: its tier file cannot grow) while a pull must spill
+    rows: that pull raises on every rank, naming the file, and no row changes; once there is
+    room again, training goes on exactly as the all-in-memory table's."""
+    import resource
+    import signal
+
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps.table import PSTable, pull
+
+    hybridsync.init()
+    rank, size = hybridsync.rank(), hybridsync.size()
+    ids = np.arange(ROWS, dtype=np.int64)
+    rule = {"name": "adagrad", "lr": 0.3}
+    memory = PSTable("full_mem", ROWS, DIM, rule=rule)
+    tiered = PSTable("full_disk", ROWS, DIM, rule=rule, storage={"memory_rows": size, "path": _tier_dir(tmp, "full")})
+    for t in (memory, tiered):
+        t.initialize(("normal", 0.0, 0.5), 2)
+    grads = np.random.default_rng(0).standard_normal((BATCH, DIM)).astype(np.float32)
+    steps = [np.arange(BATCH) + BATCH * s for s in range(3)]  # new rows every step: the file must grow
+    _train_pair(memory, tiered, [(steps[0], grads), (steps[1], grads)], ids)
+    path = tiered.tier_stats()["path"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == size - 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit fails with EFBIG instead)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path), hard))
+    paths = hybridsync.allgather_object(path)
+    before = tiered.read_rows(ids), [tiered.read_rows(ids, k) for k in range(len(tiered.slot_names))]
+    try:
+        pull([tiered], [steps[2][rank::size]])
+    except Exception as exc:
+        assert paths[-1] in str(exc) and "could not take" in str(exc), str(exc)
+        print(f"rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+    else:
+        raise AssertionError("a full disk went unnoticed")
+    tiered.engine.barrier("after-full")
+    np.testing.assert_array_equal(tiered.read_rows(ids), before[0])
+    for k, slot in enumerate(before[1]):
+        np.testing.assert_array_equal(tiered.read_rows(ids, k), slot)
+    if rank == size - 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    _train_pair(memory, tiered, [(steps[2], grads), (steps[0], grads)], ids)
+
+
+def test_a_full_disk_fails_the_pull_on_every_rank_and_changes_nothing(tmp_path):
+    run_ranks(__file__, "rank_full_disk", 2, str(tmp_path))
 
 
 @pytest.mark.parametrize("np_", [1, 2])
