@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <numeric>
@@ -49,9 +50,16 @@ DiskTier::DiskTier(const std::string& table, const std::string& dir, int shard, 
   if (dir.empty()) throw PSError("table '" + table + "': a disk tier needs a path (a directory)");
   const std::string made = make_dirs(dir);
   if (!made.empty()) throw PSError("table '" + table + "': cannot make its disk tier's directory " + made);
-  path_ = dir + (dir.back() == '/' ? "" : "/") + safe_name(table) + ".shard" + std::to_string(shard) + "." +
-          std::to_string(getpid()) + ".tier";
-  fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  // A file of its own: tables of one name live at once (a table moving to another layout or
+  // storage is made before the old one is dropped), and a file is never taken over -- an
+  // existing one (another live table's, or one a crashed run left) gets the next number.
+  static std::atomic<int64_t> next_file{0};
+  const std::string stem = dir + (dir.back() == '/' ? "" : "/") + safe_name(table) + ".shard" +
+                           std::to_string(shard) + "." + std::to_string(getpid()) + "-";
+  do {
+    path_ = stem + std::to_string(next_file++) + ".tier";
+    fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  } while (fd_ < 0 && errno == EEXIST);
   if (fd_ < 0) fail("cannot be created", errno);
 }
 

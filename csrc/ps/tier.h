@@ -21,7 +21,8 @@ namespace hybridsync {
 
 class DiskTier {
  public:
-  // Creates the file `<dir>/<table>.shard<shard>.<pid>.tier` (dir is created if missing);
+  // Creates the file `<dir>/<table>.shard<shard>.<pid>-<n>.tier` (dir is created if missing; n
+  // makes it a new file, never one that exists);
   // slot_bytes per slot. `tracer` (may be null) records the reads and writes for timelines.
   DiskTier(const std::string& table, const std::string& dir, int shard, int64_t slot_bytes, Tracer* tracer);
   ~DiskTier();  // closes and removes the file

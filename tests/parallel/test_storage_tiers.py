@@ -302,6 +302,36 @@ def rank_full_disk(tmp):
     _train_pair(memory, tiered, [(steps[2], grads), (steps[0], grads)], ids)
 
 
+def rank_same_name_same_path(tmp):
+    """Two live tables of one name with their tiers in one directory (a table moving to another
+    layout or storage is made before the old one is dropped): each keeps its own file."""
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps.table import PSTable
+
+    hybridsync.init()
+    ids = np.arange(ROWS, dtype=np.int64)
+    rule = {"name": "adam", "lr": 0.05}
+    storage = {"memory_rows": hybridsync.size(), "path": _tier_dir(tmp, "shared")}
+    memory = PSTable("twin_mem", ROWS, DIM, rule=rule)
+    old = PSTable("same", ROWS, DIM, rule=rule, storage=storage)
+    for t in (memory, old):
+        t.initialize(("normal", 0.0, 0.5), 2)
+    batches = _batches(ids, seed=4)
+    _train_pair(memory, old, batches[:3], ids)
+    new = PSTable("same", ROWS, DIM, rule=rule, storage=storage)
+    assert new.tier_stats()["path"] != old.tier_stats()["path"]
+    _train_pair(memory, old, batches[3:4], ids)  # the old table's file is intact
+    new.take_from(old)
+    old.drop()  # (removes its own file only)
+    _train_pair(memory, new, batches[4:], ids)
+
+
+def test_tables_of_one_name_keep_their_own_tier_files(tmp_path):
+    run_ranks(__file__, "rank_same_name_same_path", 2, str(tmp_path))
+
+
 def test_a_full_disk_fails_the_pull_on_every_rank_and_changes_nothing(tmp_path):
     run_ranks(__file__, "rank_full_disk", 2, str(tmp_path))
 
