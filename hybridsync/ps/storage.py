@@ -65,6 +65,11 @@ def options(where: str, storage) -> dict | None:
     return out
 
 
+def has_disk_tier(storage) -> bool:
+    """Whether (unchecked) storage options ask for a disk tier."""
+    return isinstance(storage, dict) and bool(storage.get("path"))
+
+
 def dtype_of(storage: dict | None) -> str:
     return (storage or {}).get("dtype", "float32")
 

@@ -153,7 +153,7 @@ def _tiered_model(tmp, tag):
             super().__init__()
             torch.manual_seed(0)
             self.fixed = hvd.Embedding(ROWS, DIM, name="fixed", seed=4, storage={"dtype": "bfloat16", **disk("f")})
-            self.dyn = hvd.DynamicEmbedding(DIM, name="dyn", seed=5, storage=disk("d"))
+            self.dyn = hvd.DynamicEmbedding(DIM, name="dyn", seed=5, evict="lfu", storage=disk("d"))  # (spills LFU)
             self.out = torch.nn.Linear(2 * DIM, 1)
 
         def forward(self, ids, raw):
@@ -339,6 +339,37 @@ def test_a_full_disk_fails_the_pull_on_every_rank_and_changes_nothing(tmp_path):
 @pytest.mark.parametrize("np_", [1, 2])
 def test_a_missing_or_truncated_tier_file_is_an_error_naming_it(np_, tmp_path):
     run_ranks(__file__, "rank_broken_tier_files", np_, str(tmp_path))
+
+
+def rank_dynamic_disk_bound(tmp):
+    """disk_rows bounds a dynamic table's two tiers together: with memory_rows + disk_rows rows
+    per cluster it evicts exactly as the same table all in memory with that capacity (LRU, LFU)."""
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps import dynamic_options as dyn
+    from hybridsync.ps.dynamic import DynamicTable
+
+    hybridsync.init()
+    size = hybridsync.size()
+    pool = np.random.default_rng(1).integers(-2**40, 2**40, size=40, dtype=np.int64)
+    for evict, (name, hp) in (("lru", RULES[2]), ("lfu", RULES[1])):
+        rule = {"name": name, **hp}
+        memory = DynamicTable(f"cap_{evict}", DIM, dyn.options(evict, capacity=6 * size, evict=evict, seed=2), rule=rule)
+        tiered = DynamicTable(f"bound_{evict}", DIM, dyn.options(evict, evict=evict, seed=2, disk_tier=True), rule=rule,
+                              storage={"memory_rows": 2 * size, "disk_rows": 4 * size,
+                                       "path": _tier_dir(tmp, f"bound_{evict}")})
+        _train_pair(memory, tiered, _batches(pool, seed=9), pool)
+        stored = memory.read_state()["ids"].tolist()
+        assert tiered.read_state()["ids"].tolist() == stored and len(stored) <= 6 * size, stored
+        assert sum(s["evicted"] for s in hybridsync.allgather_object(memory.stats())) > 0  # (the bound was reached)
+        memory.drop()
+        tiered.drop()
+
+
+@pytest.mark.parametrize("np_", [1, 3])
+def test_disk_rows_bounds_a_dynamic_table_like_a_capacity(np_, tmp_path):
+    run_ranks(__file__, "rank_dynamic_disk_bound", np_, str(tmp_path))
 
 
 @pytest.mark.parametrize("np_", [1, 2, 3])
