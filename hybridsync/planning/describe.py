@@ -65,10 +65,10 @@ def ps_embedding_plan(resolver: RouteResolver, name: str, table, frontend: str) 
     hybridsync explain --world-size N` plans N ranks with tables made in a world of one)."""
     v = VariablePlan(name=name, shape=(table.num_rows, table.dim), dtype="float32", kind=GradKind.SPARSE, route=None)
     layout = (table.requested_shards or resolver.world_size, table.layout[1])
+    v.storage = table.storage  # (the table's; a rule's storage was given to the table when it was made)
     resolver.decide(v, None, ps_module=True, table_layout=layout)
     if not v.reason.startswith(("rule", "config")):
         v.reason = f"{frontend} PS embedding: rows live on the shards"
-    v.storage = table.storage  # (a rule's storage: was given to the table when it was made: apply_table_rules)
     options = getattr(table, "options", None)  # a dynamic table's
     if options is not None:
         rule = resolver.config.rule_for(name) if resolver.config is not None else None

@@ -72,3 +72,41 @@ def test_stochastic_rounding_depends_on_seed_id_step_only():
     c = storage.round_rows(rows, "bfloat16", storage.rounding_bits(1, 4, ids, 3))
     assert not np.array_equal(a, c) or not np.array_equal(a, storage.round_rows(rows, "bfloat16",
                                                                                 storage.rounding_bits(9, 3, ids, 3)))
+
+
+def test_the_memory_check_counts_half_rows_and_only_the_cached_rows_of_a_disk_tier():
+    """A table larger than memory_per_rank fits once its rows are 16-bit or mostly on disk."""
+    from hybridsync.planning import estimate
+
+    whole = estimate.memory_per_rank(estimate.PS, 10**9, 64, 2, slots=1)
+    half = estimate.memory_per_rank(estimate.PS, 10**9, 64, 2, slots=1, storage={"dtype": "bfloat16"})
+    tiered = estimate.memory_per_rank(estimate.PS, 10**9, 64, 2, slots=1,
+                                      storage={"dtype": "float16", "memory_rows": 10**6, "path": "/x"})
+    assert whole == 10**9 / 2 * (4 + 4) * 64 and half == 10**9 / 2 * (2 + 4) * 64
+    assert tiered == 10**6 / 2 * (2 + 4) * 64
+
+
+def test_a_plan_lets_a_disk_tier_table_exceed_memory_per_rank():
+    import torch
+
+    import hybridsync.torch as hvd
+    from hybridsync.torch.variables import plan_for
+
+    class Net(torch.nn.Module):
+        def __init__(self, storage):
+            super().__init__()
+            self.emb = hvd.Embedding(10**6, 64, name="emb", storage=storage)
+            self.out = torch.nn.Linear(64, 1)
+
+    budget = {"memory_per_rank": "64MiB"}  # the table: 256 MiB of rows, 256 MiB of Adagrad state
+    for storage, fits in ((None, False), ({"memory_rows": 1000, "path": "/tmp/hs-plan-test"}, True)):
+        model = Net(storage)
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        cfg = config_mod.load({**budget, "variables": [{"match": "emb.*", "sync": "ps"}]})
+        try:
+            plan, _ = plan_for(opt, list(model.named_parameters()), model, cfg, "none", "mpi", 1)
+        except ConfigError as exc:
+            assert not fits and "memory_per_rank" in str(exc), str(exc)
+        else:
+            assert fits and plan.by_name()["emb.weight"].memory_bytes < 2**20, plan.by_name()["emb.weight"]
+        model.emb.table.drop()
