@@ -230,7 +230,7 @@ def rank_bad_storage():
         raise AssertionError("storage on a dense variable was accepted")
 
 
-def rank_keras_storage():
+def rank_keras_storage(tmp):
     import os
 
     import keras
@@ -244,11 +244,13 @@ def rank_keras_storage():
     ids = keras.Input(shape=(2,), dtype="int64")
     emb = htf.Embedding(30, 4, name="kemb", storage={"dtype": "float16"})
     dyn = htf.DynamicEmbedding(4, name="kdyn", storage={"dtype": "bfloat16"})
-    x = keras.layers.Concatenate()([keras.layers.Flatten()(emb(ids)), keras.layers.Flatten()(dyn(ids))])
+    tiered = htf.DynamicEmbedding(4, name="ktier", evict="lru",
+                                  storage={"memory_rows": 2, "path": f"{tmp}/rank{hybridsync.rank()}"})
+    x = keras.layers.Concatenate()([keras.layers.Flatten()(layer(ids)) for layer in (emb, dyn, tiered)])
     model = keras.Model(ids, keras.layers.Dense(1)(x))
     model.compile(optimizer=htf.DistributedOptimizer(keras.optimizers.Adagrad(0.1)), loss="mse", jit_compile=False)
     rng = np.random.default_rng(hybridsync.rank())
-    model.fit(rng.integers(0, 30, (8, 2)), rng.standard_normal((8, 1)), batch_size=8, epochs=2, verbose=0)
+    model.fit(rng.integers(0, 30, (32, 2)), rng.standard_normal((32, 1)), batch_size=8, epochs=1, verbose=0)
     for layer, dtype in ((emb, "float16"), (dyn, "bfloat16")):
         assert layer.table.engine.spec(layer.table.handle)["storage"]["dtype"] == dtype
         assert layer.get_config()["storage"] == {"dtype": dtype}
@@ -257,11 +259,14 @@ def rank_keras_storage():
     with open(os.devnull, "w") as sink:
         text = hybridsync.explain(file=sink)
     assert "kemb" in text and ": float16" in text and ": bfloat16" in text, text
+    assert tiered.get_config()["storage"]["memory_rows"] == 2
+    stats = hybridsync.allgather_object(tiered.table.tier_stats())
+    assert sum(s["bytes_written"] for s in stats) > 0 and sum(s["disk_rows"] for s in stats) > 0, stats
 
 
 @pytest.mark.parametrize("np_", [2])
-def test_keras_layers_store_half_rows(np_):
-    run_ranks(__file__, "rank_keras_storage", np_)
+def test_keras_layers_store_half_rows_and_spill_to_disk(np_, tmp_path):
+    run_ranks(__file__, "rank_keras_storage", np_, str(tmp_path))
 
 
 @pytest.mark.parametrize("np_", [2, 3])
