@@ -63,6 +63,33 @@ DynamicSpec dynamic_spec(const py::object& options, std::string* error) {
   return d;
 }
 
+// A table's storage options from a dict (dtype, rounding, seed, memory_rows, disk_rows, path;
+// None values: unset), as hybridsync/storage.py checked them; bad ones set `error`.
+StorageSpec storage_spec(const py::object& options, std::string* error) {
+  StorageSpec st;
+  if (options.is_none()) return st;
+  try {
+    const py::dict o = options.cast<py::dict>();
+    static const std::set<std::string> known = {"dtype", "rounding", "seed", "memory_rows", "disk_rows", "path"};
+    for (auto item : o) {
+      const std::string key = item.first.cast<std::string>();
+      if (!known.count(key)) throw PSError("unknown storage option '" + key + "'");
+    }
+    auto given = [&](const char* key) { return o.contains(key) && !o[key].is_none(); };
+    if (given("dtype")) st.dtype = o["dtype"].cast<std::string>();
+    if (given("rounding")) st.rounding = o["rounding"].cast<std::string>();
+    if (given("seed")) st.seed = static_cast<uint64_t>(o["seed"].cast<int64_t>());
+    if (given("memory_rows")) st.memory_rows = o["memory_rows"].cast<int64_t>();
+    if (given("disk_rows")) st.disk_rows = o["disk_rows"].cast<int64_t>();
+    if (given("path")) st.path = o["path"].cast<std::string>();
+  } catch (const py::cast_error&) {
+    *error = "storage options must be strings (dtype, rounding, path) and integers (memory_rows, disk_rows, seed)";
+  } catch (const PSError& e) {
+    *error = e.what();
+  }
+  return st;
+}
+
 // Runs `body` on the Client without the GIL (see the top of this file).
 template <class F>
 auto nogil(F&& body) -> decltype(body()) {
@@ -90,7 +117,7 @@ class PyEngine {
   // Collective. A bad partition name becomes the operation's error, so every rank raises.
   int add_table(const std::string& name, int64_t num_rows, int64_t dim, int num_shards,
                 const std::string& partition, const std::string& optimizer,
-                const std::map<std::string, double>& hparams, const py::object& dynamic) {
+                const std::map<std::string, double>& hparams, const py::object& dynamic, const py::object& storage) {
     std::string error;
     PartitionKind kind = PartitionKind::kCyclic;
     try {
@@ -98,7 +125,8 @@ class PyEngine {
     } catch (const PSError& e) {
       error = e.what();
     }
-    TableSpec spec{name, num_rows, dim, num_shards, kind, optimizer, hparams, dynamic_spec(dynamic, &error)};
+    TableSpec spec{name, num_rows, dim, num_shards, kind, optimizer, hparams, dynamic_spec(dynamic, &error),
+                   storage_spec(storage, &error)};
     return nogil([&] { return client_->add_table(spec, error); });
   }
 
@@ -275,6 +303,18 @@ class PyEngine {
     return out;
   }
 
+  // Local: rows (slot < 0) or slot values of this rank's rows `ids`, shaped (n, dim).
+  py::array_t<float> local_rows(int table, const py::object& ids_obj, int slot) {
+    std::string error;
+    const TableSpec spec = this->spec(table);
+    IdArray ids = ids_of(ids_obj, spec.name, &error);
+    if (!error.empty()) throw PSError(error);
+    py::array_t<float> out({static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(spec.dim)});
+    float* dst = out.mutable_data();
+    nogil([&] { client_->local_rows(table, slot, ids.data(), ids.size(), dst); });
+    return out;
+  }
+
   // This rank's rows (slot < 0) or optimizer slot, (shard_rows, dim) in storage order.
   py::array_t<float> local_values(int table, int slot) {
     const TableSpec spec = this->spec(table);
@@ -431,7 +471,31 @@ PYBIND11_MODULE(_ps, m) {
       .def_property_readonly("usable", [](PyEngine& e) { return nogil([&] { return e.client().usable(); }); })
       .def("add_table", &PyEngine::add_table, py::arg("name"), py::arg("num_rows"), py::arg("dim"),
            py::arg("num_shards") = 0, py::arg("partition") = "cyclic", py::arg("optimizer") = "sgd",
-           py::arg("hparams") = std::map<std::string, double>{}, py::arg("dynamic") = py::none())
+           py::arg("hparams") = std::map<std::string, double>{}, py::arg("dynamic") = py::none(),
+           py::arg("storage") = py::none())
+      .def("tier_stats", [](PyEngine& e, int t) {
+        const TierStats s = nogil([&] { return e.client().tier_stats(t); });
+        py::dict d;
+        d["dtype"] = s.dtype;
+        d["path"] = s.path;
+        d["memory_rows"] = s.memory_rows;
+        d["disk_rows"] = s.disk_rows;
+        d["memory_share"] = s.memory_share;
+        d["hits"] = s.hits;
+        d["loads"] = s.loads;
+        d["bytes_read"] = s.bytes_read;
+        d["bytes_written"] = s.bytes_written;
+        d["steps"] = s.steps;
+        return d;
+      }, py::arg("table"), "Local: the table's storage on this rank's shard (rows in memory / on disk, I/O).")
+      .def("written_rows", [](PyEngine& e, int t, bool memory) {
+        std::vector<int64_t> ids = nogil([&] { return e.client().written_rows(t, memory); });
+        const auto n = static_cast<py::ssize_t>(ids.size());
+        return to_numpy(std::move(ids), {n});
+      }, py::arg("table"), py::arg("memory"),
+      "Local (a fixed table with a disk tier): global ids of this shard's rows holding other than their initial "
+      "value, in memory or on disk.")
+      .def("local_rows", &PyEngine::local_rows, py::arg("table"), py::arg("ids"), py::arg("slot") = -1)
       .def("dynamic_state", &PyEngine::dynamic_state, py::arg("table"))
       .def("dynamic_restore", &PyEngine::dynamic_restore, py::arg("table"), py::arg("state"))
       .def("dynamic_sizes", &PyEngine::dynamic_sizes, py::arg("table"))
@@ -539,6 +603,14 @@ PYBIND11_MODULE(_ps, m) {
         d["dynamic"] = s.dynamic.on;
         d["optimizer"] = s.rule;
         d["hparams"] = s.hparams;
+        py::dict st;
+        st["dtype"] = s.storage.dtype;
+        st["rounding"] = s.storage.rounding;
+        st["memory_rows"] = s.storage.memory_rows;
+        st["disk_rows"] = s.storage.disk_rows;
+        st["path"] = s.storage.path;
+        st["seed"] = s.storage.seed;
+        d["storage"] = st;
         return d;
       })
       .def("slot_names", [](PyEngine& e, int t) { return nogil([&] { return e.client().slot_names(t); }); })

@@ -40,6 +40,7 @@ from pathlib import Path
 from . import array_files, comm, runtime
 from . import ps
 from .ps.dynamic import DynamicTable
+from .ps.storage import dtype_of
 from safetensors import safe_open
 from .frontend import framework_of
 from .frontend import of as frontend_of
@@ -161,6 +162,8 @@ def _manifest(optimizer, tables, files: dict, extra) -> dict:
         entries.append({
             "variable": var.name, "num_rows": table.num_rows, "dim": table.dim, "shards": shards,
             "partition": partition, "optimizer": table.optimizer, "slots": table.slot_names, "step": table.step,
+            # rows are saved as float32, which holds 16-bit rows exactly; their dtype, for the record
+            "row_dtype": dtype_of(table.storage),
             "files": [{"name": _shard_file(i, s), **files[_shard_file(i, s)]} for s in range(shards)],
         })
     dense = files[DENSE]

@@ -14,6 +14,8 @@
         staleness: 4                                    # bounded staleness (sync: ps, sharded); 0: synchronous
       - match: "user_ids.*"                             # a hybridsync DynamicEmbedding's options
         dynamic: {capacity: 1000000, evict: lru, ttl_steps: 5000, admit_after: 2}
+      - match: "item_emb.*"                             # how a PS table's shards store its rows
+        storage: {dtype: float16}                       # (docs/storage.md)
     strict: true                                        # a rule that matches nothing is an error (else a warning)
     backend: mpi                                        # dense backend: horovod | mpi (optional)
     auto_steps: 20                                      # steps `sync: auto` measures before it decides
@@ -54,7 +56,7 @@ COMPRESSIONS = ("none", "fp16")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 BACKENDS = ("horovod", "mpi")
 RULE_KEYS = ("match", "sync", "placement", "partitions", "partition", "compression", "optimizer", "staleness",
-             "dynamic")
+             "dynamic", "storage")
 DEFAULT_KEYS = ("sync", "placement", "partitions", "partition", "compression", "optimizer", "staleness")
 DYNAMIC_KEYS = ("capacity", "evict", "ttl_steps", "admit_after")
 
@@ -71,6 +73,7 @@ class Settings:
     optimizer: dict | None = None
     staleness: int | None = None  # bounded staleness of a PS table (docs/staleness.md)
     dynamic: dict | None = None  # a DynamicEmbedding's options (rules only)
+    storage: dict | None = None  # how a PS table stores its rows (rules only; hybridsync.ps.storage)
 
 
 @dataclasses.dataclass
@@ -203,7 +206,24 @@ class _Checker:
             s.staleness = node.value
         if "dynamic" in fields:
             s.dynamic = self.dynamic(fields["dynamic"], f"{key}.dynamic")
+        if "storage" in fields:
+            s.storage = self.storage(fields["storage"], f"{key}.storage")
         return s
+
+    def storage(self, entry, key) -> dict:
+        node, line = entry
+        from .ps.storage import OPTION_KEYS, check_option, options  # (the table's own checks; see dynamic())
+
+        fields = self.mapping(node, key, OPTION_KEYS)
+        for k, (v, vline) in fields.items():
+            try:
+                check_option(k, v.value, "rule")
+            except ValueError as exc:
+                self.fail(vline, f"{key}.{k}", str(exc).split(": ", 1)[1].replace(f"storage.{k} ", ""))
+        try:  # (what the keys say together: a disk tier needs both path and memory_rows)
+            return options("rule", _plain(node))
+        except ValueError as exc:
+            self.fail(line, key, str(exc).split(": ", 1)[1])
 
     def dynamic(self, entry, key) -> dict:
         node, line = entry
@@ -339,6 +359,8 @@ def _plan_as_config(d: dict, source: str) -> dict:
                     rule["partition"] = v["partition"]
                 if v.get("dynamic"):
                     rule["dynamic"] = {k: v["dynamic"][k] for k in DYNAMIC_KEYS if k in v["dynamic"]}
+                if v.get("storage"):
+                    rule["storage"] = dict(v["storage"])
                 if v.get("optimizer") and v.get("optimizer_source") == "config":
                     rule["optimizer"] = v["optimizer"]
                 if v.get("staleness"):

@@ -46,6 +46,19 @@ class PageReleaser {
   int64_t size_;
 };
 
+// Reads `count` rows of a read reply into dst(l) (float32 values): slots and float32 rows as
+// they are, 16-bit rows decoded (a table storing 16-bit rows sends them so).
+template <class Dst>
+void read_reply_rows(Reader& r, int64_t count, int64_t dim, RowType type, Dst dst) {
+  if (type == RowType::kFloat32) {
+    const float* rows = r.f32s(count, dim);
+    for (int64_t l = 0; l < count; ++l) std::memcpy(dst(l), rows + l * dim, dim * sizeof(float));
+    return;
+  }
+  const auto* rows = reinterpret_cast<const uint16_t*>(r.row_bytes(count, dim * 2));
+  for (int64_t l = 0; l < count; ++l) decode_row(type, rows + l * dim, dst(l), dim);
+}
+
 // The head of a read or write request: table, slot and how its rows are named.
 Writer access_request(RequestKind kind, int64_t id, int table, int slot, RowsBy by, int64_t n) {
   Writer w = request_writer(kind, id);
@@ -132,11 +145,9 @@ static std::vector<Chunk> table_chunks(detail::ClientState& c, const Table& t, i
         return w.take();
       };
       if (kind == RequestKind::kRead) {
+        const RowType type = slot < 0 ? row_type_of(t.spec) : RowType::kFloat32;
         chunk.on_reply = [=](Reader& r) {
-          const float* rows = r.f32s(count, dim);
-          for (int64_t l = 0; l < count; ++l) {
-            std::memcpy(out + part.global_id(s, begin + l) * dim, rows + l * dim, dim * sizeof(float));
-          }
+          read_reply_rows(r, count, dim, type, [&](int64_t l) { return out + part.global_id(s, begin + l) * dim; });
         };
       }
       chunks.push_back(std::move(chunk));
@@ -174,9 +185,9 @@ static std::vector<Chunk> row_chunks(detail::ClientState& c, const Table& t, int
         return w.take();
       };
       if (kind == RequestKind::kRead) {
+        const RowType type = slot < 0 ? row_type_of(t.spec) : RowType::kFloat32;
         chunk.on_reply = [=](Reader& r) {
-          const float* rows = r.f32s(static_cast<int64_t>(at.size()), dim);
-          for (size_t k = 0; k < at.size(); ++k) std::memcpy(out + at[k] * dim, rows + k * dim, dim * sizeof(float));
+          read_reply_rows(r, static_cast<int64_t>(at.size()), dim, type, [&](int64_t k) { return out + at[k] * dim; });
         };
       }
       chunks.push_back(std::move(chunk));

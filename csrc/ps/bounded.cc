@@ -93,8 +93,14 @@ void detail::ClientState::serve_bounded(int source, const Request& request) {
     for (const Entry& e : read_entries(r, true, &scale, dim_of)) {
       Table& t = table_at(e.table);
       if (!t.shard) continue;
-      check_rows(t.shard.get(), t.spec.name, e.rows.rows, e.rows.n, "push");
-      apply_to_table(t, {e.rows}, scale, e.lr, request.seq, 1);  // this rank's rows alone: a round of its own
+      check_rows(t, e.rows.rows, e.rows.n, "push");
+      try {
+        apply_to_table(t, {e.rows}, scale, e.lr, request.seq, 1);  // this rank's rows alone: a round of its own
+      } catch (const PSError& error) {  // (a disk tier failed; no row changed): every rank hears of it
+        for (int dest = 0; dest < size(); ++dest) {
+          deferred[static_cast<size_t>(dest)].push_back(ErrorNote{rank(), false, error.what(), "push"});
+        }
+      }
       if (t.bounded.applied.empty()) t.bounded.applied.assign(static_cast<size_t>(size()), 0);
       ++t.bounded.applied[static_cast<size_t>(source)];
       rows += e.rows.n;
@@ -107,8 +113,23 @@ void detail::ClientState::serve_bounded(int source, const Request& request) {
     return;
   }
   const std::vector<BoundedPullEntry> entries = read_bounded_pull(r);
+  std::vector<ErrorNote> errors;
+  for (const BoundedPullEntry& e : entries) {  // (tables with a disk tier: the rows into memory first)
+    Table& t = table_at(e.table);
+    check_rows(t, e.rows, e.n, "pull");
+    try {
+      if (e.n) prefetch_rows(t, e.rows, e.n);
+    } catch (const PSError& error) {
+      errors.push_back(ErrorNote{rank(), false, error.what(), ""});
+      break;
+    }
+  }
   Writer w;
-  reply_head(w, source, RequestKind::kBoundedPull, request.seq, {});
+  reply_head(w, source, RequestKind::kBoundedPull, request.seq, errors);
+  if (!errors.empty()) {
+    reply(source, w);
+    return;
+  }
   w.i64(request.held ? 1 : 0);
   for (const BoundedPullEntry& e : entries) {
     const Table& t = table_at(e.table);
@@ -116,8 +137,7 @@ void detail::ClientState::serve_bounded(int source, const Request& request) {
   }
   for (const BoundedPullEntry& e : entries) {
     Table& t = table_at(e.table);
-    check_rows(t.shard.get(), t.spec.name, e.rows, e.n, "pull");
-    if (e.n) t.shard->gather(e.rows, e.n, w.f32_slot(static_cast<size_t>(e.n * t.spec.dim)));
+    if (e.n) gather_wire(t, e.rows, e.n, w.bytes_slot(static_cast<size_t>(e.n * t.shard->row_size())));
     rows += e.n;
   }
   reply(source, w);

@@ -32,7 +32,39 @@ std::string describe(const TableSpec& s) {
         << " ttl_steps=" << d.ttl_steps << " seed=" << d.seed << " init=" << d.init << "(" << d.init_a << ", "
         << d.init_b << "))";
   }
+  const StorageSpec& st = s.storage;  // (not the path: each rank's own local disk)
+  out << " storage(dtype=" << st.dtype << " rounding=" << st.rounding << " seed=" << st.seed
+      << " memory_rows=" << st.memory_rows << " disk_rows=" << st.disk_rows << " disk=" << !st.path.empty() << ")";
   return out.str();
+}
+
+// What is wrong with a table's storage options ("" when nothing).
+std::string storage_error(const TableSpec& s) {
+  const StorageSpec& st = s.storage;
+  const std::string at = "table '" + s.name + "': storage: ";
+  RowType type;
+  if (!parse_row_type(st.dtype, &type)) return at + "dtype must be float32, float16 or bfloat16, got '" + st.dtype + "'";
+  if (st.rounding != "nearest" && st.rounding != "stochastic") {
+    return at + "rounding must be nearest or stochastic, got '" + st.rounding + "'";
+  }
+  if (st.path.empty()) {
+    if (st.memory_rows != 0) return at + "memory_rows needs a path (the directory of the disk tier holding the other rows)";
+    if (st.disk_rows != 0) return at + "disk_rows needs a path (the directory of the disk tier)";
+    return "";
+  }
+  if (st.memory_rows < s.num_shards) {
+    return at + "memory_rows must be at least one row per shard (" + std::to_string(s.num_shards) + "), got " +
+           std::to_string(st.memory_rows);
+  }
+  if (st.disk_rows < 0) return at + "disk_rows must be >= 1 (or none: unbounded), got " + std::to_string(st.disk_rows);
+  if (!s.dynamic.on && st.disk_rows != 0) {
+    return at + "disk_rows bounds a dynamic table's disk tier; a fixed table keeps every row (leave it out)";
+  }
+  if (s.dynamic.on && s.dynamic.capacity != 0) {
+    return at + "a dynamic table with a disk tier is bounded by storage memory_rows (in memory) and disk_rows (on "
+                "disk): leave its capacity out";
+  }
+  return "";
 }
 
 // What is wrong with a dynamic table's options ("" when nothing).
@@ -49,15 +81,61 @@ std::string dynamic_error(const TableSpec& s) {
   if (d.evict != "none" && d.evict != "lru" && d.evict != "lfu") {
     return at + "evict must be none, 'lru' or 'lfu', got '" + d.evict + "'";
   }
-  if (d.evict != "none" && d.capacity == 0) return at + "evict='" + d.evict + "' needs a capacity";
+  if (d.evict != "none" && d.capacity == 0 && s.storage.path.empty()) {
+    return at + "evict='" + d.evict + "' needs a capacity (or a disk tier: storage path)";
+  }
   if (d.init != "normal" && d.init != "uniform") return at + "initializer must be normal or uniform, got '" + d.init + "'";
   return "";
 }
 
-// A dynamic shard's share of the capacity: capacity / shards, the first capacity % shards one more.
-int64_t capacity_share(const DynamicSpec& d, int shards, int shard) {
-  if (d.capacity == 0) return 0;
-  return d.capacity / shards + (shard < d.capacity % shards ? 1 : 0);
+// A shard's share of a row bound over all shards (a dynamic table's capacity, a storage's
+// memory_rows): total / shards, the first total % shards one more; 0 (unbounded) stays 0.
+int64_t share_of(int64_t total, int shards, int shard) {
+  if (total == 0) return 0;
+  return total / shards + (shard < total % shards ? 1 : 0);
+}
+
+// A registered table and this rank's shard of it: rows in memory, or with a disk tier in an
+// arena over it (TieredRows, or the dynamic store's own), stored as the storage's dtype says.
+std::unique_ptr<Table> make_table(detail::ClientState& c, const TableSpec& spec, std::unique_ptr<UpdateRule> rule) {
+  Partitioner part(spec.num_rows, spec.num_shards, spec.partition);
+  auto t = std::make_unique<Table>(Table{spec, part, nullptr, RowAggregator(), false, RoundStats{}, BoundedState{},
+                                         nullptr, nullptr});
+  const int rank = c.rank();
+  if (rank >= spec.num_shards) return t;
+  const StorageSpec& st = spec.storage;
+  const RowType type = row_type_of(spec);
+  const bool disk = !st.path.empty();
+  const int64_t memory = disk ? share_of(st.memory_rows, spec.num_shards, rank) : 0;
+  Rounding rounding;
+  rounding.stochastic = st.rounding == "stochastic";
+  rounding.seed = st.seed;
+  if (spec.dynamic.on) {
+    const int64_t share = disk ? share_of(st.disk_rows == 0 ? 0 : st.memory_rows + st.disk_rows, spec.num_shards, rank)
+                               : share_of(spec.dynamic.capacity, spec.num_shards, rank);
+    if (disk) {  // (the arena first: the disk's records are its rows with their slots)
+      t->shard = std::make_unique<Shard>(spec.name, memory, spec.dim, std::move(rule), type);
+      t->dynamic = std::make_unique<DynamicStore>(
+          spec.name, spec.dynamic, share, spec.dim, memory,
+          std::make_unique<DiskTier>(spec.name, st.path, rank, t->shard->record_size(), &c.tracer));
+    } else {
+      t->dynamic = std::make_unique<DynamicStore>(spec.name, spec.dynamic, share, spec.dim);
+      t->shard = std::make_unique<Shard>(spec.name, t->dynamic->arena_rows(), spec.dim, std::move(rule), type);
+    }
+  } else if (disk) {
+    rounding.id_offset = part.global_id(rank, 0);
+    rounding.id_stride = part.shard_rows(rank) > 1 ? part.global_id(rank, 1) - rounding.id_offset : 1;
+    t->shard = std::make_unique<Shard>(spec.name, std::max<int64_t>(1, memory), spec.dim, std::move(rule), type);
+    t->tiered = std::make_unique<TieredRows>(
+        part.shard_rows(rank), memory, rounding.id_stride, rounding.id_offset,
+        std::make_unique<DiskTier>(spec.name, st.path, rank, t->shard->record_size(), &c.tracer));
+  } else {
+    rounding.id_offset = part.global_id(rank, 0);
+    rounding.id_stride = part.shard_rows(rank) > 1 ? part.global_id(rank, 1) - rounding.id_offset : 1;
+    t->shard = std::make_unique<Shard>(spec.name, part.shard_rows(rank), spec.dim, std::move(rule), type);
+  }
+  t->shard->set_rounding(rounding);
+  return t;
 }
 
 void check_slot(const Table& t, int slot) {
@@ -66,19 +144,24 @@ void check_slot(const Table& t, int slot) {
   }
 }
 
-// Fills this rank's shard element by element from a seeded counter-based generator.
-template <class Value>
-void init_rows(Table& t, int rank, uint64_t seed, Value value) {
+// Fills this rank's shard from a seeded counter-based generator; a shard with a disk tier only
+// remembers `init` (its rows take their values from it when they are first needed).
+void init_rows(Table& t, int rank, const RowInit& init) {
   if (!t.shard) return;
+  if (t.tiered) {
+    t.tiered->reset(init);
+    return;
+  }
   const int64_t dim = t.spec.dim;
+  std::vector<float> row(static_cast<size_t>(dim));
   for (int64_t l = 0; l < t.shard->rows(); ++l) {
-    const uint64_t id = static_cast<uint64_t>(t.part.global_id(rank, l));
-    float* row = t.shard->row(l);
-    for (int64_t j = 0; j < dim; ++j) {
-      row[j] = value(element_key(seed, id, dim, j));
-    }
+    init.fill(static_cast<uint64_t>(t.part.global_id(rank, l)), dim, row.data());
+    t.shard->set_row(l, row.data());
   }
 }
+
+// Rows of a fixed table's shard, in chunks: a shard with a disk tier holds one chunk in memory.
+constexpr int64_t kLocalChunk = 65536;
 
 // How long the serving thread sleeps when nothing came: short right after work (the next
 // request of a burst is near), growing to a cap, so an idle rank costs about a thousand cheap
@@ -227,6 +310,7 @@ int Client::add_table(const TableSpec& given, const std::string& given_error) {
     error = "table '" + spec.name + "': shape (" + std::to_string(spec.num_rows) + ", " + std::to_string(spec.dim) +
             ") is not a valid (rows, dim)";
   }
+  if (error.empty()) error = storage_error(spec);
   std::unique_ptr<UpdateRule> rule;
   if (error.empty()) {
     try {
@@ -237,18 +321,11 @@ int Client::add_table(const TableSpec& given, const std::string& given_error) {
   }
   const int64_t seq = c.next_seq();
   if (error.empty()) {
-    Partitioner part(spec.num_rows, spec.num_shards, spec.partition);
-    std::unique_ptr<Shard> shard;
-    std::unique_ptr<DynamicStore> store;
-    if (c.rank() < spec.num_shards && spec.dynamic.on) {
-      store = std::make_unique<DynamicStore>(spec.name, spec.dynamic,
-                                             capacity_share(spec.dynamic, spec.num_shards, c.rank()), spec.dim);
-      shard = std::make_unique<Shard>(spec.name, store->arena_rows(), spec.dim, std::move(rule));
-    } else if (c.rank() < spec.num_shards) {
-      shard = std::make_unique<Shard>(spec.name, part.shard_rows(c.rank()), spec.dim, std::move(rule));
+    try {
+      c.adding = make_table(c, spec, std::move(rule));
+    } catch (const PSError& e) {  // (a disk tier whose directory or file cannot be made)
+      error = e.what();
     }
-    c.adding = std::make_unique<Table>(Table{spec, part, std::move(shard), RowAggregator(), false, RoundStats{},
-                                             BoundedState{}, std::move(store)});
   }
   for (int d = 0; d < c.size(); ++d) {
     if (!error.empty()) {
@@ -315,9 +392,18 @@ void Client::load_local(int table, int slot, const float* values) {
   check_fixed(t, "load_local");
   if (!t.shard) return;
   check_slot(t, slot);
-  const int64_t dim = t.spec.dim;
-  for (int64_t l = 0; l < t.shard->rows(); ++l) {
-    std::memcpy(t.shard->row_of(slot, l), values + t.part.global_id(impl_->rank(), l) * dim, dim * sizeof(float));
+  const int64_t dim = t.spec.dim, rows = rows_held(t);
+  std::vector<int64_t> local;
+  std::vector<float> chunk;
+  for (int64_t begin = 0; begin < rows; begin += kLocalChunk) {
+    const int64_t count = std::min(kLocalChunk, rows - begin);
+    local.resize(static_cast<size_t>(count));
+    chunk.resize(static_cast<size_t>(count * dim));
+    for (int64_t k = 0; k < count; ++k) {
+      local[static_cast<size_t>(k)] = begin + k;
+      std::memcpy(chunk.data() + k * dim, values + t.part.global_id(impl_->rank(), begin + k) * dim, dim * sizeof(float));
+    }
+    scatter_rows(t, local.data(), count, chunk.data(), slot);
   }
 }
 
@@ -327,6 +413,10 @@ void Client::attach_replica(int table, float* full_table) {
   impl_->settle();
   Table& t = impl_->table_at(table);
   check_fixed(t, "a replica");
+  if (full_table && (t.tiered || row_type_of(t.spec) != RowType::kFloat32)) {
+    throw PSError("table '" + t.spec.name + "' has storage (" + t.spec.storage.dtype + " rows" +
+                  (t.tiered ? ", a disk tier" : "") + "): it cannot be replicated (use placement: sharded)");
+  }
   if (!t.shard) return;
   if (!full_table) {
     t.shard->detach();
@@ -349,9 +439,16 @@ void Client::write_local(int table, int slot, const int64_t* ids, int64_t n, con
   check_ids(t.spec.name, ids, n, t.spec.num_rows);
   check_slot(t, slot);
   if (!t.shard) return;
+  std::vector<int64_t> local;
+  std::vector<float> mine;
   for (int64_t i = 0; i < n; ++i) {
     if (t.part.shard_of(ids[i]) != impl_->rank()) continue;
-    std::memcpy(t.shard->row_of(slot, t.part.local_index(ids[i])), rows + i * t.spec.dim, t.spec.dim * sizeof(float));
+    local.push_back(t.part.local_index(ids[i]));
+    mine.insert(mine.end(), rows + i * t.spec.dim, rows + (i + 1) * t.spec.dim);
+  }
+  for (size_t begin = 0; begin < local.size(); begin += kLocalChunk) {  // (a disk tier holds a chunk at a time)
+    const auto count = static_cast<int64_t>(std::min<size_t>(kLocalChunk, local.size() - begin));
+    scatter_rows(t, local.data() + begin, count, mine.data() + begin * t.spec.dim, slot);
   }
 }
 
@@ -363,12 +460,80 @@ std::vector<float> Client::local_values(int table, int slot) const {
   check_fixed(t, "local_values");
   check_slot(t, slot);
   if (!t.shard) return {};
-  const int64_t dim = t.spec.dim;
-  std::vector<float> out(static_cast<size_t>(t.shard->rows() * dim));
-  for (int64_t l = 0; l < t.shard->rows(); ++l) {
-    std::memcpy(out.data() + l * dim, t.shard->row_of(slot, l), dim * sizeof(float));
+  const int64_t dim = t.spec.dim, rows = rows_held(t);
+  std::vector<float> out(static_cast<size_t>(rows * dim));
+  std::vector<int64_t> local;
+  for (int64_t begin = 0; begin < rows; begin += kLocalChunk) {
+    const int64_t count = std::min(kLocalChunk, rows - begin);
+    local.resize(static_cast<size_t>(count));
+    for (int64_t k = 0; k < count; ++k) local[static_cast<size_t>(k)] = begin + k;
+    gather_rows(t, local.data(), count, out.data() + begin * dim, slot);
   }
   return out;
+}
+
+std::vector<int64_t> Client::written_rows(int table, bool memory) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  impl_->settle();
+  const Table& t = impl_->table_at(table);
+  if (!t.tiered) throw PSError("table '" + t.spec.name + "' has no disk tier (written_rows lists a tier's rows)");
+  std::vector<int64_t> local = memory ? t.tiered->written_in_memory() : t.tiered->on_disk();
+  std::sort(local.begin(), local.end());
+  for (int64_t& l : local) l = t.part.global_id(impl_->rank(), l);
+  return local;
+}
+
+void Client::local_rows(int table, int slot, const int64_t* ids, int64_t n, float* out) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  impl_->settle();
+  const Table& t = impl_->table_at(table);
+  check_fixed(t, "local_rows");
+  check_ids(t.spec.name, ids, n, t.spec.num_rows);
+  check_slot(t, slot);
+  std::vector<int64_t> local(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    if (t.part.shard_of(ids[i]) != impl_->rank()) {
+      throw PSError("table '" + t.spec.name + "': row " + std::to_string(ids[i]) + " is not in this rank's shard");
+    }
+    local[static_cast<size_t>(i)] = t.part.local_index(ids[i]);
+  }
+  if (n) gather_rows(t, local.data(), n, out, slot);
+}
+
+TierStats Client::tier_stats(int table) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  impl_->settle();
+  const Table& t = impl_->table_at(table);
+  TierStats s;
+  s.dtype = t.spec.storage.dtype;
+  if (!t.shard) return s;
+  s.steps = t.shard->rule().step();
+  const DiskTier* disk = nullptr;
+  if (t.tiered) {
+    disk = &t.tiered->disk();
+    s.memory_rows = t.tiered->resident();
+    s.memory_share = t.tiered->arena_rows();
+    s.hits = t.tiered->hits();
+    s.loads = t.tiered->loads();
+  } else if (t.dynamic) {
+    disk = t.dynamic->disk();
+    s.memory_rows = t.dynamic->resident();
+    s.memory_share = disk ? share_of(t.spec.storage.memory_rows, t.spec.num_shards, impl_->rank()) : 0;
+    s.hits = t.dynamic->hits();
+    s.loads = t.dynamic->loads();
+  } else {
+    s.memory_rows = t.shard->rows();
+  }
+  if (disk) {
+    s.path = disk->path();
+    s.disk_rows = disk->size();
+    s.bytes_read = disk->bytes_read();
+    s.bytes_written = disk->bytes_written();
+  }
+  return s;
 }
 
 void Client::rename_table(int table, const std::string& name) {
@@ -376,6 +541,7 @@ void Client::rename_table(int table, const std::string& name) {
   Table& t = impl_->table_at(table);
   t.spec.name = name;
   if (t.shard) t.shard->rename(name);
+  if (t.tiered) t.tiered->disk().rename(name);
   if (t.dynamic) t.dynamic->rename(name);
 }
 
@@ -387,7 +553,10 @@ void Client::set_rule(int table, const std::string& rule, const std::map<std::st
   auto made = make_update_rule(rule, hparams);  // validates on every rank, shard or not
   t.spec.rule = rule;
   t.spec.hparams = hparams;
-  if (t.shard) t.shard->set_rule(std::move(made));
+  if (!t.shard) return;
+  t.shard->set_rule(std::move(made));
+  if (t.tiered) t.tiered->new_rule(*t.shard);  // rows on disk get the new rule's fresh slots too
+  if (t.dynamic) t.dynamic->new_rule(*t.shard);
 }
 
 void Client::init_normal(int table, uint64_t seed, float mean, float stddev) {
@@ -395,7 +564,7 @@ void Client::init_normal(int table, uint64_t seed, float mean, float stddev) {
   impl_->check_usable();
   impl_->settle();
   check_fixed(impl_->table_at(table), "init_normal");
-  init_rows(impl_->table_at(table), impl_->rank(), seed, [&](uint64_t key) { return normal_value(key, mean, stddev); });
+  init_rows(impl_->table_at(table), impl_->rank(), RowInit{RowInit::Kind::kNormal, seed, mean, stddev});
 }
 
 void Client::init_uniform(int table, uint64_t seed, float low, float high) {
@@ -403,8 +572,7 @@ void Client::init_uniform(int table, uint64_t seed, float low, float high) {
   impl_->check_usable();
   impl_->settle();
   check_fixed(impl_->table_at(table), "init_uniform");
-  init_rows(impl_->table_at(table), impl_->rank(), seed,
-            [&](uint64_t key) { return uniform_value(key, low, high); });
+  init_rows(impl_->table_at(table), impl_->rank(), RowInit{RowInit::Kind::kUniform, seed, low, high});
 }
 
 void Client::set_step(int table, int64_t step) {
@@ -439,7 +607,7 @@ int64_t Client::shard_rows(int table) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   const Table& t = impl_->table_at(table);
   if (t.dynamic) return t.dynamic->stored();
-  return t.shard ? t.shard->rows() : 0;
+  return rows_held(t);
 }
 
 DynamicState Client::dynamic_state(int table) const {

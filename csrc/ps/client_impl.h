@@ -27,6 +27,7 @@
 #include "protocol.h"
 #include "routing.h"
 #include "shard.h"
+#include "tiered_rows.h"
 #include "trace.h"
 
 namespace hybridsync {
@@ -41,7 +42,13 @@ struct Table {
   RoundStats last_round;         // server side: this shard's part of the newest round's statistics
   BoundedState bounded;          // staleness k > 0: clocks and lag counters (bounded.cc)
   std::unique_ptr<DynamicStore> dynamic;  // a dynamic table's id map (its rows: `shard`, an arena)
+  std::unique_ptr<TieredRows> tiered;     // a fixed table with a disk tier (its memory: `shard`, an arena)
 };
+
+// The row type a table's spec names (rows on the wire are in it, shard or not).
+RowType row_type_of(const TableSpec& spec);
+// Rows of a fixed table this rank's shard holds (0 without a shard).
+int64_t rows_held(const Table& t);
 
 // Throws PSError naming a dynamic table for an operation that needs a fixed row count.
 void check_fixed(const Table& t, const char* op);
@@ -73,6 +80,7 @@ struct Routed {
   std::vector<float> summed;  // gradients of duplicate ids added up (only when there are some)
   float* out = nullptr;       // a pull's rows in input order (TableBatch::out)
   int64_t clock = 0, bound = -1;  // a bounded pull: this rank's pushes of the table so far, and k
+  RowType type = RowType::kFloat32;  // how a pull's rows come (16 bits: decoded on arrival)
 };
 
 // A worker's view of the statistics replies carry: partial sums per (table, round) until every
@@ -139,6 +147,8 @@ struct detail::ClientState {
   void serve_one_sided(int source, const Request& request);
   void run_collective(std::vector<Request>& requests);
   void serve_pulls(std::vector<Request>& requests, const std::vector<ErrorNote>& errors);
+  // Tables with a disk tier: every rank's pulled rows into memory first (a failure: *errors).
+  void prefetch_pulls(std::vector<Request>& requests, std::vector<ErrorNote>* errors);
   void apply_push_round(std::vector<Request>& requests, const std::vector<ErrorNote>& errors, bool with_updates);
   void finish_add_table(std::vector<Request>& requests, std::vector<ErrorNote> errors);
   void finish_join();
@@ -213,6 +223,12 @@ void check_rows(const Shard* shard, const std::string& table, const int64_t* loc
 void check_rows(const Table& t, const int64_t* local, int64_t n, const char* op);
 // Rows (slot < 0) or slot values of a shard's local rows / a dynamic shard's ids into out.
 void gather_rows(const Table& t, const int64_t* local, int64_t n, float* out, int slot = -1);
+// Rows as the table stores them (what pull replies carry), row_size bytes each.
+void gather_wire(const Table& t, const int64_t* local, int64_t n, char* out);
+// Overwrites rows (slot < 0) or slot values of a fixed table's local rows.
+void scatter_rows(Table& t, const int64_t* local, int64_t n, const float* values, int slot = -1);
+// A pull's prefetch: the stored rows of a table with a disk tier are in memory afterwards.
+void prefetch_rows(Table& t, const int64_t* local, int64_t n);
 
 template <class Ready>
 void detail::ClientState::drive_until(Ready ready, const std::string& what, int peer) {

@@ -266,7 +266,7 @@ void detail::ClientState::serve_dynamic(int source, const Request& request, Read
     if (errors.empty()) {
       try {
         if (how == DynamicWrite::kSlots) {
-          t->dynamic->write_slots(*t->shard, s.ids, s.slots);
+          t->dynamic->write_slots(t->shard, s.ids, s.slots);
         } else {
           if (how == DynamicWrite::kReplace) t->dynamic->clear();
           if (step >= 0) t->shard->rule().set_step(step);  // (before the entries: expiry counts from it)

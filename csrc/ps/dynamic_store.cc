@@ -9,141 +9,6 @@
 
 namespace hybridsync {
 
-// -- IdMap ------------------------------------------------------------------------------------
-
-size_t IdMap::home(int64_t id) const {
-  // Fibonacci hashing, top bits: independent of the low-bit hash that picked the shard.
-  return static_cast<size_t>((static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> shift_);
-}
-
-void IdMap::rehash(size_t buckets) {
-  int bits = 0;
-  while ((size_t{1} << bits) < buckets) ++bits;
-  buckets_.assign(size_t{1} << bits, -1);
-  mask_ = buckets_.size() - 1;
-  shift_ = 64 - bits;
-  for (size_t pos = 0; pos < ids_.size(); ++pos) {
-    size_t at = home(ids_[pos]);
-    while (buckets_[at] >= 0) at = (at + 1) & mask_;
-    buckets_[at] = static_cast<int32_t>(pos);
-  }
-}
-
-void IdMap::reserve(int64_t n) {
-  size_t want = 16;
-  while (want < static_cast<size_t>(n) * 2) want <<= 1;
-  if (want > buckets_.size()) rehash(want);
-  ids_.reserve(static_cast<size_t>(n));
-}
-
-int64_t IdMap::find(int64_t id) const {
-  if (buckets_.empty()) return -1;
-  for (size_t at = home(id);; at = (at + 1) & mask_) {
-    const int32_t pos = buckets_[at];
-    if (pos < 0) return -1;
-    if (ids_[pos] == id) return pos;
-  }
-}
-
-void IdMap::find_many(const int64_t* ids, int64_t n, int64_t* out) const {
-  if (buckets_.empty()) {
-    std::fill(out, out + n, -1);
-    return;
-  }
-  // Two stages ahead: the bucket of entry i + 2k, then the id its bucket points at for i + k.
-  constexpr int64_t k = 8;
-  auto bucket = [&](int64_t i) { __builtin_prefetch(&buckets_[home(ids[i])]); };
-  auto id_of = [&](int64_t i) {
-    const int32_t pos = buckets_[home(ids[i])];
-    if (pos >= 0) __builtin_prefetch(&ids_[static_cast<size_t>(pos)]);
-  };
-  for (int64_t i = 0; i < std::min(n, 2 * k); ++i) bucket(i);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + 2 * k < n) bucket(i + 2 * k);
-    if (i + k < n) id_of(i + k);
-    out[i] = find(ids[i]);
-  }
-}
-
-size_t IdMap::bucket_of(int64_t id) const {
-  size_t at = home(id);
-  while (ids_[buckets_[at]] != id) at = (at + 1) & mask_;
-  return at;
-}
-
-int64_t IdMap::insert(int64_t id) {
-  if ((ids_.size() + 1) * 2 > buckets_.size()) rehash(std::max<size_t>(16, buckets_.size() * 2));
-  if (ids_.size() >= static_cast<size_t>(INT32_MAX)) throw PSError("a dynamic shard holds at most 2^31 - 1 ids");
-  const auto pos = static_cast<int32_t>(ids_.size());
-  ids_.push_back(id);
-  size_t at = home(id);
-  while (buckets_[at] >= 0) at = (at + 1) & mask_;
-  buckets_[at] = pos;
-  return pos;
-}
-
-void IdMap::unlink(size_t gap) {
-  // Backward-shift deletion (no tombstones): later entries of the probe run move up into the
-  // gap unless their home lies cyclically in (gap, their bucket].
-  for (size_t j = (gap + 1) & mask_; buckets_[j] >= 0; j = (j + 1) & mask_) {
-    const size_t k = home(ids_[buckets_[j]]);
-    const bool stays = gap <= j ? (gap < k && k <= j) : (gap < k || k <= j);
-    if (!stays) {
-      buckets_[gap] = buckets_[j];
-      gap = j;
-    }
-  }
-  buckets_[gap] = -1;
-}
-
-int64_t IdMap::erase_at(int64_t pos) {
-  unlink(bucket_of(ids_[pos]));
-  const int64_t last = size() - 1;
-  if (pos == last) {
-    ids_.pop_back();
-    return -1;
-  }
-  buckets_[bucket_of(ids_[last])] = static_cast<int32_t>(pos);
-  ids_[pos] = ids_[last];
-  ids_.pop_back();
-  return last;
-}
-
-std::vector<std::pair<int64_t, int64_t>> IdMap::erase_many(std::vector<int64_t> victims) {
-  std::sort(victims.begin(), victims.end());
-  victims.erase(std::unique(victims.begin(), victims.end()), victims.end());
-  const auto k = static_cast<int64_t>(victims.size()), n = size(), keep = n - k;
-  constexpr int64_t ahead = 8;
-  // 1. Out of the buckets (ids_ stays as it is, so probe runs still compare).
-  for (int64_t i = 0; i < k; ++i) {
-    if (i + 2 * ahead < k) __builtin_prefetch(&ids_[static_cast<size_t>(victims[i + 2 * ahead])]);
-    if (i + ahead < k) __builtin_prefetch(&buckets_[home(ids_[static_cast<size_t>(victims[i + ahead])])]);
-    unlink(bucket_of(ids_[static_cast<size_t>(victims[i])]));
-  }
-  // 2. The survivors above `keep` fill the victims' positions below it, both in order.
-  std::vector<std::pair<int64_t, int64_t>> moves;
-  size_t v = 0, tail = std::lower_bound(victims.begin(), victims.end(), keep) - victims.begin();
-  for (int64_t from = keep; from < n; ++from) {
-    if (tail < victims.size() && victims[tail] == from) {
-      ++tail;
-      continue;
-    }
-    moves.emplace_back(from, victims[v++]);
-  }
-  for (size_t j = 0; j < moves.size(); ++j) {
-    if (j + ahead < moves.size()) __builtin_prefetch(&buckets_[home(ids_[static_cast<size_t>(moves[j + ahead].first)])]);
-    const auto [from, to] = moves[j];
-    buckets_[bucket_of(ids_[static_cast<size_t>(from)])] = static_cast<int32_t>(to);
-    ids_[static_cast<size_t>(to)] = ids_[static_cast<size_t>(from)];
-  }
-  ids_.resize(static_cast<size_t>(keep));
-  return moves;
-}
-
-int64_t IdMap::bytes() const {
-  return static_cast<int64_t>(buckets_.capacity() * sizeof(int32_t) + ids_.capacity() * sizeof(int64_t));
-}
-
 // -- DynamicStore -----------------------------------------------------------------------------
 
 namespace {
@@ -153,18 +18,77 @@ constexpr int64_t kFreshRowsMax = 1 << 20;   // initial rows cached between roun
 
 uint32_t bumped(uint32_t count) { return count == UINT32_MAX ? count : count + 1; }
 
+// The k entries of 0 .. n-1 that `eligible` admits with the least keys -- (count, last, id) for
+// LFU, (last, id) for LRU -- in no particular order. Level by level, a histogram of the key over
+// the entries still tied finds the threshold: entries below it go, entries at it stay tied for
+// the next level, so no per-entry key array is built (its memory would be the table's) and only
+// the last tie (one round's rows) is sorted, by id.
+template <class Eligible, class Count, class Last, class Id>
+std::vector<int64_t> least(int64_t n, int64_t k, bool lfu, Eligible eligible, Count count, Last last, Id id) {
+  std::vector<uint8_t> tied(static_cast<size_t>(n));
+  int64_t candidates = 0;
+  for (int64_t e = 0; e < n; ++e) candidates += tied[static_cast<size_t>(e)] = eligible(e) ? 1 : 0;
+  k = std::min(k, candidates);
+  std::vector<int64_t> victims;
+  if (k <= 0) return victims;
+  // Takes the tied entries below the threshold and leaves those at it tied; false (nothing
+  // done) where the keys spread wider than a histogram should (restored counts, say).
+  auto level = [&](auto key) {
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (int64_t e = 0; e < n; ++e) {
+      if (tied[static_cast<size_t>(e)]) {
+        lo = std::min<int64_t>(lo, key(e));
+        hi = std::max<int64_t>(hi, key(e));
+      }
+    }
+    if (hi - lo >= (int64_t{1} << 24)) return false;
+    std::vector<int64_t> hist(static_cast<size_t>(hi - lo + 1), 0);
+    for (int64_t e = 0; e < n; ++e) {
+      if (tied[static_cast<size_t>(e)]) ++hist[static_cast<size_t>(key(e) - lo)];
+    }
+    int64_t below = 0, threshold = 0;
+    while (below + hist[static_cast<size_t>(threshold)] < k) below += hist[static_cast<size_t>(threshold++)];
+    for (int64_t e = 0; e < n; ++e) {
+      if (!tied[static_cast<size_t>(e)]) continue;
+      const int64_t b = key(e) - lo;
+      if (b < threshold) victims.push_back(e);
+      tied[static_cast<size_t>(e)] = b == threshold ? 1 : 0;
+    }
+    k -= below;
+    return true;
+  };
+  if (!lfu || level(count)) level(last);
+  std::vector<int64_t> rest;  // what is still tied, in full key order
+  for (int64_t e = 0; e < n; ++e) {
+    if (tied[static_cast<size_t>(e)]) rest.push_back(e);
+  }
+  std::nth_element(rest.begin(), rest.begin() + (k - 1), rest.end(), [&](int64_t x, int64_t y) {
+    if (lfu && count(x) != count(y)) return count(x) < count(y);
+    if (last(x) != last(y)) return last(x) < last(y);
+    return id(x) < id(y);
+  });
+  victims.insert(victims.end(), rest.begin(), rest.begin() + k);
+  return victims;
+}
+
 }  // namespace
 
-DynamicStore::DynamicStore(std::string table, const DynamicSpec& spec, int64_t share, int64_t dim)
-    : table_(std::move(table)), spec_(spec), share_(share), dim_(dim) {
-  if (share_ > 0) {
-    rows_.reserve(share_);
-    counts_.reserve(static_cast<size_t>(share_));
-    last_.reserve(static_cast<size_t>(share_));
+DynamicStore::DynamicStore(std::string table, const DynamicSpec& spec, int64_t share, int64_t dim, int64_t memory,
+                           std::unique_ptr<DiskTier> disk)
+    : table_(std::move(table)), spec_(spec), share_(share), dim_(dim), memory_(std::max<int64_t>(1, memory)),
+      disk_(std::move(disk)) {
+  const int64_t held = disk_ ? memory_ : share_;
+  if (held > 0) {
+    rows_.reserve(held);
+    counts_.reserve(static_cast<size_t>(held));
+    last_.reserve(static_cast<size_t>(held));
   }
 }
 
-int64_t DynamicStore::arena_rows() const { return share_ > 0 ? share_ : kFirstArenaRows; }
+int64_t DynamicStore::arena_rows() const {
+  if (disk_) return memory_;
+  return share_ > 0 ? share_ : kFirstArenaRows;
+}
 
 void DynamicStore::initial_row(int64_t id, float* out) const { initial_rows(&id, 1, out); }
 
@@ -203,57 +127,150 @@ void DynamicStore::grow(Shard& arena, int64_t rows) {
   arena.grow(rows, std::min(stored(), arena.rows()));  // (a row being added may be counted already)
 }
 
-int64_t DynamicStore::add_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last) {
+int64_t DynamicStore::append_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last) {
   const int64_t pos = rows_.insert(id);
   if (pos >= arena->rows()) grow(*arena, std::max<int64_t>(kFirstArenaRows, arena->rows() * 2));
   counts_.push_back(count);
   last_.push_back(last);
+  if (disk_) tick_.push_back(now_);
+  return pos;
+}
+
+int64_t DynamicStore::add_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last) {
+  const int64_t pos = append_row(arena, id, count, last);
   const int64_t cached = fresh_ids_.find(id);
-  if (cached >= 0) {
-    std::memcpy(arena->row(pos), fresh_rows_.data() + cached * dim_, dim_ * sizeof(float));
+  if (arena->row_type() == RowType::kFloat32) {
+    if (cached >= 0) {
+      std::memcpy(arena->row(pos), fresh_rows_.data() + cached * dim_, dim_ * sizeof(float));
+    } else {
+      initial_row(id, arena->row(pos));
+    }
+  } else if (cached >= 0) {
+    arena->set_row(pos, fresh_rows_.data() + cached * dim_);
   } else {
-    initial_row(id, arena->row(pos));
+    std::vector<float> row(static_cast<size_t>(dim_));
+    initial_row(id, row.data());
+    arena->set_row(pos, row.data());
   }
-  for (int k = 0; k < arena->num_slots(); ++k) {
-    std::fill(arena->row_of(k, pos), arena->row_of(k, pos) + dim_, arena->rule().slot_init(k));
-  }
+  arena->reset_slots(pos);
   return pos;
 }
 
 void DynamicStore::remove_row(Shard& arena, int64_t pos) {
   const int64_t moved = rows_.erase_at(pos);
   if (moved >= 0) {
-    std::memcpy(arena.row(pos), arena.row(moved), dim_ * sizeof(float));
-    for (int k = 0; k < arena.num_slots(); ++k) {
-      std::memcpy(arena.row_of(k, pos), arena.row_of(k, moved), dim_ * sizeof(float));
-    }
+    arena.copy_row(moved, pos);
     counts_[pos] = counts_[moved];
     last_[pos] = last_[moved];
+    if (disk_) tick_[pos] = tick_[moved];
   }
   counts_.pop_back();
   last_.pop_back();
+  if (disk_) tick_.pop_back();
 }
 
 void DynamicStore::remove_rows(Shard& arena, std::vector<int64_t> positions) {
   const auto moves = rows_.erase_many(std::move(positions));
-  const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(float);
+  const auto row_bytes = static_cast<size_t>(arena.row_size()), slot_bytes = static_cast<size_t>(dim_) * sizeof(float);
   constexpr size_t ahead = 8;
   for (size_t j = 0; j < moves.size(); ++j) {
     if (j + ahead < moves.size()) {  // the destinations are scattered; the sources run in order
       const int64_t to = moves[j + ahead].second;
-      __builtin_prefetch(arena.row(to), 1);
+      __builtin_prefetch(arena.raw_row(to), 1);
       for (int k = 0; k < arena.num_slots(); ++k) __builtin_prefetch(arena.row_of(k, to), 1);
       __builtin_prefetch(&counts_[static_cast<size_t>(to)], 1);
       __builtin_prefetch(&last_[static_cast<size_t>(to)], 1);
     }
     const auto [from, to] = moves[j];
-    std::memcpy(arena.row(to), arena.row(from), row_bytes);
-    for (int k = 0; k < arena.num_slots(); ++k) std::memcpy(arena.row_of(k, to), arena.row_of(k, from), row_bytes);
+    std::memcpy(arena.raw_row(to), arena.raw_row(from), row_bytes);
+    for (int k = 0; k < arena.num_slots(); ++k) std::memcpy(arena.row_of(k, to), arena.row_of(k, from), slot_bytes);
     counts_[static_cast<size_t>(to)] = counts_[static_cast<size_t>(from)];
     last_[static_cast<size_t>(to)] = last_[static_cast<size_t>(from)];
+    if (disk_) tick_[static_cast<size_t>(to)] = tick_[static_cast<size_t>(from)];
   }
-  counts_.resize(static_cast<size_t>(stored()));
-  last_.resize(static_cast<size_t>(stored()));
+  counts_.resize(static_cast<size_t>(rows_.size()));
+  last_.resize(static_cast<size_t>(rows_.size()));
+  if (disk_) tick_.resize(static_cast<size_t>(rows_.size()));
+}
+
+void DynamicStore::remove_on_disk(std::vector<int64_t> entries) {
+  for (const auto& [from, to] : disk_->remove(std::move(entries))) {
+    disk_counts_[static_cast<size_t>(to)] = disk_counts_[static_cast<size_t>(from)];
+    disk_last_[static_cast<size_t>(to)] = disk_last_[static_cast<size_t>(from)];
+  }
+  disk_counts_.resize(static_cast<size_t>(disk_->size()));
+  disk_last_.resize(static_cast<size_t>(disk_->size()));
+}
+
+void DynamicStore::spill(Shard& arena, int64_t incoming) {
+  const int64_t held = rows_.size();
+  if (!disk_ || held + incoming <= memory_) return;
+  // An eighth of memory at least, so a full arena does not spill a few rows every round.
+  const int64_t k = std::max(held + incoming - memory_, memory_ / 8);
+  std::vector<int64_t> victims = least(
+      held, k, spec_.evict == "lfu", [&](int64_t p) { return tick_[static_cast<size_t>(p)] != now_; },
+      [&](int64_t p) { return static_cast<int64_t>(counts_[static_cast<size_t>(p)]); },
+      [&](int64_t p) { return static_cast<int64_t>(last_[static_cast<size_t>(p)]); },
+      [&](int64_t p) { return rows_.id(p); });
+  if (victims.empty()) return;
+  std::vector<int64_t> ids;
+  std::vector<char> records(victims.size() * static_cast<size_t>(arena.record_size()));
+  for (size_t v = 0; v < victims.size(); ++v) {
+    ids.push_back(rows_.id(victims[v]));
+    arena.get_record(victims[v], records.data() + v * arena.record_size());
+  }
+  disk_->add(ids.data(), static_cast<int64_t>(ids.size()), records.data());  // all or nothing
+  for (const int64_t p : victims) {
+    disk_counts_.push_back(counts_[static_cast<size_t>(p)]);
+    disk_last_.push_back(last_[static_cast<size_t>(p)]);
+  }
+  remove_rows(arena, std::move(victims));
+}
+
+void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n) {
+  ++now_;
+  std::vector<int64_t> at(static_cast<size_t>(n));
+  rows_.find_many(ids, n, at.data());
+  std::vector<int64_t> absent;  // (stored on disk, or not stored)
+  for (int64_t i = 0; i < n; ++i) {
+    if (at[static_cast<size_t>(i)] >= 0) {
+      tick_[static_cast<size_t>(at[static_cast<size_t>(i)])] = now_;
+    } else {
+      absent.push_back(ids[i]);
+    }
+  }
+  hits_ += n - static_cast<int64_t>(absent.size());
+  if (absent.empty()) return;
+  std::vector<int64_t> entry(absent.size()), found;
+  disk_->find_many(absent.data(), static_cast<int64_t>(absent.size()), entry.data());
+  for (const int64_t e : entry) {
+    if (e >= 0) found.push_back(e);
+  }
+  // Absent ids not stored may be admitted by the round: room for them too. Spilling and
+  // reading come before anything changes: a failure leaves the shard as it was.
+  spill(*arena, static_cast<int64_t>(absent.size()));
+  const int64_t size = arena->record_size();
+  std::vector<char> records(found.size() * static_cast<size_t>(size));
+  disk_->read(found.data(), static_cast<int64_t>(found.size()), records.data());
+  for (size_t k = 0; k < found.size(); ++k) {
+    const auto e = static_cast<size_t>(found[k]);
+    const int64_t pos = append_row(arena, disk_->key(found[k]), disk_counts_[e], disk_last_[e]);
+    arena->set_record(pos, records.data() + k * size);
+  }
+  loads_ += static_cast<int64_t>(found.size());
+  remove_on_disk(std::move(found));
+}
+
+void DynamicStore::prefetch(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n) {
+  if (!disk_) return;
+  std::vector<int64_t> unique(ids, ids + n);  // (every rank's ids of one pull: duplicates)
+  std::sort(unique.begin(), unique.end());
+  unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
+  load(arena, unique.data(), static_cast<int64_t>(unique.size()));
+}
+
+void DynamicStore::new_rule(Shard& arena) {
+  if (disk_) disk_->relayout(arena.row_size(), arena.fresh_slots());
 }
 
 void DynamicStore::remove_pending(int64_t pos) {
@@ -275,6 +292,7 @@ std::vector<int64_t>& DynamicStore::touch_list(int32_t round) {
 void DynamicStore::expire(Shard& arena, int32_t now) {
   while (!touched_.empty() && touched_first_ <= now - spec_.ttl_steps - 1) {
     const auto round = static_cast<int32_t>(touched_first_);
+    std::vector<int64_t> on_disk;  // entries, removed together below
     for (const int64_t id : touched_.front()) {  // an id touched again since is listed again later
       const int64_t pos = rows_.find(id);
       if (pos >= 0 && last_[pos] == round) {
@@ -282,72 +300,45 @@ void DynamicStore::expire(Shard& arena, int32_t now) {
         ++counters_.last_expired;
         continue;
       }
+      const int64_t e = pos < 0 && disk_ ? disk_->find(id) : -1;
+      if (e >= 0 && disk_last_[static_cast<size_t>(e)] == round) {
+        on_disk.push_back(e);
+        ++counters_.last_expired;
+        continue;
+      }
       const int64_t p = pending_.find(id);
       if (p >= 0 && pending_last_[p] == round) remove_pending(p);
     }
+    if (!on_disk.empty()) remove_on_disk(std::move(on_disk));
     touched_.pop_front();
     ++touched_first_;
   }
 }
 
 int64_t DynamicStore::evict_to(Shard& arena, int64_t target, int32_t now) {
-  // Victims: rows not touched this round, least (count, last, id) for LFU, (last, id) for LRU.
-  // Level by level, a histogram of the key over the rows still tied finds the threshold: rows
-  // below it go, rows at it stay tied for the next level, so no per-row key array is built (its
-  // memory would be the table's) and only the last tie (one round's rows) is sorted, by id.
-  const int64_t n = stored();
-  std::vector<uint8_t> tied(static_cast<size_t>(n));
-  int64_t untouched = 0;
-  for (int64_t pos = 0; pos < n; ++pos) untouched += tied[pos] = last_[pos] != now ? 1 : 0;
-  int64_t k = std::min<int64_t>(n - target, untouched);
-  if (k <= 0) return 0;
-  std::vector<int64_t> victims;  // positions
-  // Takes the tied rows below the threshold and leaves those at it tied; false (nothing done)
-  // where the keys spread wider than a histogram should (restored counts, say).
-  auto level = [&](auto key) {
-    int64_t lo = INT64_MAX, hi = INT64_MIN;
-    for (int64_t pos = 0; pos < n; ++pos) {
-      if (tied[pos]) {
-        lo = std::min<int64_t>(lo, key(pos));
-        hi = std::max<int64_t>(hi, key(pos));
-      }
-    }
-    if (hi - lo >= (int64_t{1} << 24)) return false;
-    std::vector<int64_t> hist(static_cast<size_t>(hi - lo + 1), 0);
-    for (int64_t pos = 0; pos < n; ++pos) {
-      if (tied[pos]) ++hist[static_cast<size_t>(key(pos) - lo)];
-    }
-    int64_t below = 0, threshold = 0;
-    while (below + hist[static_cast<size_t>(threshold)] < k) below += hist[static_cast<size_t>(threshold++)];
-    for (int64_t pos = 0; pos < n; ++pos) {
-      if (!tied[pos]) continue;
-      const int64_t b = key(pos) - lo;
-      if (b < threshold) victims.push_back(pos);
-      tied[pos] = b == threshold ? 1 : 0;
-    }
-    k -= below;
-    return true;
+  // Victims: rows not touched this round, in memory or on disk alike (entries R.. are the disk's).
+  const int64_t held = rows_.size(), n = stored();
+  auto count = [&](int64_t e) -> int64_t {
+    return e < held ? counts_[static_cast<size_t>(e)] : disk_counts_[static_cast<size_t>(e - held)];
   };
-  const bool lfu = spec_.evict == "lfu";
-  if (!lfu || level([&](int64_t pos) { return static_cast<int64_t>(counts_[pos]); })) {
-    level([&](int64_t pos) { return static_cast<int64_t>(last_[pos]); });
-  }
-  std::vector<int64_t> rest;  // what is still tied, in full key order
-  for (int64_t pos = 0; pos < n; ++pos) {
-    if (tied[pos]) rest.push_back(pos);
-  }
-  std::nth_element(rest.begin(), rest.begin() + (k - 1), rest.end(), [&](int64_t x, int64_t y) {
-    if (lfu && counts_[x] != counts_[y]) return counts_[x] < counts_[y];
-    if (last_[x] != last_[y]) return last_[x] < last_[y];
-    return rows_.id(x) < rows_.id(y);
-  });
-  victims.insert(victims.end(), rest.begin(), rest.begin() + k);
+  auto last = [&](int64_t e) -> int64_t {
+    return e < held ? last_[static_cast<size_t>(e)] : disk_last_[static_cast<size_t>(e - held)];
+  };
+  auto id = [&](int64_t e) { return e < held ? rows_.id(e) : disk_->key(e - held); };
+  std::vector<int64_t> victims =
+      least(n, n - target, spec_.evict == "lfu", [&](int64_t e) { return last(e) != now; }, count, last, id);
   const auto removed = static_cast<int64_t>(victims.size());
-  remove_rows(arena, std::move(victims));
+  std::vector<int64_t> in_memory, on_disk;
+  for (const int64_t e : victims) (e < held ? in_memory : on_disk).push_back(e < held ? e : e - held);
+  if (!on_disk.empty()) remove_on_disk(std::move(on_disk));
+  if (!in_memory.empty()) remove_rows(arena, std::move(in_memory));
   return removed;
 }
 
 void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* grads) {
+  // Disk tier: the stored rows this round touches come back into memory first (a failure there
+  // changes nothing); the rules below then find every touched stored row in the arena.
+  if (disk_) load(arena, ids, n);
   arena->rule().begin_step();
   const auto now = static_cast<int32_t>(arena->rule().step());
   counters_.last_admitted = counters_.last_evicted = counters_.last_expired = 0;
@@ -436,7 +427,11 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
     }
     applied_grads = kept.data();
   }
-  arena->apply(local.data(), applied, applied_grads);
+  std::vector<int64_t> applied_ids;  // (stochastic rounding draws from the ids)
+  if (arena->rounding().stochastic) {
+    for (const int64_t p : local) applied_ids.push_back(rows_.id(p));
+  }
+  arena->apply(local.data(), applied, applied_grads, applied_ids.empty() ? nullptr : applied_ids.data());
   counters_.rejected += n - applied;
   fresh_ids_.clear();  // the next round's pulls start a new cache
   fresh_rows_.clear();
@@ -448,17 +443,46 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
 void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float* out, int slot) const {
   std::vector<int64_t> pos(static_cast<size_t>(n));
   rows_.find_many(ids, n, pos.data());
+  // Disk tier: rows stored on disk, read together (memory does not change).
+  std::vector<int64_t> entry, on_disk;
+  if (disk_ && disk_->size() > 0) {
+    entry.assign(static_cast<size_t>(n), -1);
+    for (int64_t i = 0; i < n; ++i) {
+      if (pos[static_cast<size_t>(i)] < 0) entry[static_cast<size_t>(i)] = disk_->find(ids[i]);
+      if (entry[static_cast<size_t>(i)] >= 0) on_disk.push_back(entry[static_cast<size_t>(i)]);
+    }
+  }
+  const int64_t size = arena.record_size();
+  std::vector<char> records(on_disk.size() * static_cast<size_t>(size));
+  if (!on_disk.empty()) disk_->read(on_disk.data(), static_cast<int64_t>(on_disk.size()), records.data());
+  size_t next_record = 0;
   std::vector<int64_t> fresh;  // positions in ids of rows not stored nor cached: computed together
   constexpr int64_t ahead = 8;
+  const bool raw_floats = slot >= 0 || arena.row_type() == RowType::kFloat32;
   for (int64_t i = 0; i < n; ++i) {
-    if (i + ahead < n && pos[i + ahead] >= 0) __builtin_prefetch(arena.row_of(slot, pos[i + ahead]));
+    if (i + ahead < n && pos[i + ahead] >= 0) __builtin_prefetch(arena.raw_row(pos[i + ahead]));
     float* dst = out + i * dim_;
     if (pos[i] >= 0) {
-      std::memcpy(dst, arena.row_of(slot, pos[i]), dim_ * sizeof(float));
+      if (raw_floats) {
+        std::memcpy(dst, arena.row_of(slot, pos[i]), dim_ * sizeof(float));
+      } else {
+        arena.get_row(pos[i], dst);
+      }
+    } else if (!entry.empty() && entry[static_cast<size_t>(i)] >= 0) {
+      const char* record = records.data() + (next_record++) * size;
+      if (slot >= 0) {
+        std::memcpy(dst, record + arena.row_size() + slot * dim_ * static_cast<int64_t>(sizeof(float)),
+                    dim_ * sizeof(float));
+      } else if (raw_floats) {
+        std::memcpy(dst, record, dim_ * sizeof(float));
+      } else {
+        decode_row(arena.row_type(), reinterpret_cast<const uint16_t*>(record), dst, dim_);
+      }
     } else if (slot < 0) {
       const int64_t cached = fresh_ids_.find(ids[i]);
       if (cached >= 0) {
         std::memcpy(dst, fresh_rows_.data() + cached * dim_, dim_ * sizeof(float));
+        if (!raw_floats) round_trip(arena, dst);
       } else {
         fresh.push_back(i);
       }
@@ -473,7 +497,9 @@ void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float
   initial_rows(fresh_ids.data(), static_cast<int64_t>(fresh.size()), rows.data());
   for (size_t k = 0; k < fresh.size(); ++k) {
     const float* row = rows.data() + k * dim_;
-    std::memcpy(out + fresh[k] * dim_, row, dim_ * sizeof(float));
+    float* dst = out + fresh[k] * dim_;
+    std::memcpy(dst, row, dim_ * sizeof(float));
+    if (!raw_floats) round_trip(arena, dst);  // a 16-bit row reads as it will be stored
     // The push that follows admits these ids: it copies them from here.
     if (fresh_ids_.size() < kFreshRowsMax && fresh_ids_.find(fresh_ids[k]) < 0) {
       fresh_ids_.insert(fresh_ids[k]);
@@ -482,7 +508,24 @@ void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float
   }
 }
 
+void DynamicStore::round_trip(const Shard& arena, float* row) const {
+  std::vector<uint16_t> bits(static_cast<size_t>(dim_));
+  encode_row(arena.row_type(), row, bits.data(), dim_);
+  decode_row(arena.row_type(), bits.data(), row, dim_);
+}
+
+void DynamicStore::read_raw(const Shard& arena, const int64_t* ids, int64_t n, char* out) const {
+  if (arena.row_type() == RowType::kFloat32) {
+    read(arena, ids, n, reinterpret_cast<float*>(out), -1);
+    return;
+  }
+  std::vector<float> rows(static_cast<size_t>(n * dim_));
+  read(arena, ids, n, rows.data(), -1);
+  encode_row(arena.row_type(), rows.data(), reinterpret_cast<uint16_t*>(out), n * dim_);  // exact: 16-bit values
+}
+
 void DynamicStore::write(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* values, int slot) {
+  if (disk_) load(arena, ids, n);  // (rows on disk come back, to be overwritten)
   const auto now = static_cast<int32_t>(arena->rule().step());
   for (int64_t i = 0; i < n; ++i) {
     int64_t pos = rows_.find(ids[i]);
@@ -496,8 +539,13 @@ void DynamicStore::write(std::unique_ptr<Shard>& arena, const int64_t* ids, int6
       pos = add_row(arena, ids[i], 0, now);
       if (spec_.ttl_steps > 0) touch_list(now).push_back(ids[i]);
     }
-    std::memcpy(arena->row_of(slot, pos), values + i * dim_, dim_ * sizeof(float));
+    if (slot < 0) {
+      arena->set_row(pos, values + i * dim_);
+    } else {
+      std::memcpy(arena->row_of(slot, pos), values + i * dim_, dim_ * sizeof(float));
+    }
   }
+  if (disk_ && rows_.size() > 2 * memory_) settle(*arena);
 }
 
 void DynamicStore::clear() {
@@ -511,21 +559,20 @@ void DynamicStore::clear() {
   touched_first_ = 0;
   fresh_ids_.clear();
   fresh_rows_.clear();
+  tick_.clear();
+  if (disk_) {
+    disk_->clear();
+    disk_counts_.clear();
+    disk_last_.clear();
+  }
 }
 
 DynamicState DynamicStore::state(const Shard& arena) const {
-  DynamicState s;
-  s.dim = dim_;
-  const int64_t n = stored();
-  s.ids = rows_.ids();
-  s.counts.assign(counts_.begin(), counts_.end());
-  s.last_touch.assign(last_.begin(), last_.end());
-  const auto floats = static_cast<size_t>(n * dim_);
-  if (n) s.rows.assign(arena.row(0), arena.row(0) + floats);
-  for (int k = 0; k < arena.num_slots(); ++k) s.slots.emplace_back(arena.slot(k), arena.slot(k) + floats);
-  s.pending_ids = pending_.ids();
-  s.pending_counts.assign(pending_counts_.begin(), pending_counts_.end());
-  s.pending_last.assign(pending_last_.begin(), pending_last_.end());
+  DynamicState s = range(arena, false, 0, stored(), true, true);
+  const DynamicState p = range(arena, true, 0, pending(), false, false);
+  s.pending_ids = p.pending_ids;
+  s.pending_counts = p.pending_counts;
+  s.pending_last = p.pending_last;
   return s;
 }
 
@@ -540,23 +587,58 @@ DynamicState DynamicStore::range(const Shard& arena, bool pending, int64_t begin
     s.pending_last.assign(pending_last_.begin() + from, pending_last_.begin() + to);
     return s;
   }
-  s.ids.assign(rows_.ids().begin() + from, rows_.ids().begin() + to);
-  s.counts.assign(counts_.begin() + from, counts_.begin() + to);
-  s.last_touch.assign(last_.begin() + from, last_.begin() + to);
-  const auto floats = static_cast<size_t>(n * dim_);
-  if (rows && n) s.rows.assign(arena.row(begin), arena.row(begin) + floats);
-  for (int k = 0; slots && k < arena.num_slots(); ++k) {
-    s.slots.emplace_back(n ? arena.row_of(k, begin) : nullptr, n ? arena.row_of(k, begin) + floats : nullptr);
+  // Stored rows in memory (positions 0 .. R-1), then on disk (entries, as R ..).
+  const auto held = static_cast<size_t>(rows_.size()), mid = std::min(std::max(from, held), to);
+  s.ids.assign(rows_.ids().begin() + std::min(from, held), rows_.ids().begin() + mid);
+  s.counts.assign(counts_.begin() + std::min(from, held), counts_.begin() + mid);
+  s.last_touch.assign(last_.begin() + std::min(from, held), last_.begin() + mid);
+  const int64_t in_memory = static_cast<int64_t>(mid) - static_cast<int64_t>(std::min(from, held));
+  if (rows) s.rows.resize(static_cast<size_t>(n * dim_));
+  if (slots) s.slots.assign(static_cast<size_t>(arena.num_slots()), std::vector<float>(static_cast<size_t>(n * dim_)));
+  for (int64_t k = 0; k < in_memory; ++k) {
+    const int64_t p = static_cast<int64_t>(std::min(from, held)) + k;
+    if (rows) arena.get_row(p, s.rows.data() + k * dim_);
+    for (int j = 0; slots && j < arena.num_slots(); ++j) {
+      std::memcpy(s.slots[j].data() + k * dim_, arena.row_of(j, p), dim_ * sizeof(float));
+    }
+  }
+  if (mid == to) return s;
+  const int64_t first = static_cast<int64_t>(mid - held), count = static_cast<int64_t>(to - mid);
+  std::vector<int64_t> entries(static_cast<size_t>(count));
+  for (int64_t k = 0; k < count; ++k) {
+    entries[static_cast<size_t>(k)] = first + k;
+    s.ids.push_back(disk_->key(first + k));
+    s.counts.push_back(disk_counts_[static_cast<size_t>(first + k)]);
+    s.last_touch.push_back(disk_last_[static_cast<size_t>(first + k)]);
+  }
+  if (!rows && !slots) return s;
+  const int64_t size = arena.record_size();
+  std::vector<char> records(static_cast<size_t>(count * size));
+  disk_->read(entries.data(), count, records.data());
+  for (int64_t k = 0; k < count; ++k) {
+    const char* record = records.data() + k * size;
+    const int64_t at = (in_memory + k) * dim_;
+    if (rows && arena.row_type() == RowType::kFloat32) {
+      std::memcpy(s.rows.data() + at, record, dim_ * sizeof(float));
+    } else if (rows) {
+      decode_row(arena.row_type(), reinterpret_cast<const uint16_t*>(record), s.rows.data() + at, dim_);
+    }
+    for (int j = 0; slots && j < arena.num_slots(); ++j) {
+      std::memcpy(s.slots[j].data() + at, record + arena.row_size() + j * dim_ * static_cast<int64_t>(sizeof(float)),
+                  dim_ * sizeof(float));
+    }
   }
   return s;
 }
 
-void DynamicStore::write_slots(Shard& arena, const std::vector<int64_t>& ids,
+void DynamicStore::write_slots(std::unique_ptr<Shard>& arena_ptr, const std::vector<int64_t>& ids,
                                const std::vector<std::vector<float>>& slots) {
+  Shard& arena = *arena_ptr;
   if (static_cast<int>(slots.size()) != arena.num_slots()) {
     throw PSError("table '" + table_ + "': " + std::to_string(slots.size()) + " optimizer slots cannot load into " +
                   std::to_string(arena.num_slots()));
   }
+  if (disk_) load(arena_ptr, ids.data(), static_cast<int64_t>(ids.size()));  // (those on disk come back)
   std::vector<int64_t> at(ids.size());
   rows_.find_many(ids.data(), static_cast<int64_t>(ids.size()), at.data());
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -565,6 +647,7 @@ void DynamicStore::write_slots(Shard& arena, const std::vector<int64_t>& ids,
       std::memcpy(arena.row_of(k, at[i]), slots[k].data() + i * dim_, dim_ * sizeof(float));
     }
   }
+  if (disk_ && rows_.size() > 2 * memory_) settle(arena);
 }
 
 DynamicStats DynamicStore::stats(const Shard& arena) const {
@@ -578,7 +661,11 @@ DynamicStats DynamicStore::stats(const Shard& arena) const {
                 static_cast<int64_t>((counts_.capacity() + last_.capacity() + pending_counts_.capacity() +
                                       pending_last_.capacity()) * 4) +
                 listed * static_cast<int64_t>(sizeof(int64_t));
-  s.row_bytes = stored() * dim_ * static_cast<int64_t>(sizeof(float)) * (1 + arena.num_slots());
+  if (disk_) {
+    s.map_bytes += disk_->index_bytes() + static_cast<int64_t>((disk_counts_.capacity() + disk_last_.capacity()) * 4 +
+                                                               tick_.capacity() * 4);
+  }
+  s.row_bytes = rows_.size() * arena.record_size();  // (in memory; rows on disk cost only their index)
   return s;
 }
 

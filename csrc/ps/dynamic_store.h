@@ -17,6 +17,14 @@
 //     candidates that still do not fit wait, lowest ids admitted first;
 //  5. admitted rows start at their initial value (seed, id) with fresh slots; the rule then
 //     updates every stored touched row.
+//
+// With a disk tier (storage.path), stored rows are in the arena or in a DiskTier; the rules
+// above do not see the difference (a stored row is stored, wherever it is; the share bounds both
+// tiers together, `memory` the arena alone). Only where rows are changes: a round, and a pull's
+// prefetch, first reads back the stored rows it touches, and if the arena would then hold more
+// than `memory` rows, rows it does not touch go to disk first (in the eviction order; LRU when
+// evict is none), an eighth of `memory` at a time -- so a disk that cannot take them fails the
+// round or the pull before any row changes. Rows leave the disk only by expiry or eviction.
 #pragma once
 
 #include <algorithm>
@@ -28,61 +36,31 @@
 #include <vector>
 
 #include "hybridsync/ps.h"
+#include "id_map.h"
 #include "shard.h"
+#include "tier.h"
 
 namespace hybridsync {
 
-// ids -> dense positions 0 .. size-1 (insertion appends; erase moves the last entry into the
-// gap). Buckets hold positions (4 bytes) and compare through the dense id array, so an entry
-// costs 8 bytes of id plus 8-16 of buckets at a load factor of 1/4 to 1/2.
-class IdMap {
- public:
-  // Buckets for `n` entries without growing.
-  void reserve(int64_t n);
-  // The position of `id`, or -1.
-  int64_t find(int64_t id) const;
-  // out[i] = find(ids[i]), with the buckets and ids of later entries prefetched: a shard's map
-  // is far larger than the caches, so lookups one at a time wait on memory twice per id.
-  void find_many(const int64_t* ids, int64_t n, int64_t* out) const;
-  // Appends an absent id; its position.
-  int64_t insert(int64_t id);
-  // Removes the entry at `pos`; the position whose entry moved into `pos` (-1: none moved).
-  int64_t erase_at(int64_t pos);
-  // Removes the entries at `victims` (positions) at once, lookups prefetched ahead (an
-  // eviction removes an eighth of a shard): the entries left above the new size move down into
-  // the gaps. Returns the moves as (from, to) pairs, in order.
-  std::vector<std::pair<int64_t, int64_t>> erase_many(std::vector<int64_t> victims);
-  int64_t size() const { return static_cast<int64_t>(ids_.size()); }
-  // Empties it, keeping its buckets.
-  void clear() {
-    if (!ids_.empty()) std::fill(buckets_.begin(), buckets_.end(), -1);
-    ids_.clear();
-  }
-  int64_t id(int64_t pos) const { return ids_[pos]; }
-  const std::vector<int64_t>& ids() const { return ids_; }
-  int64_t bytes() const;
-
- private:
-  size_t home(int64_t id) const;
-  size_t bucket_of(int64_t id) const;  // the bucket holding `id` (present)
-  void unlink(size_t bucket);          // empties a bucket, shifting its probe run back
-  void rehash(size_t buckets);
-  std::vector<int32_t> buckets_;  // -1: empty
-  std::vector<int64_t> ids_;
-  int shift_ = 64;
-  size_t mask_ = 0;
-};
-
 class DynamicStore {
  public:
-  // share: the most rows this shard holds (0: unbounded).
-  DynamicStore(std::string table, const DynamicSpec& spec, int64_t share, int64_t dim);
+  // share: the most rows this shard holds (0: unbounded). disk: its disk tier (or null), with
+  // `memory` the most rows kept in memory between rounds.
+  DynamicStore(std::string table, const DynamicSpec& spec, int64_t share, int64_t dim, int64_t memory = 0,
+               std::unique_ptr<DiskTier> disk = nullptr);
   // Rows the shard's arena starts with.
   int64_t arena_rows() const;
-  void rename(std::string table) { table_ = std::move(table); }
+  void rename(std::string table) {
+    table_ = std::move(table);
+    if (disk_) disk_->rename(table_);
+  }
 
-  // Rows (slot < 0) or slot values of ids into out; absent ids read their initial value.
+  // Rows (slot < 0, float32) or slot values of ids into out; absent ids read their initial value.
   void read(const Shard& arena, const int64_t* ids, int64_t n, float* out, int slot) const;
+  // Rows of ids as stored (the arena's row type: what goes on the wire).
+  void read_raw(const Shard& arena, const int64_t* ids, int64_t n, char* out) const;
+  // A pull's prefetch (disk tier only): the stored rows of ids are in the arena afterwards.
+  void prefetch(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n);
   // Overwrites rows or slot values; absent ids are created (PSError when the shard is full).
   void write(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* values, int slot);
   // One push round (see the top of this file): `ids` distinct, `grads` summed and scaled.
@@ -98,19 +76,30 @@ class DynamicStore {
   template <class Mine>
   void restore(std::unique_ptr<Shard>& arena, const DynamicState& s, Mine mine);
   // Overwrites the optimizer slots of those of `ids` that are stored (slots[k]: n x dim each).
-  void write_slots(Shard& arena, const std::vector<int64_t>& ids, const std::vector<std::vector<float>>& slots);
+  void write_slots(std::unique_ptr<Shard>& arena, const std::vector<int64_t>& ids,
+                   const std::vector<std::vector<float>>& slots);
+  // The arena got a new rule (its slots restarted): rows on disk get fresh slots too.
+  void new_rule(Shard& arena);
   DynamicStats stats(const Shard& arena) const;
   // Forgets every stored row and pending id (a checkpoint load replaces the shard's contents);
   // the map keeps its buckets and the arena its pages.
   void clear();
-  int64_t stored() const { return rows_.size(); }
+  // Rows stored (in both tiers), in memory, pending.
+  int64_t stored() const { return rows_.size() + (disk_ ? disk_->size() : 0); }
+  int64_t resident() const { return rows_.size(); }
   int64_t pending() const { return pending_.size(); }
+  const DiskTier* disk() const { return disk_.get(); }
+  // Lookups (prefetch, round) of stored rows found in memory, and read back from disk.
+  int64_t hits() const { return hits_; }
+  int64_t loads() const { return loads_; }
   // The initial row of `id`: a pure function of (seed, id).
   void initial_row(int64_t id, float* out) const;
   // The initial rows of n ids into out (n x dim), computed together (see normal_pairs).
   void initial_rows(const int64_t* ids, int64_t n, float* out) const;
 
  private:
+  // A new stored row at the end of the arena, its values unset; its position.
+  int64_t append_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last);
   // A new stored row at the end of the arena (initial value, fresh slots); its position.
   int64_t add_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last);
   void remove_row(Shard& arena, int64_t pos);
@@ -121,15 +110,36 @@ class DynamicStore {
   void expire(Shard& arena, int32_t now);
   // Evicts rows not touched in round `now` until at most `target` rows are stored.
   int64_t evict_to(Shard& arena, int64_t target, int32_t now);
+  // Disk tier: brings the stored rows of ids into the arena (making room first); the rows ids
+  // name are marked as this operation's, so nothing spills them.
+  void load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n);
+  // Disk tier: rows of the arena not marked by the newest operation go to disk until
+  // `incoming` more rows fit `memory_`.
+  void spill(Shard& arena, int64_t incoming);
+  // Disk tier: back within `memory_` rows, any row a candidate to spill (restores, writes).
+  void settle(Shard& arena) {
+    ++now_;
+    spill(arena, 0);
+  }
+  // Removes disk entries, keeping their counters in step.
+  void remove_on_disk(std::vector<int64_t> entries);
   void grow(Shard& arena, int64_t rows);
+  // A float32 row as a 16-bit arena would store it (rounded and back).
+  void round_trip(const Shard& arena, float* row) const;
   // ttl: the list of ids touched in `round` (lists are kept for the newest ttl_steps + 1 rounds).
   std::vector<int64_t>& touch_list(int32_t round);
   std::string table_;
   DynamicSpec spec_;
-  int64_t share_, dim_;
-  IdMap rows_;  // stored ids; position = arena row
+  int64_t share_, dim_, memory_;
+  IdMap rows_;  // stored ids in memory; position = arena row
   std::vector<uint32_t> counts_;
   std::vector<int32_t> last_;
+  std::vector<uint32_t> tick_;         // disk tier: per arena row, the operation that last needed it
+  std::unique_ptr<DiskTier> disk_;     // stored rows not in memory (entries keyed by id), or null
+  std::vector<uint32_t> disk_counts_;  // per disk entry
+  std::vector<int32_t> disk_last_;
+  uint32_t now_ = 0;                   // operations so far (disk tier)
+  int64_t hits_ = 0, loads_ = 0;
   IdMap pending_;  // seen, not admitted
   std::vector<uint32_t> pending_counts_;
   std::vector<int32_t> pending_last_;
@@ -155,6 +165,10 @@ void DynamicStore::restore(std::unique_ptr<Shard>& arena, const DynamicState& s,
     const int64_t id = s.ids[i];
     if (!mine(id)) continue;
     int64_t pos = rows_.find(id);
+    if (pos < 0 && disk_) {  // (on disk: loaded, so rows the state leaves out keep their slots)
+      load(arena, &id, 1);
+      pos = rows_.find(id);
+    }
     if (pos < 0) {
       // Loaded at another world size, a shard may get more than its share: it holds them (the
       // lookups stay those that were saved) and its next round evicts down by its rule.
@@ -164,14 +178,16 @@ void DynamicStore::restore(std::unique_ptr<Shard>& arena, const DynamicState& s,
     }
     counts_[pos] = static_cast<uint32_t>(s.counts[i]);
     last_[pos] = static_cast<int32_t>(s.last_touch[i]);
-    std::copy(s.rows.begin() + i * dim_, s.rows.begin() + (i + 1) * dim_, arena->row(pos));
+    arena->set_row(pos, s.rows.data() + i * dim_);
     for (int k = 0; with_slots && k < slots; ++k) {
       std::copy(s.slots[k].begin() + i * dim_, s.slots[k].begin() + (i + 1) * dim_, arena->row_of(k, pos));
     }
+    if (disk_ && rows_.size() > 2 * memory_) settle(*arena);  // (a big state streams through memory)
   }
+  if (disk_) settle(*arena);
   for (size_t i = 0; i < s.pending_ids.size(); ++i) {
     const int64_t id = s.pending_ids[i];
-    if (!mine(id) || rows_.find(id) >= 0) continue;
+    if (!mine(id) || rows_.find(id) >= 0 || (disk_ && disk_->find(id) >= 0)) continue;
     int64_t pos = pending_.find(id);
     if (pos < 0) {
       pos = pending_.insert(id);

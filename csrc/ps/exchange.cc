@@ -70,7 +70,7 @@ std::vector<Routed> route_batches(const detail::ClientState& c, const std::vecto
     for (const TableBatch& b : batches) {
       const Table& t = c.table_at(b.table);
       const int64_t dim = t.spec.dim;
-      if (!with_grads && b.out && c.size() == 1 && t.shard && t.shard->rows() == t.spec.num_rows) {
+      if (!with_grads && b.out && c.size() == 1 && t.shard && !t.tiered && t.shard->rows() == t.spec.num_rows) {
         copy_in_order(t, b);
         Routed done{b.table, dim, Routing{}, nullptr, {}, nullptr};  // asks the server for nothing
         done.routing.offset.assign(2, 0);
@@ -78,6 +78,7 @@ std::vector<Routed> route_batches(const detail::ClientState& c, const std::vecto
         continue;
       }
       Routed r{b.table, dim, route_ids(t.spec.name, t.part, b.ids, b.n, c.size()), nullptr, {}, b.out};
+      r.type = row_type_of(t.spec);
       const auto& dd = r.routing.dedup;
       if (with_grads && static_cast<int64_t>(dd.unique.size()) == b.n) {
         r.rows = b.grads;  // no duplicates: unique u is input u
@@ -173,12 +174,20 @@ std::vector<PullResult> pull_round(detail::ClientState& c, RequestKind kind, con
       const Routing& rt = routed[b].routing;
       const int64_t dim = routed[b].dim;
       if (rt.count(d) == 0) continue;
-      const float* rows = r.f32s(rt.count(d), dim);
       float* out = routed[b].out;
-      for (int64_t k = rt.offset[d]; k < rt.offset[d + 1]; ++k, rows += dim) {
-        float* dst = out ? out + first[b][rt.order[k]] * dim : done[b].rows.data() + rt.order[k] * dim;
-        std::memcpy(dst, rows, dim * sizeof(float));
+      auto dst_of = [&](int64_t k) {
+        return out ? out + first[b][rt.order[k]] * dim : done[b].rows.data() + rt.order[k] * dim;
+      };
+      if (routed[b].type == RowType::kFloat32) {
+        const float* rows = r.f32s(rt.count(d), dim);
+        for (int64_t k = rt.offset[d]; k < rt.offset[d + 1]; ++k, rows += dim) {
+          std::memcpy(dst_of(k), rows, dim * sizeof(float));
+        }
+        continue;
       }
+      // 16-bit rows (the table stores them so), decoded as they arrive (fields are 4-byte aligned).
+      const auto* rows = reinterpret_cast<const uint16_t*>(r.row_bytes(rt.count(d), dim * 2));
+      for (int64_t k = rt.offset[d]; k < rt.offset[d + 1]; ++k, rows += dim) decode_row(routed[b].type, rows, dst_of(k), dim);
     }
   });
   for (size_t b = 0; b < routed.size(); ++b) {

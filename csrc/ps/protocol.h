@@ -90,6 +90,14 @@ class Writer {
     static const char zeros[8] = {0};
     raw(zeros, (8 - s.size() % 8) % 8);
   }
+  // Reserves `bytes` bytes (padded with zeros to a multiple of 4, so float fields after them
+  // stay aligned) and returns where to write them: rows as a table stores them (16-bit ones).
+  char* bytes_slot(size_t bytes) {
+    const size_t at = buf_.size();
+    buf_.resize(at + padded(bytes), 0);
+    return buf_.data() + at;
+  }
+  static size_t padded(size_t bytes) { return (bytes + 3) & ~size_t{3}; }
   // Reserves n floats and returns where to write them (valid until the next append).
   float* f32_slot(size_t n) {
     const size_t at = buf_.size();
@@ -143,6 +151,17 @@ class Reader {
     if (rows == 0 || dim == 0) return f32s(size_t{0});
     if (static_cast<uint64_t>(rows) > remaining() / sizeof(float) / static_cast<uint64_t>(dim)) fail();
     return f32s(static_cast<size_t>(rows) * static_cast<size_t>(dim));
+  }
+  // rows of `row_bytes` bytes each (as bytes_slot wrote them, padded), where either count may
+  // come from the wire: checked without forming their product first.
+  const char* row_bytes(int64_t rows, int64_t row_bytes) {
+    if (rows < 0 || row_bytes < 0) fail();
+    if (rows == 0 || row_bytes == 0) return take(0);
+    if (static_cast<uint64_t>(rows) > remaining() / static_cast<uint64_t>(row_bytes)) fail();
+    const auto bytes = static_cast<size_t>(rows) * static_cast<size_t>(row_bytes);
+    const char* p = take(bytes);
+    take(Writer::padded(bytes) - bytes);
+    return p;
   }
   // A count read from the wire, as a size: negative is malformed, and so is more elements of
   // `bytes_each` (> 0: each takes at least that much of the message) than the rest could hold.

@@ -46,4 +46,22 @@ inline float uniform_value(uint64_t key, float low, float high) {
   return low + (high - low) * static_cast<float>(uniform01(key));
 }
 
+// The values a fixed table's rows start from (init_normal / init_uniform, or zeros): element
+// (id, col) is a pure function of (seed, id, col), so a row never written needs no storage.
+struct RowInit {
+  enum class Kind : int { kZeros = 0, kNormal = 1, kUniform = 2 };
+  Kind kind = Kind::kZeros;
+  uint64_t seed = 0;
+  float a = 0.0f, b = 0.0f;  // normal: mean, stddev; uniform: low, high
+
+  float value(uint64_t id, int64_t dim, int64_t col) const {
+    if (kind == Kind::kZeros) return 0.0f;
+    const uint64_t key = element_key(seed, id, dim, col);
+    return kind == Kind::kNormal ? normal_value(key, a, b) : uniform_value(key, a, b);
+  }
+  void fill(uint64_t id, int64_t dim, float* out) const {
+    for (int64_t j = 0; j < dim; ++j) out[j] = value(id, dim, j);
+  }
+};
+
 }  // namespace hybridsync

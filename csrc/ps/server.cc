@@ -77,7 +77,7 @@ RowsAsked read_rows_asked(Reader& r) {
 
 std::vector<int64_t> rows_of(RowsAsked&& asked, const Table& t, const char* op) {
   if (asked.by == RowsBy::kList) return std::move(asked.list);
-  const int64_t rows = t.shard && !t.dynamic ? t.shard->rows() : 0;
+  const int64_t rows = rows_held(t);
   if (asked.n > rows || asked.begin > rows - asked.n) {  // (no begin + n: it could overflow)
     throw PSTransportError(std::string(op) + " for table '" + t.spec.name + "': bad row range");
   }
@@ -139,18 +139,62 @@ void check_rows(const Shard* shard, const std::string& table, const int64_t* loc
 }
 
 void check_rows(const Table& t, const int64_t* local, int64_t n, const char* op) {
-  if (t.dynamic) {
-    if (n && !t.shard) check_rows(nullptr, t.spec.name, local, n, op);
-    return;
+  if (n && !t.shard) check_rows(nullptr, t.spec.name, local, n, op);
+  if (t.dynamic) return;
+  const int64_t rows = rows_held(t);
+  for (int64_t i = 0; i < n; ++i) {
+    if (local[i] < 0 || local[i] >= rows) {
+      throw PSTransportError(std::string(op) + " for table '" + t.spec.name + "': bad row index");
+    }
   }
-  check_rows(t.shard.get(), t.spec.name, local, n, op);
+}
+
+RowType row_type_of(const TableSpec& spec) {
+  RowType type = RowType::kFloat32;
+  parse_row_type(spec.storage.dtype, &type);  // (add_table checked the name)
+  return type;
+}
+
+int64_t rows_held(const Table& t) {
+  if (!t.shard || t.dynamic) return 0;
+  return t.tiered ? t.tiered->rows() : t.shard->rows();
 }
 
 void gather_rows(const Table& t, const int64_t* local, int64_t n, float* out, int slot) {
   if (t.dynamic) {
     t.dynamic->read(*t.shard, local, n, out, slot);
+  } else if (t.tiered) {
+    t.tiered->gather(*t.shard, local, n, out, slot);
   } else {
     t.shard->gather(local, n, out, slot);
+  }
+}
+
+void gather_wire(const Table& t, const int64_t* local, int64_t n, char* out) {
+  if (t.dynamic) {
+    t.dynamic->read_raw(*t.shard, local, n, out);
+  } else if (t.tiered) {
+    t.tiered->gather_raw(*t.shard, local, n, out);
+  } else {
+    t.shard->gather_raw(local, n, out);
+  }
+}
+
+void scatter_rows(Table& t, const int64_t* local, int64_t n, const float* values, int slot) {
+  if (t.tiered) {
+    t.tiered->scatter(*t.shard, local, n, values, slot);
+  } else {
+    t.shard->scatter(local, n, values, slot);
+  }
+}
+
+void prefetch_rows(Table& t, const int64_t* local, int64_t n) {
+  if (t.tiered) {
+    t.tiered->disk().check();
+    t.tiered->prefetch(*t.shard, local, n);
+  } else if (t.dynamic && t.dynamic->disk()) {
+    t.dynamic->disk()->check();
+    t.dynamic->prefetch(t.shard, local, n);
   }
 }
 
@@ -323,10 +367,12 @@ void detail::ClientState::finish_join() {
   }
 }
 
-void detail::ClientState::serve_pulls(std::vector<Request>& requests, const std::vector<ErrorNote>& errors) {
+void detail::ClientState::serve_pulls(std::vector<Request>& requests, const std::vector<ErrorNote>& given) {
   const int64_t start = tracer.start();
   int64_t served_rows = 0;
   auto dim_of = [&](int table) { return table_at(table).spec.dim; };
+  std::vector<ErrorNote> errors = given;
+  if (errors.empty()) prefetch_pulls(requests, &errors);
   for (int src = 0; src < size(); ++src) {
     if (requests[src].kind == RequestKind::kJoin) continue;
     Writer w;
@@ -357,7 +403,7 @@ void detail::ClientState::serve_pulls(std::vector<Request>& requests, const std:
       for (const Entry& e : entries) {
         Table& t = table_at(e.table);
         check_rows(t, e.rows.rows, e.rows.n, "pull");
-        if (e.rows.n) gather_rows(t, e.rows.rows, e.rows.n, w.f32_slot(static_cast<size_t>(e.rows.n * t.spec.dim)));
+        if (e.rows.n) gather_wire(t, e.rows.rows, e.rows.n, w.bytes_slot(static_cast<size_t>(e.rows.n * t.shard->row_size())));
         served_rows += e.rows.n;
       }
     }
@@ -366,12 +412,45 @@ void detail::ClientState::serve_pulls(std::vector<Request>& requests, const std:
   tracer.record("serve pulls", start, served_rows);
 }
 
+void detail::ClientState::prefetch_pulls(std::vector<Request>& requests, std::vector<ErrorNote>* errors) {
+  // Every rank's rows of each table with a disk tier, brought into memory at once (and rows not
+  // needed moved to disk to make room): the push that follows finds them there. A tier that
+  // fails (a full disk, a missing file) fails this pull on every rank, before any row changes.
+  auto dim_of = [&](int table) { return table_at(table).spec.dim; };
+  std::map<int, std::vector<int64_t>> wanted;
+  for (int src = 0; src < size(); ++src) {
+    if (requests[src].kind == RequestKind::kJoin) continue;
+    Reader r(requests[src].msg);
+    r.i64();
+    r.i64();
+    for (const Entry& e : read_entries(r, false, nullptr, dim_of)) {
+      Table& t = table_at(e.table);
+      if (!t.tiered && !(t.dynamic && t.dynamic->disk())) continue;
+      check_rows(t, e.rows.rows, e.rows.n, "pull");
+      wanted[e.table].insert(wanted[e.table].end(), e.rows.rows, e.rows.rows + e.rows.n);
+    }
+  }
+  for (auto& [table, rows] : wanted) {
+    const int64_t start = tracer.start();
+    try {
+      prefetch_rows(*tables[static_cast<size_t>(table)], rows.data(), static_cast<int64_t>(rows.size()));
+    } catch (const PSError& e) {
+      errors->push_back(ErrorNote{rank(), false, e.what(), ""});
+      return;
+    }
+    tracer.record("tier prefetch", start, static_cast<int64_t>(rows.size()));
+  }
+}
+
 void detail::ClientState::apply_to_table(Table& t, const std::vector<GradientRows>& sources, float scale, double lr,
                                   int64_t round, int ranks) {
   if (lr >= 0) t.shard->rule().set_hyperparameter("lr", lr);
   if (t.dynamic) {
     t.sums.sum(t.spec.dim, sources, scale);
     t.dynamic->step(t.shard, t.sums.rows(), t.sums.size(), t.sums.sums());
+  } else if (t.tiered) {
+    t.sums.sum(t.spec.dim, sources, scale);
+    t.tiered->apply(*t.shard, t.sums.rows(), t.sums.size(), t.sums.sums());
   } else {
     t.sums.step(*t.shard, sources, scale);
   }
@@ -418,7 +497,14 @@ void detail::ClientState::apply_push_round(std::vector<Request>& requests, const
       Table& t = *tables[table];
       if (!t.shard) continue;
       auto it = lr.find(table);
-      apply_to_table(t, sources, scale, it == lr.end() ? -1.0 : it->second, seq, ranks[table]);
+      try {
+        apply_to_table(t, sources, scale, it == lr.end() ? -1.0 : it->second, seq, ranks[table]);
+      } catch (const PSError& e) {
+        // This shard's part of the round failed before changing a row (a disk tier that cannot
+        // take or give rows): every rank hears of it with this server's next answer.
+        for (int dest = 0; dest < P; ++dest) deferred[dest].push_back(ErrorNote{rank(), false, e.what(), "push"});
+        continue;
+      }
       changed[table] = t.sums.size();
       applied_rows += t.sums.size();
     }
@@ -447,7 +533,7 @@ void detail::ClientState::apply_push_round(std::vector<Request>& requests, const
     body.i64(t.last_round.rows);
     body.i64(t.last_round.pushed);
     for (int64_t k = 0; k < n; ++k) body.i64(t.part.global_id(rank(), t.sums.rows()[k]));
-    t.shard->gather(t.sums.rows(), n, body.f32_slot(static_cast<size_t>(n * t.spec.dim)));
+    gather_rows(t, t.sums.rows(), n, body.f32_slot(static_cast<size_t>(n * t.spec.dim)));
   }
   const std::vector<char> payload = body.take();
   for (int dest = 0; dest < P; ++dest) {
@@ -541,7 +627,17 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
   const auto n = static_cast<int64_t>(rows.size());
   if (request.kind == RequestKind::kRead) {
     write_reply_head(w, request.kind, request.seq, errors);  // deferred push errors wait for a collective
-    if (error.empty() && n) gather_rows(*t, rows.data(), n, w.f32_slot(static_cast<size_t>(n * t->spec.dim)), slot);
+    try {
+      if (error.empty() && n && slot < 0) {  // rows as stored (16-bit ones stay 16-bit on the wire)
+        gather_wire(*t, rows.data(), n, w.bytes_slot(static_cast<size_t>(n * t->shard->row_size())));
+      } else if (error.empty() && n) {
+        gather_rows(*t, rows.data(), n, w.f32_slot(static_cast<size_t>(n * t->spec.dim)), slot);
+      }
+    } catch (const PSError& e) {  // a disk tier that cannot be read: the reader's error
+      Writer failed;
+      write_reply_head(failed, request.kind, request.seq, {ErrorNote{source, false, e.what(), ""}});
+      w = std::move(failed);
+    }
     tracer.record("serve reads", start, n);
   } else {
     if (error.empty() && n) {
@@ -550,9 +646,9 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
         if (t->dynamic) {
           t->dynamic->write(t->shard, rows.data(), n, values, slot);
         } else {
-          t->shard->scatter(rows.data(), n, values, slot);
+          scatter_rows(*t, rows.data(), n, values, slot);
         }
-      } catch (const PSError& e) {  // a full dynamic shard: the writer's error
+      } catch (const PSError& e) {  // a full dynamic shard, a disk tier that failed: the writer's error
         errors.push_back(ErrorNote{source, false, e.what(), ""});
       }
     }

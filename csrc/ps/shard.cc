@@ -36,19 +36,27 @@ void ZeroPages<T>::deallocate(T* p, size_t n) noexcept {
 }
 
 template struct ZeroPages<float>;
+template struct ZeroPages<uint16_t>;
 
-Shard::Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<UpdateRule> rule)
-    : table_(std::move(table)), rows_(rows), dim_(dim), rule_(std::move(rule)) {
+Shard::Shard(std::string table, int64_t rows, int64_t dim, std::unique_ptr<UpdateRule> rule, RowType type)
+    : table_(std::move(table)), rows_(rows), dim_(dim), rule_(std::move(rule)), type_(type) {
   if (rows < 0 || dim < 1) {
     throw PSError("table '" + table_ + "': shape (" + std::to_string(rows) + ", " +
                   std::to_string(dim) + ") is not a valid (rows, dim)");
   }
-  owned_.resize(static_cast<size_t>(rows * dim));  // zeros, resident once written
-  base_ = owned_.data();
+  if (type_ == RowType::kFloat32) {
+    owned_.resize(static_cast<size_t>(rows * dim));  // zeros, resident once written
+    base_ = owned_.data();
+  } else {
+    half_.resize(static_cast<size_t>(rows * dim));  // (+0.0 in both 16-bit types)
+  }
   set_rule(std::move(rule_));
 }
 
 void Shard::attach(float* base, int64_t stride, int64_t offset) {
+  if (type_ != RowType::kFloat32) {
+    throw PSError("table '" + table_ + "' stores " + row_type_name(type_) + " rows: it cannot alias a float32 replica");
+  }
   base_ = base;
   stride_ = stride;
   offset_ = offset;
@@ -74,11 +82,18 @@ void Shard::grow(int64_t rows, int64_t keep) {
                   (attached() ? " (its rows are the caller's)" : ""));
   }
   const auto floats = static_cast<size_t>(rows * dim_), kept = static_cast<size_t>(keep * dim_);
-  decltype(owned_) bigger;
-  bigger.resize(floats);  // zeros, resident once written
-  std::copy(owned_.begin(), owned_.begin() + kept, bigger.begin());
-  owned_ = std::move(bigger);
-  base_ = owned_.data();
+  if (type_ == RowType::kFloat32) {
+    decltype(owned_) bigger;
+    bigger.resize(floats);  // zeros, resident once written
+    std::copy(owned_.begin(), owned_.begin() + kept, bigger.begin());
+    owned_ = std::move(bigger);
+    base_ = owned_.data();
+  } else {
+    decltype(half_) bigger;
+    bigger.resize(floats);
+    std::copy(half_.begin(), half_.begin() + kept, bigger.begin());
+    half_ = std::move(bigger);
+  }
   for (size_t k = 0; k < slots_.size(); ++k) {
     const float init = rule_->slot_init(static_cast<int>(k));
     decltype(owned_) slot;
@@ -126,19 +141,108 @@ inline void prefetch(const float* p, int64_t floats, int write) {
 
 }  // namespace
 
+void Shard::get_row(int64_t l, float* out) const {
+  if (type_ == RowType::kFloat32) {
+    std::memcpy(out, row(l), sizeof(float) * dim_);
+  } else {
+    decode_row(type_, half_.data() + l * dim_, out, dim_);
+  }
+}
+
+void Shard::set_row(int64_t l, const float* values) {
+  if (type_ == RowType::kFloat32) {
+    std::memcpy(row(l), values, sizeof(float) * dim_);
+  } else {
+    encode_row(type_, values, half_.data() + l * dim_, dim_);
+  }
+}
+
+void Shard::get_record(int64_t l, char* out) const {
+  std::memcpy(out, raw_row(l), static_cast<size_t>(row_size()));
+  out += row_size();
+  for (const auto& slot : slots_) {
+    std::memcpy(out, slot.data() + l * dim_, sizeof(float) * dim_);
+    out += sizeof(float) * dim_;
+  }
+}
+
+void Shard::set_record(int64_t l, const char* in) {
+  std::memcpy(raw_row(l), in, static_cast<size_t>(row_size()));
+  in += row_size();
+  for (auto& slot : slots_) {
+    std::memcpy(slot.data() + l * dim_, in, sizeof(float) * dim_);
+    in += sizeof(float) * dim_;
+  }
+}
+
+void Shard::reset_slots(int64_t l) {
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    std::fill(slots_[k].data() + l * dim_, slots_[k].data() + (l + 1) * dim_, rule_->slot_init(static_cast<int>(k)));
+  }
+}
+
+std::vector<char> Shard::fresh_slots() const {
+  std::vector<float> values;
+  for (int k = 0; k < num_slots(); ++k) values.insert(values.end(), dim_, rule_->slot_init(k));
+  std::vector<char> out(values.size() * sizeof(float));
+  if (!values.empty()) std::memcpy(out.data(), values.data(), out.size());
+  return out;
+}
+
+void Shard::copy_row(int64_t from, int64_t to) {
+  std::memcpy(raw_row(to), raw_row(from), static_cast<size_t>(row_size()));
+  for (auto& slot : slots_) std::memcpy(slot.data() + to * dim_, slot.data() + from * dim_, sizeof(float) * dim_);
+}
+
 void Shard::gather(const int64_t* local, int64_t n, float* out, int slot) const {
+  if (slot < 0 && type_ != RowType::kFloat32) {
+    for (int64_t i = 0; i < n; ++i) get_row(local[i], out + i * dim_);
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) {
     if (i + kPrefetchAhead < n) prefetch(row_of(slot, local[i + kPrefetchAhead]), dim_, 0);
     std::memcpy(out + i * dim_, row_of(slot, local[i]), sizeof(float) * dim_);
   }
 }
 
+void Shard::gather_raw(const int64_t* local, int64_t n, char* out) const {
+  if (type_ == RowType::kFloat32) {
+    gather(local, n, reinterpret_cast<float*>(out));
+    return;
+  }
+  const int64_t bytes = row_size();
+  for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * bytes, raw_row(local[i]), static_cast<size_t>(bytes));
+}
+
 void Shard::scatter(const int64_t* local, int64_t n, const float* values, int slot) {
+  if (slot < 0 && type_ != RowType::kFloat32) {
+    for (int64_t i = 0; i < n; ++i) set_row(local[i], values + i * dim_);
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) std::memcpy(row_of(slot, local[i]), values + i * dim_, sizeof(float) * dim_);
 }
 
-void Shard::apply(const int64_t* local, int64_t n, const float* grads) {
+void Shard::apply(const int64_t* local, int64_t n, const float* grads, const int64_t* ids) {
   std::vector<float*> slot_rows(slots_.size());
+  if (type_ != RowType::kFloat32) {
+    // The rule runs on the row in float32; the result is rounded back into 16 bits.
+    std::vector<float> work(static_cast<size_t>(dim_));
+    const uint64_t key = rounding_.stochastic ? rounding_round_key(rounding_.seed, rule_->step()) : 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t l = local[i];
+      for (size_t k = 0; k < slots_.size(); ++k) slot_rows[k] = slots_[k].data() + l * dim_;
+      get_row(l, work.data());
+      rule_->apply(work.data(), slot_rows.data(), grads + i * dim_, dim_);
+      uint16_t* dst = half_.data() + l * dim_;
+      if (rounding_.stochastic) {
+        const int64_t id = ids ? ids[i] : l * rounding_.id_stride + rounding_.id_offset;
+        encode_row_stochastic(type_, work.data(), dst, dim_, key, static_cast<uint64_t>(id));
+      } else {
+        encode_row(type_, work.data(), dst, dim_);
+      }
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) {
     if (i + kPrefetchAhead < n) {
       const int64_t ahead = local[i + kPrefetchAhead];
@@ -151,7 +255,9 @@ void Shard::apply(const int64_t* local, int64_t n, const float* grads) {
   }
 }
 
-int64_t Shard::row_bytes() const { return static_cast<int64_t>(sizeof(float) * owned_.size()); }
+int64_t Shard::row_bytes() const {
+  return static_cast<int64_t>(sizeof(float) * owned_.size() + sizeof(uint16_t) * half_.size());
+}
 
 int64_t Shard::state_bytes() const {
   return static_cast<int64_t>(sizeof(float) * rows_ * dim_ * slots_.size());

@@ -65,6 +65,7 @@ def ps_embedding_plan(resolver: RouteResolver, name: str, table, frontend: str) 
     hybridsync explain --world-size N` plans N ranks with tables made in a world of one)."""
     v = VariablePlan(name=name, shape=(table.num_rows, table.dim), dtype="float32", kind=GradKind.SPARSE, route=None)
     layout = (table.requested_shards or resolver.world_size, table.layout[1])
+    v.storage = table.storage  # (the table's; a rule's storage was given to the table when it was made)
     resolver.decide(v, None, ps_module=True, table_layout=layout)
     if not v.reason.startswith(("rule", "config")):
         v.reason = f"{frontend} PS embedding: rows live on the shards"

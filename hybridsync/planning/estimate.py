@@ -208,17 +208,22 @@ SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2}  # optimizer state per row, in rows
 
 
 def memory_per_rank(route: str, num_rows: int, dim: int, world_size: int, shards: int = 0,
-                    placement: str = "sharded", slots: int = 0, rows_per_rank: float = 0.0) -> float:
+                    placement: str = "sharded", slots: int = 0, rows_per_rank: float = 0.0,
+                    storage: dict | None = None) -> float:
     """Bytes one rank holds for a table on `route`: its rows, the optimizer's slots, the gradient
     and the exchange's buffers (float32 rows of dim; rows_per_rank: unique rows a rank touches
     per step, 0 before any step). A replica (allgather, allreduce-as-dense, ps replicated) holds
-    the table whole on every rank; the sharded PS holds 1/shards of it on the ranks with a shard."""
+    the table whole on every rank; the sharded PS holds 1/shards of it on the ranks with a shard,
+    rows as its storage says (16-bit rows; with a disk tier only memory_rows of them in memory)."""
     row = 4 * dim
     table = float(num_rows) * row
     touched = rows_per_rank * (row + ID_BYTES)
     shards = shards or world_size
     if route == PS:
-        on_shard = table / shards * (1 + slots)  # rows and slots of the busiest shard
+        storage = storage or {}
+        stored_row = (2 if storage.get("dtype") in ("float16", "bfloat16") else 4) * dim
+        in_memory = float(num_rows) if not storage.get("path") else min(float(num_rows), storage["memory_rows"])
+        on_shard = in_memory / shards * (stored_row + slots * row)  # rows and slots of the busiest shard
         exchange = 2 * touched * world_size / shards + 2 * touched  # what it serves and what it sends
         return on_shard + exchange + (table if placement == "replicated" else 0.0)
     local = table * (1 + slots)  # the replica and the wrapped optimizer's state

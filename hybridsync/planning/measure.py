@@ -218,7 +218,7 @@ class AutoStrategy:
         slots = estimate.SLOTS.get((var.plan.optimizer or {}).get("name", "sgd"), 0)
         memory = {route: estimate.memory_per_rank(route, stats.num_rows, var.dim, world,
                                                   decision.shards or var.plan.shards, var.plan.placement.value,
-                                                  slots, stats.rows_per_rank)
+                                                  slots, stats.rows_per_rank, storage=var.plan.storage)
                   for route in stats.candidates}
         measured = {"steps": steps, "rows_per_rank": round(stats.rows_per_rank, 3),
                     "union_rows": round(stats.union_rows, 3), "density": round(stats.density, 6),

@@ -32,6 +32,8 @@ class VariablePlan:
     # a dynamic table's options {"capacity", "admit_after", "evict", "ttl_steps"} (None: not dynamic)
     dynamic: dict | None = None
     memory_bytes: int | None = None  # a sparse table's predicted bytes per rank on its route
+    # how the shards store its rows (hybridsync.ps.storage; None: float32, all in memory)
+    storage: dict | None = None
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

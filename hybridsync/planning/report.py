@@ -11,9 +11,11 @@ import weakref
 from .. import runtime
 from ..adaptive.report import describe as describe_adaptive
 from ..ps.dynamic import live_statistics
+from ..ps.table import live_tier_statistics
 from ..settings import settings
 from .estimate import PS, human_bytes
 from .plan import Plan, VariablePlan
+from ..ps.storage import describe as describe_storage
 
 
 def render(plan: Plan) -> str:
@@ -46,6 +48,10 @@ def render(plan: Plan) -> str:
     dynamic = [v for v in plan.variables if v.dynamic]
     if dynamic:
         lines += ["", "dynamic tables (options)"] + ["  " + describe_dynamic(v) for v in dynamic]
+    stored = [v for v in plan.variables if v.storage]
+    if stored:
+        lines += ["", "table storage (rows on the shards; optimizer slots stay float32)"]
+        lines += [f"  {v.name}: {describe_storage(v.storage)}" for v in stored]
     bounded = [v for v in plan.variables if v.staleness]
     if bounded:
         lines += ["", "bounded staleness (k: a pull waits while another rank is more than k steps behind)"
@@ -179,8 +185,23 @@ def _dynamic_lines() -> list:
     return ["", "dynamic tables (this rank's shards):"] + format_table(head, rows)
 
 
+def _tier_lines() -> list:
+    """Per live table with a disk tier, this rank's shard: rows in memory (against its share) and
+    on disk, the share of lookups memory served, and the tier's bytes read and written per step."""
+    rows = []
+    for name, s in live_tier_statistics():
+        lookups, steps = s["hits"] + s["loads"], max(s["steps"], 1)
+        rows.append([name, s["dtype"], f"{s['memory_rows']}/{s['memory_share']}", str(s["disk_rows"]),
+                     f"{s['hits'] / lookups:.1%}" if lookups else "-", human_bytes(s["bytes_read"] // steps),
+                     human_bytes(s["bytes_written"] // steps)])
+    if not rows:
+        return []
+    head = ["tiered table", "dtype", "memory/share", "on disk", "hit rate", "read/step", "written/step"]
+    return ["", "tables with a disk tier (this rank's shard):"] + format_table(head, rows)
+
+
 def _print_plans(plans: list, file=None) -> str:
-    text = "\n".join(["\n\n".join(render(p) for p in plans)] + _dynamic_lines())
+    text = "\n".join(["\n\n".join(render(p) for p in plans)] + _dynamic_lines() + _tier_lines())
     with _lock:
         for v in (v for p in plans for v in p.variables):
             if v.auto and v.auto.get("status") == "measuring":

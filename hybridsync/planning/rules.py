@@ -146,6 +146,11 @@ class RouteResolver:
             fail("optimizer", "a server optimizer applies to variables on the parameter server (sync: ps)")
         if s.partitions is not None and v.route is not Route.PS:
             fail("partitions", "partitions apply to variables on the parameter server (sync: ps)")
+        if s.storage is not None and (v.route is not Route.PS or v.placement is not Placement.SHARDED):
+            fail("storage", "storage applies to tables sharded on the parameter server (sync: ps, placement: "
+                            "sharded): a replica's rows are the framework's own")
+        if s.storage is not None:  # (else a PS module's table's own, which the caller set: see describe.py)
+            v.storage = dict(s.storage)
         v.staleness = self._staleness(v, s.staleness, fail)
         if sparse and v.shape and v.shape[0] > 0:
             self._check_memory(v, param, sync, fail)
@@ -175,7 +180,8 @@ class RouteResolver:
         route = estimate.PS if v.route is Route.PS else (estimate.ALLGATHER if v.route is Route.ALLGATHER
                                                           else estimate.DENSE)
         v.memory_bytes = int(estimate.memory_per_rank(route, int(v.shape[0]), _dim(v.shape), self.world_size,
-                                                      v.shards, v.placement.value, self._slots(v, param)))
+                                                      v.shards, v.placement.value, self._slots(v, param),
+                                                      storage=v.storage))
         budget = self.memory_budget()
         if sync != "auto" and v.memory_bytes > budget:
             fail("sync", f"'{v.route.value}'{' ' + v.placement.value if v.route is Route.PS else ''} needs about "

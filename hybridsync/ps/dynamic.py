@@ -26,10 +26,11 @@ class DynamicTable:
     in place of a fixed table's whole arrays it has per-shard state, the whole table's state read
     and written one-sided, and a streaming export."""
 
-    def __init__(self, name: str, dim: int, options: dict, shards: int = 0, rule: dict | None = None):
+    def __init__(self, name: str, dim: int, options: dict, shards: int = 0, rule: dict | None = None,
+                 storage: dict | None = None):
         """Collective: registers the table on every rank (same options everywhere; options from
-        dynamic_options.options, where each is checked)."""
-        self.core = TableCore(name, -1, dim, shards, "cyclic", rule, dynamic=options)
+        dynamic_options.options, where each is checked; storage: see hybridsync.ps.storage)."""
+        self.core = TableCore(name, -1, dim, shards, "cyclic", rule, dynamic=options, storage=storage)
         self.num_rows = -1  # no fixed row count (plans and checkpoints say so)
         self.options = dict(options)
         _live.add(self)

@@ -32,18 +32,21 @@ def check_option(key: str, value, where: str):
     return int(value)
 
 
-def check_eviction(capacity, evict, where: str) -> None:
-    if evict is not None and capacity is None:
-        raise ValueError(f"{where}: evict={evict!r} needs a capacity")
+def check_eviction(capacity, evict, where: str, disk_tier: bool = False) -> None:
+    """An eviction order needs a bound: a capacity, or with a disk tier (docs/storage.md) the
+    tiers' own (memory_rows spills in that order; disk_rows evicts in it)."""
+    if evict is not None and capacity is None and not disk_tier:
+        raise ValueError(f"{where}: evict={evict!r} needs a capacity (or a disk tier: storage memory_rows and path)")
 
 
 def options(name: str, capacity=None, admit_after=1, evict=None, ttl_steps=None, initializer=("normal", 0.0, 1.0),
-            seed: int = 0) -> dict:
-    """The engine's option dict for dynamic table `name`; ValueError naming a bad argument."""
+            seed: int = 0, disk_tier: bool = False) -> dict:
+    """The engine's option dict for dynamic table `name`; ValueError naming a bad argument.
+    disk_tier: the table has one (storage path), which bounds it in place of a capacity."""
     where = f"dynamic table '{name}'"
     capacity, admit_after, evict, ttl_steps = (check_option(k, v, where) for k, v in (
         ("capacity", capacity), ("admit_after", admit_after), ("evict", evict), ("ttl_steps", ttl_steps)))
-    check_eviction(capacity, evict, where)
+    check_eviction(capacity, evict, where, disk_tier)
     kind, a, b = _initializer(name, initializer)
     return {"capacity": capacity, "admit_after": admit_after, "evict": evict, "ttl_steps": ttl_steps,
             "seed": int(seed) & ((1 << 63) - 1), "init": kind, "init_a": a, "init_b": b}

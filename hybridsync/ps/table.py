@@ -9,6 +9,8 @@ are local or one-sided.
 """
 from __future__ import annotations
 
+import weakref
+
 from .. import comm, runtime
 
 import numpy as np
@@ -16,6 +18,7 @@ import numpy as np
 from . import client
 from .partition import Partition
 from .rules import hyperparameters
+from .storage import options as storage_options
 
 # The rule a table has until a DistributedOptimizer sets the one matching its optimizer.
 PLACEHOLDER_RULE = {"name": "sgd", "lr": 0.0}
@@ -27,20 +30,31 @@ class TableCore:
     """One table's handle in this process's engine, and what every kind of table does with it."""
 
     def __init__(self, name: str, num_rows: int, dim: int, shards: int, partition: str, rule: dict | None,
-                 dynamic: dict | None = None):
-        """Collective: registers the table on every rank (same arguments everywhere)."""
+                 dynamic: dict | None = None, storage: dict | None = None):
+        """Collective: registers the table on every rank (same arguments everywhere). storage:
+        how the shards store its rows (storage.options; None: float32, all in memory)."""
         self.engine = client.engine()
         self.name, self.dim = name, int(dim)
+        self.storage = storage_options(f"table '{name}'", storage)
         self.requested_shards = int(shards or 0)  # 0: every rank, whatever the world size (plans use it)
         rule_name, hparams = hyperparameters(rule or PLACEHOLDER_RULE)
         self.handle = self.engine.add_table(name, int(num_rows), self.dim, int(shards or 0), partition,
-                                            rule_name, hparams, dynamic)
+                                            rule_name, hparams, dynamic, self.storage)
         self.pulled_rows = 0  # unique rows pulled since the last push (byte accounting)
+        if (self.storage or {}).get("path"):
+            _tiered.add(self)
 
     def drop(self) -> None:
         """Collective (every rank at the same point): frees this rank's shard, rows and optimizer
         state; any later use of the table raises naming it."""
+        _tiered.discard(self)
         self.engine.drop_table(self.handle)
+
+    def tier_stats(self) -> dict:
+        """Local: this rank's shard's storage: {"dtype", "path" (its tier file), "memory_rows",
+        "disk_rows", "memory_share", "hits" / "loads" (rows an operation found in memory / read
+        back from disk), "bytes_read", "bytes_written", "steps"}."""
+        return self.engine.tier_stats(self.handle)
 
     @property
     def num_shards(self) -> int:
@@ -103,6 +117,19 @@ class TableCore:
         return unique, rows
 
 
+_tiered: "weakref.WeakSet" = weakref.WeakSet()  # live tables with a disk tier, for explain()
+
+
+def live_tier_statistics() -> list:
+    """(name, tier_stats()) of every live table with a disk tier whose shard is on this rank."""
+    out = []
+    for core in sorted(_tiered, key=lambda c: c.name):
+        stats = core.tier_stats()
+        if stats["path"]:
+            out.append((core.name, stats))
+    return out
+
+
 class FromCore:
     """A table attribute that is its TableCore's (read and written through the table): the kinds
     of table share the core's behaviour by holding one, not by inheriting from each other."""
@@ -119,9 +146,9 @@ class FromCore:
 
 def shares_core(cls):
     """Class decorator: the TableCore's attributes and methods, on a kind of table."""
-    for name in ("engine", "handle", "name", "dim", "requested_shards", "pulled_rows", "num_shards", "rename",
+    for name in ("engine", "handle", "name", "dim", "storage", "requested_shards", "pulled_rows", "num_shards", "rename",
                  "set_staleness", "staleness", "set_rule", "optimizer", "slot_names", "step", "set_step",
-                 "round_stats", "read_rows", "lookup"):
+                 "round_stats", "read_rows", "lookup", "tier_stats"):
         attribute = FromCore()
         attribute.__set_name__(cls, name)
         setattr(cls, name, attribute)
@@ -134,9 +161,10 @@ class PSTable:
     row partition."""
 
     def __init__(self, name: str, num_rows: int, dim: int, shards: int = 0, partition: str = "cyclic",
-                 rule: dict | None = None):
-        """Collective: registers the table on every rank (same arguments everywhere)."""
-        self.core = TableCore(name, num_rows, dim, shards, partition, rule)
+                 rule: dict | None = None, storage: dict | None = None):
+        """Collective: registers the table on every rank (same arguments everywhere); storage:
+        see hybridsync.ps.storage."""
+        self.core = TableCore(name, num_rows, dim, shards, partition, rule, storage=storage)
         self.num_rows = int(num_rows)
         self._replica = None  # the array the shard's rows alias (kept alive here)
 
@@ -202,6 +230,17 @@ class PSTable:
                 for mine, slot in slots:
                     self.write_rows(part, other.read_rows(part, slot), slot=mine)
         self.set_step(other.step)
+
+    def restored_as(self, storage: dict | None) -> "PSTable":
+        """Collective: a new table like this one (name, shape, layout, server rule) whose shards
+        store rows as `storage` says, holding this table's rows, optimizer state and step (rounded
+        into the new row type where it is narrower). This table stays until the caller drops it."""
+        shards, kind = self.layout
+        spec = self.engine.spec(self.handle)
+        new = PSTable(self.name, self.num_rows, self.dim, self.requested_shards or 0, kind,
+                      {"name": spec["optimizer"], **spec["hparams"]}, storage=storage)
+        new.take_from(self)
+        return new
 
     def local_state(self) -> dict:
         """Local: this rank's shard as arrays: "ids" (its global row ids, in storage order),

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from ..ps import dynamic_options as dyn
 from ..ps.dynamic import DynamicTable
+from ..ps.storage import has_disk_tier
 from ..ps.table import shared_seed
 
 MODES = (None, "sum", "mean")
@@ -21,19 +22,21 @@ class DynamicEmbedding(keras.layers.Layer):
     'mean' reduce over the last axis of 2-D ids (one bag per row)."""
 
     def __init__(self, embedding_dim, *, capacity=None, admit_after=1, evict=None, ttl_steps=None,
-                 initializer=("normal", 0.0, 1.0), mode=None, partitions=None, seed=None, **kwargs):
+                 initializer=("normal", 0.0, 1.0), mode=None, partitions=None, seed=None, storage=None, **kwargs):
         super().__init__(**kwargs)
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
             raise ValueError(f"dynamic table '{self.name}': embedding_dim must be an integer >= 1, got {embedding_dim!r}")
         if mode not in MODES:
             raise ValueError(f"dynamic table '{self.name}': mode must be None, 'sum' or 'mean', got {mode!r}")
         args = (capacity, admit_after, evict, ttl_steps, initializer)
-        dyn.options(self.name, *args)  # bad arguments raise here, before any collective
+        disk_tier = has_disk_tier(storage)
+        dyn.options(self.name, *args, disk_tier=disk_tier)  # bad arguments raise here, before any collective
         seed = shared_seed(np.random.randint(0, 2**62)) if seed is None else int(seed)
         self.output_dim, self.mode, self.seed, self._args = embedding_dim, mode, seed, args
         self.partitions = partitions
         self.input_dim = capacity or 0  # (what the plan shows: the table's bound, 0 = unbounded)
-        self.table = DynamicTable(self.name, embedding_dim, dyn.options(self.name, *args, seed=seed), partitions or 0)
+        self.table = DynamicTable(self.name, embedding_dim, dyn.options(self.name, *args, seed=seed, disk_tier=disk_tier),
+                                  partitions or 0, storage=storage)
 
     def build(self, input_shape=None):
         self.ps_anchor = self.add_weight(shape=(1,), initializer="zeros", trainable=True, name="ps_anchor")
@@ -103,4 +106,4 @@ class DynamicEmbedding(keras.layers.Layer):
         capacity, admit_after, evict, ttl_steps, initializer = self._args
         return {**super().get_config(), "embedding_dim": self.output_dim, "capacity": capacity,
                 "admit_after": admit_after, "evict": evict, "ttl_steps": ttl_steps, "initializer": initializer,
-                "mode": self.mode, "seed": self.seed, "partitions": self.partitions}
+                "mode": self.mode, "seed": self.seed, "partitions": self.partitions, "storage": self.table.storage}

@@ -21,17 +21,18 @@ class Embedding(keras.layers.Layer):
     """Embedding(input_dim, output_dim) with rows on the PS. Rows start from `initializer`
     (('uniform', low, high), default Keras's U(-0.05, 0.05), or ('normal', mean, std)), seeded
     from rank 0 and identical whatever the number of shards. partitions: shards holding the
-    table (default: every rank); partition: 'cyclic' | 'block'."""
+    table (default: every rank); partition: 'cyclic' | 'block'. storage: how the shards store the
+    rows, e.g. {'dtype': 'float16'} (docs/storage.md)."""
 
     def __init__(self, input_dim, output_dim, *, partitions=None, partition="cyclic", seed=None,
-                 initializer=("uniform", -0.05, 0.05), **kwargs):
+                 initializer=("uniform", -0.05, 0.05), storage=None, **kwargs):
         super().__init__(**kwargs)
         if input_dim < 1 or output_dim < 1:
             raise ValueError(f"PS embedding needs input_dim >= 1 and output_dim >= 1, got ({input_dim}, {output_dim})")
         self.input_dim, self.output_dim = int(input_dim), int(output_dim)
         self.partitions, self.partition, self.initializer = partitions, partition, tuple(initializer)
         # The rule is a placeholder until the DistributedOptimizer sets the real one.
-        self.table = PSTable(self.name, self.input_dim, self.output_dim, partitions or 0, partition)
+        self.table = PSTable(self.name, self.input_dim, self.output_dim, partitions or 0, partition, storage=storage)
         # A seed from rank 0's NumPy RNG (seeded by keras.utils.set_random_seed).
         self.seed = shared_seed(np.random.randint(0, 2**62)) if seed is None else int(seed)
         self.table.initialize(self.initializer, self.seed)
@@ -91,4 +92,4 @@ class Embedding(keras.layers.Layer):
         table again, collectively, and load_own_variables writes its saved rows to the shards)."""
         return {**super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim,
                 "partitions": self.partitions, "partition": self.partition, "seed": self.seed,
-                "initializer": list(self.initializer)}
+                "initializer": list(self.initializer), "storage": self.table.storage}

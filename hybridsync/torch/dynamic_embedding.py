@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..ps import dynamic_options as dyn
 from .. import timeline
 from ..ps.dynamic import STATE_KEYS, DynamicSnapshot, DynamicTable
+from ..ps.storage import has_disk_tier
 from ..ps.table import shared_seed
 from .embedding import _grad_rows, _PSTableModule, _server_events, _unnamed
 from .table_tensor import ShardedTableTensor
@@ -44,11 +45,12 @@ class DynamicEmbedding(_PSTableModule):
     `capacity`, or expire after ttl_steps steps without a touch.
 
     mode None: out[..., :] = row of ids[...]; 'sum' / 'mean': bags as nn.EmbeddingBag does (2-D
-    ids, one bag per row, or 1-D ids with offsets).
+    ids, one bag per row, or 1-D ids with offsets). storage: how the shards store the rows, e.g.
+    {'dtype': 'bfloat16'} (docs/storage.md).
     """
 
     def __init__(self, embedding_dim, *, capacity=None, admit_after=1, evict=None, ttl_steps=None,
-                 initializer=("normal", 0.0, 1.0), mode=None, name=None, partitions=None, seed=None):
+                 initializer=("normal", 0.0, 1.0), mode=None, name=None, partitions=None, seed=None, storage=None):
         super().__init__()
         name = name or f"dynamic_embedding_{next(_unnamed)}"
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
@@ -59,27 +61,30 @@ class DynamicEmbedding(_PSTableModule):
         self.padding_idx, self.scale_grad_by_freq = None, False
         self.num_embeddings = capacity or 0  # (plans show it: the table's bound, 0 = unbounded)
         self._check_args = (capacity, admit_after, evict, ttl_steps, initializer)
-        dyn.options(name, *self._check_args)  # bad arguments raise here, before any collective
+        disk_tier = has_disk_tier(storage)
+        dyn.options(name, *self._check_args, disk_tier=disk_tier)  # bad arguments raise here, before any collective
         seed = shared_seed(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
         self.seed = seed
-        self.table = DynamicTable(name, embedding_dim, dyn.options(name, *self._check_args, seed=seed),
-                                  partitions or 0)
+        self.table = DynamicTable(name, embedding_dim, dyn.options(name, *self._check_args, seed=seed, disk_tier=disk_tier),
+                                  partitions or 0, storage=storage)
         self._sink = None
         self._warned_no_sink = False
         self._anchor = torch.empty(0, requires_grad=True)
         self._batcher = None
 
-    def reconfigure(self, **changes) -> None:
-        """Collective: new dynamic options (a config rule's `dynamic:`); the table is made anew,
-        empty, so call it before training."""
+    def reconfigure(self, storage=None, **changes) -> None:
+        """Collective: new dynamic options (a config rule's `dynamic:`) and storage (its
+        `storage:`; None: the table's own); the table is made anew, empty, so call it before
+        training."""
         capacity, admit_after, evict, ttl_steps, initializer = self._check_args
         merged = {"capacity": capacity, "admit_after": admit_after, "evict": evict, "ttl_steps": ttl_steps, **changes}
+        storage = self.table.storage if storage is None else storage
         options = dyn.options(self.table.name, merged["capacity"], merged["admit_after"], merged["evict"],
-                              merged["ttl_steps"], initializer, seed=self.seed)
+                              merged["ttl_steps"], initializer, seed=self.seed, disk_tier=has_disk_tier(storage))
         shards, _ = self.table.layout
         name = self.table.name
         self.table.drop()
-        self.table = DynamicTable(name, self.embedding_dim, options, shards)
+        self.table = DynamicTable(name, self.embedding_dim, options, shards, storage=storage)
         self._check_args = (merged["capacity"], merged["admit_after"], merged["evict"], merged["ttl_steps"],
                             initializer)
         self.num_embeddings = merged["capacity"] or 0

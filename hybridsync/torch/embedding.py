@@ -123,7 +123,7 @@ class _PSTableModule(torch.nn.Module):
     """What PS-backed Embedding and EmbeddingBag share: the table handle, pulls, state."""
 
     def _setup(self, num_embeddings, embedding_dim, padding_idx, name, partitions, partition,
-               initial_weight, seed, initializer, table=None, give_up_weight=False):
+               initial_weight, seed, initializer, table=None, give_up_weight=False, storage=None):
         if num_embeddings < 1 or embedding_dim < 1:
             raise ValueError(f"PS embedding needs num_embeddings >= 1 and embedding_dim >= 1, got "
                              f"({num_embeddings}, {embedding_dim})")
@@ -140,7 +140,7 @@ class _PSTableModule(torch.nn.Module):
         else:
             # The rule is a placeholder until a DistributedOptimizer sets the real one.
             self.table = PSTable(name or f"ps_embedding_{next(_unnamed)}", num_embeddings, embedding_dim,
-                                 partitions or 0, partition)
+                                 partitions or 0, partition, storage=storage)
             self._fill(initial_weight, seed, initializer, give_up_weight)
         self._sink = None  # set by the DistributedOptimizer that owns the table
         self._warned_no_sink = False
@@ -251,26 +251,27 @@ class Embedding(_PSTableModule):
     a seed that rank 0's torch RNG draws: reproducible, and independent of the number of shards.
 
     partitions: shards holding the table (default: every rank); partition: 'cyclic' | 'block'.
+    storage: how the shards store the rows, e.g. {'dtype': 'float16'} (docs/storage.md).
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, scale_grad_by_freq=False, *,
                  name=None, partitions=None, partition="cyclic", seed=None, initializer=("normal", 0.0, 1.0),
-                 _initial_weight=None, _table=None, _give_up_weight=False):
+                 storage=None, _initial_weight=None, _table=None, _give_up_weight=False):
         super().__init__()
         self.scale_grad_by_freq = scale_grad_by_freq
         self._setup(num_embeddings, embedding_dim, padding_idx, name, partitions, partition, _initial_weight, seed,
-                    initializer, _table, _give_up_weight)
+                    initializer, _table, _give_up_weight, storage)
 
     @classmethod
     def from_module(cls, module: torch.nn.Embedding, name: str, partitions=None, partition="cyclic", table=None,
-                    give_up_weight=False):
+                    give_up_weight=False, storage=None):
         """A PS-backed copy of `module` whose shards start from rank 0's weights; or, given
         `table` (that of another module sharing module's weight), one reading that table.
         give_up_weight: the caller empties module.weight right after, so rank 0 may return its
         memory while the rows move (it is then unreadable: zeros)."""
         _check_shardable(module, name)
         return cls(module.num_embeddings, module.embedding_dim, module.padding_idx, module.scale_grad_by_freq,
-                   name=name, partitions=partitions, partition=partition,
+                   name=name, partitions=partitions, partition=partition, storage=storage,
                    _initial_weight=None if table is not None else _weights_of(module), _table=table,
                    _give_up_weight=give_up_weight)
 
@@ -287,22 +288,22 @@ class EmbeddingBag(_PSTableModule):
 
     def __init__(self, num_embeddings, embedding_dim, mode="mean", scale_grad_by_freq=False,
                  include_last_offset=False, padding_idx=None, *, name=None, partitions=None,
-                 partition="cyclic", seed=None, initializer=("normal", 0.0, 1.0), _initial_weight=None,
-                 _table=None, _give_up_weight=False):
+                 partition="cyclic", seed=None, initializer=("normal", 0.0, 1.0), storage=None,
+                 _initial_weight=None, _table=None, _give_up_weight=False):
         super().__init__()
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         self.mode, self.scale_grad_by_freq, self.include_last_offset = mode, scale_grad_by_freq, include_last_offset
         self._setup(num_embeddings, embedding_dim, padding_idx, name, partitions, partition, _initial_weight, seed,
-                    initializer, _table, _give_up_weight)
+                    initializer, _table, _give_up_weight, storage)
 
     @classmethod
     def from_module(cls, module: torch.nn.EmbeddingBag, name: str, partitions=None, partition="cyclic", table=None,
-                    give_up_weight=False):
+                    give_up_weight=False, storage=None):
         _check_shardable(module, name)
         return cls(module.num_embeddings, module.embedding_dim, module.mode, module.scale_grad_by_freq,
                    module.include_last_offset, module.padding_idx, name=name, partitions=partitions,
-                   partition=partition, _initial_weight=None if table is not None else _weights_of(module),
+                   partition=partition, storage=storage, _initial_weight=None if table is not None else _weights_of(module),
                    _table=table, _give_up_weight=give_up_weight)
 
     def forward(self, input, offsets=None, per_sample_weights=None):

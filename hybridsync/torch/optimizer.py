@@ -33,7 +33,7 @@ from .horovod.compression import Compression, NoneCompressor
 from .embedding import Embedding, EmbeddingBag
 from .optimizer_args import check_groups, check_op, parameter_names, sparse_as_dense_config
 from .dynamic_embedding import DynamicEmbedding
-from .variables import apply_dynamic_rules, plan_for, ps_modules, route_for_observed
+from .variables import apply_table_rules, plan_for, ps_modules, route_for_observed
 from .process_set_optimizer import check_routes, outside_set_optimizer, scope_for, set_config
 from .server_optimizer import describe, group_of
 from .table_tensor import ShardedTableTensor
@@ -94,7 +94,7 @@ class _DistributedOptimizer:
             size, reason = world.size, comm.why(backend_name)
         else:  # the set's own MPI communicator, whatever the job's dense backend
             backend_name, size, reason = "mpi", scope.size, scope.reason()
-        apply_dynamic_rules(cfg, named, model)
+        apply_table_rules(cfg, named, model)
         plan, self._hs_planner = plan_for(self, named, model, cfg, _compression_name(compression),
                                           backend_name, size, reason)
         self._hs_scope = scope
@@ -162,7 +162,7 @@ class _DistributedOptimizer:
         if runtime.world().rank != 0:  # the shards take rank 0's rows: ours can go before they are made
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         new = cls.from_module(old, var.name, partitions=var.plan.shards or None, partition=var.plan.partition,
-                              give_up_weight=True)  # rank 0's table shrinks as its shards fill
+                              give_up_weight=True, storage=var.plan.storage)  # rank 0's table shrinks as its shards fill
         new_of = {id(old): new}
         for other in tied:
             new_of[id(other)] = (Embedding if isinstance(other, torch.nn.Embedding) else EmbeddingBag).from_module(

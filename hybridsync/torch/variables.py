@@ -58,12 +58,15 @@ def ps_modules(model) -> list:
     return [(f"{name}.weight" if name else "weight", m) for name, m in model.named_modules() if isinstance(m, kinds)]
 
 
-def apply_dynamic_rules(config: Config | None, named, model) -> None:
+def apply_table_rules(config: Config | None, named, model) -> None:
     """Collective where it changes a table: a config rule's `dynamic:` options replace those of
-    the hybridsync.torch.DynamicEmbedding it matches (its table is made anew, still empty). A rule
-    with `dynamic:` that matches another kind of variable is a ConfigError, raised on every rank
-    alike before anything changes (every rank has the same config and model)."""
-    if config is None or not any(rule.dynamic for rule in config.rules):
+    the hybridsync.torch.DynamicEmbedding it matches (its table is made anew, still empty), and
+    its `storage:` becomes the storage of the PS embedding it matches (a fixed table moves its
+    rows and optimizer state to a new table that stores them so). A rule with `dynamic:` that
+    matches another kind of variable is a ConfigError, raised on every rank alike before
+    anything changes (every rank has the same config and model); `storage:` on a variable that
+    is not a PS table is checked when its route is planned."""
+    if config is None or not any(rule.dynamic or rule.storage for rule in config.rules):
         return
     tables = ps_modules(model)
     for name, module in [(n, None) for n, _ in named] + tables:
@@ -71,10 +74,23 @@ def apply_dynamic_rules(config: Config | None, named, model) -> None:
         if rule is not None and rule.dynamic and not isinstance(module, DynamicEmbedding):
             raise ConfigError(f"{rule.where}: dynamic: variable '{name}' is not a hybridsync DynamicEmbedding "
                               "(dynamic options apply to those only)")
+    moved = {}  # id(old table) -> (it, its new table): modules sharing a table (tied) follow it together
     for name, module in tables:
         rule = config.rule_for(name)
-        if rule is not None and rule.dynamic:
-            module.reconfigure(**rule.dynamic)
+        if rule is None or not (rule.dynamic or rule.storage):
+            continue
+        if isinstance(module, DynamicEmbedding):
+            module.reconfigure(storage=rule.storage, **(rule.dynamic or {}))
+        elif rule.storage != module.table.storage and id(module.table) not in moved:
+            moved[id(module.table)] = (module.table, module.table.restored_as(rule.storage))
+    for _, module in tables:
+        if id(module.table) in moved:
+            module.table = moved[id(module.table)][1]
+    for old, _ in moved.values():
+        old.drop()
+
+
+apply_dynamic_rules = apply_table_rules  # (its older name)
 
 
 def plan_for(optimizer, named, model, config: Config | None, compression_name: str, backend_name: str,

@@ -64,6 +64,27 @@ struct DynamicStats {
   int64_t map_bytes = 0, row_bytes = 0;  // the id map and per-row metadata; rows and slots
 };
 
+// How a table stores its rows (docs/storage-tiers.md). dtype: float32, float16 or bfloat16 rows,
+// on the shards and on the wire (optimizer slots stay float32); rounding: "nearest" (even) or
+// "stochastic", from bits of (seed, id, step) -- the same at any world size. With a path (a
+// directory on each rank's local disk), rows beyond memory_rows (over all shards, shared out
+// as a dynamic table's capacity is) live in a file per shard there; a dynamic table holds at
+// most disk_rows more there (0: unbounded), and its capacity must be 0 then.
+struct StorageSpec {
+  std::string dtype = "float32", rounding = "nearest", path;
+  int64_t memory_rows = 0, disk_rows = 0;
+  uint64_t seed = 0;
+};
+
+// A table's storage on this rank's shard: rows in memory and on disk, stored rows that lookups
+// (pull prefetches, pushes, writes) found in memory (hits) and read back from disk (loads), the
+// bytes its disk tier read and wrote, and the push rounds (steps) so far.
+struct TierStats {
+  std::string dtype = "float32", path;  // path: the disk tier's file ("" without one)
+  int64_t memory_rows = 0, disk_rows = 0, memory_share = 0;
+  int64_t hits = 0, loads = 0, bytes_read = 0, bytes_written = 0, steps = 0;
+};
+
 // A table registered with a Client; num_shards 0 means every rank holds a shard.
 struct TableSpec {
   std::string name;
@@ -73,6 +94,7 @@ struct TableSpec {
   std::string rule = "sgd";
   std::map<std::string, double> hparams;
   DynamicSpec dynamic;  // num_rows is ignored (-1) when dynamic.on
+  StorageSpec storage;
 };
 
 // One table's input to a pull or push; grads (n x dim) and lr (< 0: unchanged) are push-only.
@@ -249,7 +271,8 @@ class Client {
   void rename_table(int table, const std::string& name);
   // Replaces `table`'s server optimizer (state restarts).
   void set_rule(int table, const std::string& rule, const std::map<std::string, double>& hparams);
-  // Seeded rows that do not depend on the number of shards.
+  // Seeded rows that do not depend on the number of shards. A table with a disk tier computes
+  // a row's initial value when it is first needed, and stores nothing until the row changes.
   void init_normal(int table, uint64_t seed, float mean, float stddev);
   void init_uniform(int table, uint64_t seed, float low, float high);
   // The shard's step counter (-1 without a shard), for checkpoints.
@@ -260,6 +283,14 @@ class Client {
   std::map<std::string, double> hyperparameters(int table) const;
   // Rows of `table` held here; bytes of rows and of optimizer state held here.
   int64_t shard_rows(int table) const;
+  // The table's storage on this rank's shard (default values without a shard).
+  TierStats tier_stats(int table) const;
+  // A fixed table with a disk tier: the global ids of this shard's rows that hold something
+  // other than their initial value, in memory (memory) or on disk (!memory) -- what a
+  // checkpoint saves. Rows (slot < 0) or slot values of this shard's rows `ids`, wherever they
+  // are (memory does not change).
+  std::vector<int64_t> written_rows(int table, bool memory) const;
+  void local_rows(int table, int slot, const int64_t* ids, int64_t n, float* out) const;
   int64_t row_store_bytes() const;
   int64_t state_bytes() const;
   // A dynamic table's shard here: its contents, restoring them (ids other shards own are

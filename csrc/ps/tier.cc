@@ -1,0 +1,215 @@
+// A shard's disk tier (see tier.h).
+#include "tier.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <numeric>
+
+#include "hybridsync/ps.h"
+
+namespace hybridsync {
+namespace {
+
+// A file-name-safe form of a table name (its path in the model: dots, slashes, brackets).
+std::string safe_name(const std::string& table) {
+  std::string out;
+  for (const char ch : table) {
+    const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' ||
+                    ch == '-' || ch == '.';
+    out += ok ? ch : '_';
+  }
+  return out.empty() ? "table" : out.substr(0, 100);
+}
+
+// mkdir -p; "" on success, else what failed.
+std::string make_dirs(const std::string& dir) {
+  for (size_t at = 1; at <= dir.size(); ++at) {
+    if (at < dir.size() && dir[at] != '/') continue;
+    const std::string part = dir.substr(0, at);
+    if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) return part + ": " + std::strerror(errno);
+  }
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return dir + ": not a directory";
+  return "";
+}
+
+std::string megabytes(int64_t bytes) {
+  return std::to_string(bytes / 1048576) + "." + std::to_string(bytes % 1048576 * 10 / 1048576) + " MiB";
+}
+
+}  // namespace
+
+DiskTier::DiskTier(const std::string& table, const std::string& dir, int shard, int64_t slot_bytes, Tracer* tracer)
+    : table_(table), slot_bytes_(slot_bytes), tracer_(tracer) {
+  if (dir.empty()) throw PSError("table '" + table + "': a disk tier needs a path (a directory)");
+  const std::string made = make_dirs(dir);
+  if (!made.empty()) throw PSError("table '" + table + "': cannot make its disk tier's directory " + made);
+  // A file of its own: tables of one name live at once (a table moving to another layout or
+  // storage is made before the old one is dropped), and a file is never taken over -- an
+  // existing one (another live table's, or one a crashed run left) gets the next number.
+  static std::atomic<int64_t> next_file{0};
+  const std::string stem = dir + (dir.back() == '/' ? "" : "/") + safe_name(table) + ".shard" +
+                           std::to_string(shard) + "." + std::to_string(getpid()) + "-";
+  do {
+    path_ = stem + std::to_string(next_file++) + ".tier";
+    fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  } while (fd_ < 0 && errno == EEXIST);
+  if (fd_ < 0) fail("cannot be created", errno);
+}
+
+DiskTier::~DiskTier() {
+  if (fd_ >= 0) {
+    close(fd_);
+    unlink(path_.c_str());
+  }
+}
+
+void DiskTier::fail(const std::string& what, int error) const {
+  throw PSError("table '" + table_ + "': its disk tier file " + path_ + " " + what +
+                (error ? std::string(": ") + std::strerror(error) : std::string()));
+}
+
+void DiskTier::check() const {
+  struct stat st;
+  if (fstat(fd_, &st) != 0) fail("cannot be read", errno);
+  if (st.st_nlink == 0 || access(path_.c_str(), F_OK) != 0) fail("is missing (deleted while the table used it)", 0);
+  if (st.st_size < end_ * slot_bytes_) {
+    fail("is truncated: " + std::to_string(st.st_size) + " bytes, it holds " + std::to_string(end_ * slot_bytes_), 0);
+  }
+}
+
+void DiskTier::read(const int64_t* entries, int64_t n, char* buf) const {
+  if (n == 0) return;
+  const int64_t start = tracer_ ? tracer_->start() : 0;
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return slot_[entries[a]] < slot_[entries[b]]; });
+  for (const int64_t i : order) {  // in file order: the disk (or its cache) reads ahead
+    const int64_t slot = slot_[static_cast<size_t>(entries[i])];
+    char* dst = buf + i * slot_bytes_;
+    int64_t done = 0;
+    while (done < slot_bytes_) {
+      const ssize_t got = pread(fd_, dst + done, static_cast<size_t>(slot_bytes_ - done), slot * slot_bytes_ + done);
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) fail("cannot be read", errno);
+      if (got == 0) {
+        struct stat st;
+        fstat(fd_, &st);
+        fail("is truncated: " + std::to_string(st.st_size) + " bytes, slot " + std::to_string(slot) + " ends at " +
+                 std::to_string((slot + 1) * slot_bytes_),
+             0);
+      }
+      done += got;
+    }
+  }
+  bytes_read_ += n * slot_bytes_;
+  if (tracer_) tracer_->record("tier read", start, n);
+}
+
+void DiskTier::add(const int64_t* keys, int64_t n, const char* payloads) {
+  if (n == 0) return;
+  const int64_t start = tracer_ ? tracer_->start() : 0;
+  // Freed slots first (one write each), then the file's end (one write for all of them).
+  const int64_t reused = std::min<int64_t>(n, static_cast<int64_t>(free_.size()));
+  auto write_all = [&](const char* src, int64_t bytes, int64_t offset) {
+    int64_t done = 0;
+    while (done < bytes) {
+      const ssize_t put = pwrite(fd_, src + done, static_cast<size_t>(bytes - done), offset + done);
+      if (put < 0 && errno == EINTR) continue;
+      if (put <= 0) return put < 0 ? errno : ENOSPC;
+      done += put;
+    }
+    return 0;
+  };
+  int error = 0;
+  for (int64_t i = 0; i < reused && !error; ++i) {
+    error = write_all(payloads + i * slot_bytes_, slot_bytes_, free_[free_.size() - 1 - i] * slot_bytes_);
+  }
+  if (!error) error = write_all(payloads + reused * slot_bytes_, (n - reused) * slot_bytes_, end_ * slot_bytes_);
+  if (error) {
+    // Nothing is added: the slots reused keep what they held (freed rows), the end goes back.
+    if (ftruncate(fd_, end_ * slot_bytes_) != 0) {  // (best effort: a longer file only wastes space)
+    }
+    fail("could not take " + megabytes(n * slot_bytes_) + " (" + std::to_string(n) + " rows)", error);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    keys_.insert(keys[i]);
+    if (i < reused) {
+      slot_.push_back(free_.back());
+      free_.pop_back();
+    } else {
+      slot_.push_back(end_++);
+    }
+  }
+  bytes_written_ += n * slot_bytes_;
+  if (tracer_) tracer_->record("tier write", start, n);
+}
+
+std::vector<std::pair<int64_t, int64_t>> DiskTier::remove(std::vector<int64_t> entries) {
+  std::sort(entries.begin(), entries.end());
+  entries.erase(std::unique(entries.begin(), entries.end()), entries.end());
+  for (const int64_t e : entries) free_.push_back(slot_[static_cast<size_t>(e)]);
+  auto moves = keys_.erase_many(std::move(entries));
+  for (const auto& [from, to] : moves) slot_[static_cast<size_t>(to)] = slot_[static_cast<size_t>(from)];
+  slot_.resize(static_cast<size_t>(keys_.size()));
+  if (keys_.size() == 0) clear();  // (an empty tier gives its space back)
+  return moves;
+}
+
+void DiskTier::clear() {
+  keys_.clear();
+  slot_.clear();
+  free_.clear();
+  free_.shrink_to_fit();
+  end_ = 0;
+  if (ftruncate(fd_, 0) != 0) fail("cannot be emptied", errno);
+}
+
+void DiskTier::reset(int64_t slot_bytes) {
+  clear();
+  slot_bytes_ = slot_bytes;
+}
+
+void DiskTier::relayout(int64_t row_bytes, const std::vector<char>& tail) {
+  const int64_t held = size(), old_size = slot_bytes_, size = row_bytes + static_cast<int64_t>(tail.size());
+  if (held == 0) {
+    reset(size);
+    return;
+  }
+  constexpr int64_t kChunk = 65536;
+  std::vector<int64_t> keys = keys_.ids();
+  std::vector<char> rows(static_cast<size_t>(held * row_bytes)), records;
+  for (int64_t begin = 0; begin < held; begin += kChunk) {
+    const int64_t count = std::min(kChunk, held - begin);
+    std::vector<int64_t> entries(static_cast<size_t>(count));
+    std::iota(entries.begin(), entries.end(), begin);
+    records.resize(static_cast<size_t>(count * old_size));
+    read(entries.data(), count, records.data());
+    for (int64_t k = 0; k < count; ++k) {
+      std::memcpy(rows.data() + (begin + k) * row_bytes, records.data() + k * old_size, static_cast<size_t>(row_bytes));
+    }
+  }
+  reset(size);
+  for (int64_t begin = 0; begin < held; begin += kChunk) {
+    const int64_t count = std::min(kChunk, held - begin);
+    records.resize(static_cast<size_t>(count * size));
+    for (int64_t k = 0; k < count; ++k) {
+      char* record = records.data() + k * size;
+      std::memcpy(record, rows.data() + (begin + k) * row_bytes, static_cast<size_t>(row_bytes));
+      std::memcpy(record + row_bytes, tail.data(), tail.size());
+    }
+    add(keys.data() + begin, count, records.data());
+  }
+}
+
+int64_t DiskTier::index_bytes() const {
+  return keys_.bytes() + static_cast<int64_t>((slot_.capacity() + free_.capacity()) * sizeof(int64_t));
+}
+
+}  // namespace hybridsync

@@ -1,0 +1,80 @@
+// A shard's disk tier: a file of fixed-size slots on the rank's local disk, each holding one row
+// as stored (float32 or 16-bit) followed by its optimizer slots (float32), and the map from the
+// rows' keys (a fixed table's local row, a dynamic table's id) to their slots. Only rows that
+// left memory are here, so a file holds what training wrote and nothing else: rows never
+// written (a fixed table's seeded initial values) cost no disk.
+//
+// Every operation either completes or changes nothing: a write that fails (a full disk) frees
+// what it allocated and throws PSError naming the file; a file deleted or truncated under the
+// table is a PSError naming it too.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "id_map.h"
+#include "trace.h"
+
+namespace hybridsync {
+
+class DiskTier {
+ public:
+  // Creates the file `<dir>/<table>.shard<shard>.<pid>-<n>.tier` (dir is created if missing; n
+  // makes it a new file, never one that exists);
+  // slot_bytes per slot. `tracer` (may be null) records the reads and writes for timelines.
+  DiskTier(const std::string& table, const std::string& dir, int shard, int64_t slot_bytes, Tracer* tracer);
+  ~DiskTier();  // closes and removes the file
+  DiskTier(const DiskTier&) = delete;
+  DiskTier& operator=(const DiskTier&) = delete;
+
+  const std::string& path() const { return path_; }
+  int64_t slot_bytes() const { return slot_bytes_; }
+  void rename(std::string table) { table_ = std::move(table); }
+
+  // Entries (rows held) 0 .. size-1; each has a key and a slot.
+  int64_t size() const { return keys_.size(); }
+  int64_t find(int64_t key) const { return keys_.find(key); }
+  void find_many(const int64_t* keys, int64_t n, int64_t* out) const { keys_.find_many(keys, n, out); }
+  int64_t key(int64_t entry) const { return keys_.id(entry); }
+  const std::vector<int64_t>& keys() const { return keys_.ids(); }
+
+  // Reads the slots of entries[i] into buf + i * slot_bytes.
+  void read(const int64_t* entries, int64_t n, char* buf) const;
+  // Adds keys[i] (absent) with the slot contents payloads + i * slot_bytes: new entries size()
+  // .. size()+n-1, in order. All or nothing.
+  void add(const int64_t* keys, int64_t n, const char* payloads);
+  // Removes entries (their slots are reused); returns the moves (from, to) of entries that
+  // filled the gaps, in order (see IdMap::erase_many).
+  std::vector<std::pair<int64_t, int64_t>> remove(std::vector<int64_t> entries);
+  // Removes every entry and gives the file's space back.
+  void clear();
+  // An empty tier with another slot size (a new optimizer: its slots differ).
+  void reset(int64_t slot_bytes);
+  // Every record keeps its first `row_bytes` (the row) and gets `tail` after them (a new
+  // optimizer's fresh slots); entries keep their keys and positions.
+  void relayout(int64_t row_bytes, const std::vector<char>& tail);
+
+  // Throws PSError if the file was deleted or is shorter than what it holds.
+  void check() const;
+  // Bytes read and written so far; bytes of the in-memory index (keys and slots).
+  int64_t bytes_read() const { return bytes_read_; }
+  int64_t bytes_written() const { return bytes_written_; }
+  int64_t index_bytes() const;
+
+ private:
+  [[noreturn]] void fail(const std::string& what, int error) const;
+  std::string table_, path_;
+  int fd_ = -1;
+  int64_t slot_bytes_;
+  Tracer* tracer_;
+  IdMap keys_;                 // key -> entry
+  std::vector<int64_t> slot_;  // entry -> its slot in the file
+  std::vector<int64_t> free_;  // slots given back, reused first
+  int64_t end_ = 0;            // slots the file spans
+  mutable int64_t bytes_read_ = 0;
+  int64_t bytes_written_ = 0;
+};
+
+}  // namespace hybridsync

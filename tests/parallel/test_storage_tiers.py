@@ -1,0 +1,386 @@
+"""Tables with a disk tier (storage: {memory_rows: N, path: DIR}) on real MPI ranks: a cache of a
+few rows trains bit-identically to the same table all in memory at -np 1, 2 and 3 -- fixed and
+dynamic tables, SGD / Adagrad / Adam, float32 and 16-bit rows; the tier files really hold rows;
+checkpoints carry both tiers; a missing or truncated tier file is an error naming it."""
+import os
+
+import pytest
+
+from tests.parallel.harness import rank_main, run_ranks
+
+ROWS, DIM, STEPS, BATCH = 40, 3, 6, 12  # BATCH divides over 1, 2 and 3 ranks
+RULES = [("sgd", {"lr": 0.5}), ("adagrad", {"lr": 0.3, "initial_accumulator_value": 0.1}),
+         ("adam", {"lr": 0.05})]
+
+
+def _batches(pool, seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [(pool[rng.integers(0, len(pool), size=BATCH)], rng.standard_normal((BATCH, DIM)).astype(np.float32))
+            for _ in range(STEPS)]
+
+
+def _train_pair(memory, tiered, batches, ids):
+    """Pushes each step's batch (split over the ranks) to both tables; pulls and every row must
+    agree bit for bit after each step."""
+    import numpy as np
+
+    from hybridsync.ps import client
+    from hybridsync.ps.table import pull
+
+    engine = client.engine()
+    rank, size = engine.rank, engine.size
+    for step_ids, grads in batches:
+        mine = slice(rank, None, size)
+        (u1, i1, r1), (u2, i2, r2) = pull([memory, tiered], [step_ids[mine], step_ids[mine]])
+        np.testing.assert_array_equal(r2[i2], r1[i1], err_msg=f"{tiered.name}: pulled rows")
+        engine.push([memory.handle, tiered.handle], [step_ids[mine]] * 2, [grads[mine]] * 2)
+    engine.barrier("tiers-test")
+    np.testing.assert_array_equal(tiered.read_rows(ids), memory.read_rows(ids), err_msg=tiered.name)
+    for k, _ in enumerate(memory.slot_names):
+        np.testing.assert_array_equal(tiered.read_rows(ids, k), memory.read_rows(ids, k), err_msg=f"{tiered.name} slot {k}")
+
+
+def _tier_dir(tmp, name):
+    import hybridsync
+
+    return f"{tmp}/rank{hybridsync.rank()}/{name}"  # (each rank's own local disk)
+
+
+def rank_fixed_tier_parity(tmp):
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps.table import PSTable
+
+    hybridsync.init()
+    ids = np.arange(ROWS, dtype=np.int64)
+    for dtype in ("float32", "bfloat16"):
+        for name, hp in RULES:
+            tag = f"{dtype}_{name}"
+            rule = {"name": name, **hp}
+            memory = PSTable(f"mem_{tag}", ROWS, DIM, rule=rule, storage={"dtype": dtype})
+            tiered = PSTable(f"disk_{tag}", ROWS, DIM, rule=rule,
+                             storage={"dtype": dtype, "memory_rows": 3 * hybridsync.size(), "path": _tier_dir(tmp, tag)})
+            for t in (memory, tiered):
+                t.initialize(("normal", 0.0, 0.5), 7)
+            _train_pair(memory, tiered, _batches(ids, seed=len(tag)), ids)
+            stats = tiered.engine.tier_stats(tiered.handle)  # (every shard holds 13+ rows: each spills)
+            # (an operation touching more rows than the share holds them until the next one)
+            assert stats["memory_share"] == 3 and stats["memory_rows"] <= BATCH, stats
+            assert stats["disk_rows"] > 0 and stats["bytes_written"] > 0 and stats["bytes_read"] > 0, stats
+            memory.drop()
+            tiered.drop()
+
+
+def rank_dynamic_tier_parity(tmp):
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps import dynamic_options as dyn
+    from hybridsync.ps.dynamic import DynamicTable
+
+    hybridsync.init()
+    pool = np.random.default_rng(0).integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=30, dtype=np.int64)
+    for dtype, (name, hp) in [("float32", RULES[0]), ("float16", RULES[1]), ("float32", RULES[2])]:
+        tag = f"{dtype}_{name}"
+        rule = {"name": name, **hp}
+        opts = dyn.options(tag, seed=5, ttl_steps=4)
+        memory = DynamicTable(f"dmem_{tag}", DIM, opts, rule=rule, storage={"dtype": dtype})
+        tiered = DynamicTable(f"ddisk_{tag}", DIM, opts, rule=rule,
+                              storage={"dtype": dtype, "memory_rows": 2 * hybridsync.size(),
+                                       "path": _tier_dir(tmp, "d" + tag)})
+        _train_pair(memory, tiered, _batches(pool, seed=len(tag)), pool)
+        assert tiered.read_state()["ids"].tolist() == memory.read_state()["ids"].tolist()
+        stats = hybridsync.allgather_object(tiered.engine.tier_stats(tiered.handle))  # (a shard may never spill)
+        assert all(s["memory_share"] == 2 for s in stats), stats
+        assert sum(s["bytes_written"] for s in stats) > 0 and sum(s["bytes_read"] for s in stats) > 0, stats
+        memory.drop()
+        tiered.drop()
+
+
+def rank_broken_tier_files(tmp):
+    """A tier file truncated, then one deleted, under a live table: the next pull raises on every
+    rank, naming the file."""
+    import os
+
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps.table import PSTable, pull
+
+    hybridsync.init()
+    rank, size = hybridsync.rank(), hybridsync.size()
+    ids = np.arange(ROWS, dtype=np.int64)
+    for damage in ("truncated", "missing"):
+        table = PSTable(f"broken_{damage}", ROWS, DIM, rule={"name": "adagrad", "lr": 0.1},
+                        storage={"memory_rows": size, "path": _tier_dir(tmp, damage)})
+        table.initialize(("normal", 0.0, 1.0), 1)
+        for step_ids, grads in _batches(ids, seed=3)[:3]:
+            pull([table], [step_ids[rank::size]])
+            table.engine.push([table.handle], [step_ids[rank::size]], [grads[rank::size]])
+        table.engine.barrier("spilled")
+        path = table.engine.tier_stats(table.handle)["path"]
+        assert os.path.getsize(path) > 0, path
+        if rank == size - 1:  # one rank's disk goes wrong
+            os.truncate(path, 0) if damage == "truncated" else os.unlink(path)
+        paths = hybridsync.allgather_object(path)
+        try:
+            pull([table], [ids[rank::size]])  # every row: the damaged shard must read its file
+        except Exception as exc:
+            assert paths[-1] in str(exc) and damage in str(exc), str(exc)
+            print(f"rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+        else:
+            raise AssertionError(f"a {damage} tier file went unnoticed")
+
+
+DYN_IDS = [-7, 3, 11, 2**40, 99, -2**62, 5, 123456789]
+
+
+def _tiered_model(tmp, tag):
+    """A torch model whose two PS tables keep 2 rows per rank in memory, the rest on disk."""
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    size = hybridsync.size()
+    disk = lambda name: {"memory_rows": 2 * size, "path": _tier_dir(tmp, f"{tag}-{name}")}  # noqa: E731
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.fixed = hvd.Embedding(ROWS, DIM, name="fixed", seed=4, storage={"dtype": "bfloat16", **disk("f")})
+            self.dyn = hvd.DynamicEmbedding(DIM, name="dyn", seed=5, evict="lfu", storage=disk("d"))  # (spills LFU)
+            self.out = torch.nn.Linear(2 * DIM, 1)
+
+        def forward(self, ids, raw):
+            return self.out(torch.cat([self.fixed(ids), self.dyn(raw)], 1)).squeeze(1)
+
+    model = Net()
+    return model, hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), model=model)
+
+
+def _tiered_steps(model, opt, steps):
+    import torch
+
+    import hybridsync
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, ROWS, (BATCH,), generator=g)
+        raw = torch.tensor(DYN_IDS)[torch.randint(0, len(DYN_IDS), (BATCH,), generator=g)]
+        y = torch.randn(BATCH, generator=g)
+        mine = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(ids[mine], raw[mine]), y[mine]).backward()
+        opt.step()
+
+
+def _tiered_snapshot(model):
+    import numpy as np
+
+    out = {"fixed": model.fixed.table.read(), "dyn": model.dyn.table.read_rows(np.array(DYN_IDS, np.int64))}
+    for k, name in enumerate(model.fixed.table.slot_names):
+        out[f"fixed.{name}"] = model.fixed.table.read(k)
+    state = model.dyn.table.read_state(slots=True)
+    out["dyn.ids"] = state["ids"]
+    for name in model.dyn.table.slot_names:
+        out[f"dyn.{name}"] = state[f"slot.{name}"]
+    return out
+
+
+def rank_tiered_checkpoint_save(tmp):
+    import os
+
+    import numpy as np
+
+    import hybridsync
+
+    model, opt = _tiered_model(tmp, "save")
+    _tiered_steps(model, opt, range(4))
+    stats = hybridsync.allgather_object(model.fixed.table.engine.tier_stats(model.fixed.table.handle))
+    assert sum(s["disk_rows"] for s in stats) > 0, stats  # the checkpoint has rows on disk to carry
+    with open(os.devnull, "w") as sink:
+        text = hybridsync.explain(file=sink)
+    tiers = text[text.index("tables with a disk tier"):]
+    assert "fixed" in tiers and "bfloat16" in tiers and "dyn" in tiers and "hit rate" in tiers, text
+    hybridsync.save_checkpoint(f"{tmp}/ckpt", model, opt)
+    at_save = _tiered_snapshot(model)
+    _tiered_steps(model, opt, range(4, 7))
+    if hybridsync.rank() == 0:
+        np.savez(f"{tmp}/at-save.npz", **at_save)
+        np.savez(f"{tmp}/final.npz", **_tiered_snapshot(model))
+
+
+def rank_tiered_checkpoint_load(tmp):
+    import numpy as np
+
+    import hybridsync
+
+    model, opt = _tiered_model(tmp, "load")
+    hybridsync.load_checkpoint(f"{tmp}/ckpt", model, opt)
+    for stage, steps in (("at-save", ()), ("final", range(4, 7))):
+        _tiered_steps(model, opt, steps)
+        want, got = np.load(f"{tmp}/{stage}.npz"), _tiered_snapshot(model)
+        assert set(want.files) == set(got), (sorted(want.files), sorted(got))
+        for key in want.files:  # the load is exact; training on at another world size sums gradients in
+            if stage == "at-save":  # another order (float32), as without a disk tier
+                np.testing.assert_array_equal(got[key], want[key], err_msg=f"{stage} {key}")
+            else:
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"{stage} {key}")
+
+
+def rank_tiered_steps(tmp):
+    model, opt = _tiered_model(tmp, "timeline")
+    _tiered_steps(model, opt, range(4))
+
+
+def test_the_timeline_shows_tier_io(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    run_ranks(__file__, "rank_tiered_steps", 2, str(tmp_path), env={"HYBRIDSYNC_TIMELINE": str(trace)})
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    for rank in (0, 1):
+        names = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"tier prefetch", "tier read", "tier write"} <= names, (rank, sorted(names))
+
+
+def test_checkpoints_carry_both_tiers_to_another_world_size(tmp_path):
+    run_ranks(__file__, "rank_tiered_checkpoint_save", 2, str(tmp_path))
+    run_ranks(__file__, "rank_tiered_checkpoint_load", 3, str(tmp_path))
+    run_ranks(__file__, "rank_tiered_checkpoint_load", 1, str(tmp_path))
+
+
+def rank_full_disk(tmp):
+    """One rank's disk fills up (RLIMIT_FSIZE: its tier file cannot grow) while a pull must spill
+    rows: that pull raises on every rank, naming the file, and no row changes; once there is
+    room again, training goes on exactly as the all-in-memory table's."""
+    import resource
+    import signal
+
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps.table import PSTable, pull
+
+    hybridsync.init()
+    rank, size = hybridsync.rank(), hybridsync.size()
+    ids = np.arange(ROWS, dtype=np.int64)
+    rule = {"name": "adagrad", "lr": 0.3}
+    memory = PSTable("full_mem", ROWS, DIM, rule=rule)
+    tiered = PSTable("full_disk", ROWS, DIM, rule=rule, storage={"memory_rows": size, "path": _tier_dir(tmp, "full")})
+    for t in (memory, tiered):
+        t.initialize(("normal", 0.0, 0.5), 2)
+    grads = np.random.default_rng(0).standard_normal((BATCH, DIM)).astype(np.float32)
+    steps = [np.arange(BATCH) + BATCH * s for s in range(3)]  # new rows every step: the file must grow
+    _train_pair(memory, tiered, [(steps[0], grads), (steps[1], grads)], ids)
+    path = tiered.tier_stats()["path"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == size - 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit fails with EFBIG instead)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path), hard))
+    paths = hybridsync.allgather_object(path)
+    before = tiered.read_rows(ids), [tiered.read_rows(ids, k) for k in range(len(tiered.slot_names))]
+    try:
+        pull([tiered], [steps[2][rank::size]])
+    except Exception as exc:
+        assert paths[-1] in str(exc) and "could not take" in str(exc), str(exc)
+        print(f"rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+    else:
+        raise AssertionError("a full disk went unnoticed")
+    tiered.engine.barrier("after-full")
+    np.testing.assert_array_equal(tiered.read_rows(ids), before[0])
+    for k, slot in enumerate(before[1]):
+        np.testing.assert_array_equal(tiered.read_rows(ids, k), slot)
+    if rank == size - 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    _train_pair(memory, tiered, [(steps[2], grads), (steps[0], grads)], ids)
+
+
+def rank_same_name_same_path(tmp):
+    """Two live tables of one name with their tiers in one directory (a table moving to another
+    layout or storage is made before the old one is dropped): each keeps its own file."""
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps.table import PSTable
+
+    hybridsync.init()
+    ids = np.arange(ROWS, dtype=np.int64)
+    rule = {"name": "adam", "lr": 0.05}
+    storage = {"memory_rows": hybridsync.size(), "path": _tier_dir(tmp, "shared")}
+    memory = PSTable("twin_mem", ROWS, DIM, rule=rule)
+    old = PSTable("same", ROWS, DIM, rule=rule, storage=storage)
+    for t in (memory, old):
+        t.initialize(("normal", 0.0, 0.5), 2)
+    batches = _batches(ids, seed=4)
+    _train_pair(memory, old, batches[:3], ids)
+    new = PSTable("same", ROWS, DIM, rule=rule, storage=storage)
+    assert new.tier_stats()["path"] != old.tier_stats()["path"]
+    _train_pair(memory, old, batches[3:4], ids)  # the old table's file is intact
+    new.take_from(old)
+    old.drop()  # (removes its own file only)
+    _train_pair(memory, new, batches[4:], ids)
+
+
+def test_tables_of_one_name_keep_their_own_tier_files(tmp_path):
+    run_ranks(__file__, "rank_same_name_same_path", 2, str(tmp_path))
+
+
+def test_a_full_disk_fails_the_pull_on_every_rank_and_changes_nothing(tmp_path):
+    run_ranks(__file__, "rank_full_disk", 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("np_", [1, 2])
+def test_a_missing_or_truncated_tier_file_is_an_error_naming_it(np_, tmp_path):
+    run_ranks(__file__, "rank_broken_tier_files", np_, str(tmp_path))
+
+
+def rank_dynamic_disk_bound(tmp):
+    """disk_rows bounds a dynamic table's two tiers together: with memory_rows + disk_rows rows
+    per cluster it evicts exactly as the same table all in memory with that capacity (LRU, LFU)."""
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps import dynamic_options as dyn
+    from hybridsync.ps.dynamic import DynamicTable
+
+    hybridsync.init()
+    size = hybridsync.size()
+    pool = np.random.default_rng(1).integers(-2**40, 2**40, size=40, dtype=np.int64)
+    for evict, (name, hp) in (("lru", RULES[2]), ("lfu", RULES[1])):
+        rule = {"name": name, **hp}
+        memory = DynamicTable(f"cap_{evict}", DIM, dyn.options(evict, capacity=6 * size, evict=evict, seed=2), rule=rule)
+        tiered = DynamicTable(f"bound_{evict}", DIM, dyn.options(evict, evict=evict, seed=2, disk_tier=True), rule=rule,
+                              storage={"memory_rows": 2 * size, "disk_rows": 4 * size,
+                                       "path": _tier_dir(tmp, f"bound_{evict}")})
+        _train_pair(memory, tiered, _batches(pool, seed=9), pool)
+        stored = memory.read_state()["ids"].tolist()
+        assert tiered.read_state()["ids"].tolist() == stored and len(stored) <= 6 * size, stored
+        assert sum(s["evicted"] for s in hybridsync.allgather_object(memory.stats())) > 0  # (the bound was reached)
+        memory.drop()
+        tiered.drop()
+
+
+@pytest.mark.parametrize("np_", [1, 3])
+def test_disk_rows_bounds_a_dynamic_table_like_a_capacity(np_, tmp_path):
+    run_ranks(__file__, "rank_dynamic_disk_bound", np_, str(tmp_path))
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_fixed_table_with_a_tiny_cache_trains_like_all_in_memory(np_, tmp_path):
+    run_ranks(__file__, "rank_fixed_tier_parity", np_, str(tmp_path))
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_dynamic_table_with_a_tiny_cache_trains_like_all_in_memory(np_, tmp_path):
+    run_ranks(__file__, "rank_dynamic_tier_parity", np_, str(tmp_path))
+
+
+if __name__ == "__main__":
+    rank_main(globals())
