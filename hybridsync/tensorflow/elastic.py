@@ -48,7 +48,7 @@ class KerasState(FrameworkState):
     HANDLERS = ((keras.Model, VariablesStateHandler), (keras.optimizers.Optimizer, VariablesStateHandler))
 
     def __init__(self, model, optimizer=None, **kwargs):
-        if not model.built:
+        if not model.built and not model.variables:  # (a subclassed model that has run has its variables)
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
         super().__init__(model, optimizer if optimizer is not None else getattr(model, "optimizer", None), **kwargs)
 
