@@ -267,6 +267,16 @@ void Client::close() {
     impl_->broken = true;
     impl_->broken_reason = "the engine was closed (hybridsync.shutdown())";
   }
+  // The shards go with the engine -- their memory, and their disk tiers' files, which their
+  // destructors remove -- even while Python still holds the tables' objects (every later use
+  // of one throws: the engine is closed).
+  for (auto& table : impl_->tables) {
+    if (table) {
+      table->tiered.reset();
+      table->dynamic.reset();
+      table->shard.reset();
+    }
+  }
 }
 
 std::unique_ptr<Client> make_client(const std::string& transport, void* native, const WaitPolicy& wait,
