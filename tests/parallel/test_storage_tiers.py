@@ -243,7 +243,7 @@ def test_a_job_that_ends_leaves_no_tier_file(tmp_path):
     """The tier files go with the engine at shutdown, although the script still holds its tables
     (before, every rank's files stayed in the directory after the job)."""
     run_ranks(__file__, "rank_tiered_steps", 2, str(tmp_path))
-    left = [f for d in tmp_path.iterdir() if d.is_dir() for f in d.iterdir()]
+    left = sorted(str(f) for f in tmp_path.rglob("*.tier"))
     assert left == [], left
 
 
