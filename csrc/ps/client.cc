@@ -449,17 +449,25 @@ void Client::write_local(int table, int slot, const int64_t* ids, int64_t n, con
   check_ids(t.spec.name, ids, n, t.spec.num_rows);
   check_slot(t, slot);
   if (!t.shard) return;
+  // A few rows at a time (a disk tier holds them in memory; an elastic restore writes a whole
+  // shard, which must not be copied once more: a small chunk keeps the copy small).
+  constexpr int64_t kWriteChunk = 4096;
+  const int64_t dim = t.spec.dim;
   std::vector<int64_t> local;
   std::vector<float> mine;
+  local.reserve(static_cast<size_t>(std::min<int64_t>(n, kWriteChunk)));
+  mine.reserve(local.capacity() * static_cast<size_t>(dim));
   for (int64_t i = 0; i < n; ++i) {
     if (t.part.shard_of(ids[i]) != impl_->rank()) continue;
     local.push_back(t.part.local_index(ids[i]));
-    mine.insert(mine.end(), rows + i * t.spec.dim, rows + (i + 1) * t.spec.dim);
+    mine.insert(mine.end(), rows + i * dim, rows + (i + 1) * dim);
+    if (static_cast<int64_t>(local.size()) == kWriteChunk) {
+      scatter_rows(t, local.data(), kWriteChunk, mine.data(), slot);
+      local.clear();
+      mine.clear();
+    }
   }
-  for (size_t begin = 0; begin < local.size(); begin += kLocalChunk) {  // (a disk tier holds a chunk at a time)
-    const auto count = static_cast<int64_t>(std::min<size_t>(kLocalChunk, local.size() - begin));
-    scatter_rows(t, local.data() + begin, count, mine.data() + begin * t.spec.dim, slot);
-  }
+  if (!local.empty()) scatter_rows(t, local.data(), static_cast<int64_t>(local.size()), mine.data(), slot);
 }
 
 std::vector<float> Client::local_values(int table, int slot) const {
