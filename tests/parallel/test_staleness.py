@@ -61,9 +61,8 @@ def _step(model, opt, step, rank):
 
 
 def _tables(opt):
-    from hybridsync.checkpoint import _tables as tables_of
-
-    return {var.name: table for var, table in tables_of(opt)}
+    """The optimizer's PS tables by variable name (what its frontend hands the core)."""
+    return {var.name: var.table for var in opt.hybridsync_frontend.variables() if var.table is not None}
 
 
 def rank_k0_is_the_synchronous_default():
