@@ -62,9 +62,9 @@ def _zipf_ranks(rng, n: int, a: float) -> np.ndarray:
 
 
 def _hashed(ranks: np.ndarray) -> np.ndarray:
-    from hybridsync.ps.dynamic_options import _mix64
+    from hybridsync.ps.dynamic_options import mix64
 
-    return _mix64(ranks.astype(np.uint64)).view(np.int64)
+    return mix64(ranks.astype(np.uint64)).view(np.int64)
 
 
 def rank_run(args) -> None:

@@ -70,7 +70,7 @@ def check_ids(name: str, ids) -> np.ndarray:
 
 
 # -- twins of the C++ rules ---------------------------------------------------------------------
-def _mix64(x: np.ndarray) -> np.ndarray:
+def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
         x = x + np.uint64(0x9E3779B97F4A7C15)
@@ -82,7 +82,7 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 def hash_shard(ids, shards: int) -> np.ndarray:
     """The shard of each raw id of a dynamic table over `shards` shards."""
     u = np.asarray(ids, dtype=np.int64).view(np.uint64)
-    return (_mix64(u ^ np.uint64(0xD6E8FEB86659FD93)) % np.uint64(shards)).astype(np.int64)
+    return (mix64(u ^ np.uint64(0xD6E8FEB86659FD93)) % np.uint64(shards)).astype(np.int64)
 
 
 def capacity_share(capacity, shards: int, shard: int) -> int:
@@ -103,7 +103,7 @@ def initial_rows(seed: int, ids, dim: int, initializer=("normal", 0.0, 1.0)) -> 
     cols = dim if kind == "uniform" else (dim + 1) // 2
     with np.errstate(over="ignore"):
         counter = u[:, None] * np.uint64(dim) + np.arange(cols, dtype=np.uint64)[None, :]
-        key = _mix64(np.uint64(seed) ^ _mix64(counter))
+        key = mix64(np.uint64(seed) ^ mix64(counter))
     a32, b32 = np.float32(a), np.float32(b)
     if kind == "uniform":
         u1 = ((key >> np.uint64(11)).astype(np.float64) + 0.5) / 9007199254740992.0

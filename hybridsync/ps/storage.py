@@ -18,6 +18,8 @@ import os
 
 import numpy as np
 
+from .dynamic_options import mix64  # (the same splitmix64 finaliser as csrc/ps/seeded.h)
+
 DTYPES = ("float32", "float16", "bfloat16")
 ROUNDINGS = ("nearest", "stochastic")
 OPTION_KEYS = ("dtype", "rounding", "seed", "memory_rows", "disk_rows", "path")
@@ -88,22 +90,16 @@ def describe(storage: dict | None) -> str:
 
 
 # -- the NumPy twin of csrc/ps/half.h ----------------------------------------------------------------
-def _mix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
 
 
 def rounding_bits(seed: int, step: int, ids, dim: int) -> np.ndarray:
     """The 32 random bits element (i, j) of row ids[i] rounds with at server step `step`: a pure
     function of (seed, id, step, column), so results do not depend on the sharding."""
     with np.errstate(over="ignore"):
-        key = _mix64(np.uint64(seed & _M64) ^ _mix64(np.array([step & _M64], np.uint64)))[0]
+        key = mix64(np.uint64(seed & _M64) ^ mix64(np.array([step & _M64], np.uint64)))[0]
         u = np.asarray(ids, dtype=np.int64).reshape(-1).view(np.uint64)
         counter = u[:, None] * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :]
-        return (_mix64(key ^ counter) >> np.uint64(32)).astype(np.uint32)
+        return (mix64(key ^ counter) >> np.uint64(32)).astype(np.uint32)
 
 
 def round_rows(values, dtype: str, random_bits=None) -> np.ndarray:
