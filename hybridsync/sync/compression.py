@@ -35,3 +35,30 @@ def by_name(name: str) -> Codec:
     if name not in NAMES:
         raise ValueError(f"unknown compression {name!r} (known: {', '.join(NAMES)})")
     return Codec(name)
+
+
+class Compressor:
+    """Horovod's compressor interface, for every frontend: `compress(tensor) -> (tensor, ctx)`
+    before sending, `decompress(tensor, ctx)` after; subclasses override both."""
+
+    @staticmethod
+    def compress(tensor):
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Sends tensors as they are (the default), in any framework."""
+
+    name = "none"
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
