@@ -7,6 +7,7 @@ gradients go to a C++ parameter server whose shards live on the ranks.
 from . import config as config_mod
 from . import runtime
 from .comm import choose
+from .comm import horovod as horovod_backend
 from .comm import objects as object_collectives  # (`objects` is the hybridsync.objects module's name)
 from .frontend import framework_of, module_for
 from .runtime import is_initialized, shutdown, world
@@ -31,6 +32,8 @@ def init(comm=None, backend: str | None = None, config=None) -> None:
             backend = loaded.backend
     if backend is not None:
         runtime.set_default_backend(choose(backend))
+        if runtime.default_backend() == "horovod":  # asked for: Horovod joins the job now, on its communicator
+            horovod_backend.module()
     runtime.run_init_hooks()  # a frontend imported already starts what it needs (Horovod for torch)
 
 
