@@ -19,7 +19,7 @@ average kept with each run. Reports auto / the best hand-written config per work
 and the routes auto chose with their predicted times (from the plan). Writes
 benchmarks/results/auto.{json,md,png} and updates docs/performance.md's `sync: auto` section.
 
-    python benchmarks/auto.py [--quick] [--no-network] [--ranks 1,2,4] [--workloads dlrm]
+    python benchmarks/auto.py [--quick] [--no-network] [--ranks 1,2,4] [--workloads dlrm] [--configs auto,ps]
     python benchmarks/auto.py --rerender       # no runs: results/auto.json summarised again
 """
 from __future__ import annotations
@@ -99,6 +99,7 @@ def plan(args, places):
             for workload, candidates in CANDIDATES.items():
                 if workload not in args.workloads:
                     continue
+                candidates = [c for c in candidates if not args.configs or c in args.configs]
                 k = round_ % len(candidates)
                 for name in candidates[k:] + candidates[:k]:
                     runs.append((place, workload, name))
@@ -154,7 +155,7 @@ def prediction_errors(rows):
     return out
 
 
-def markdown(rows, verdicts, meta, errors=()) -> str:
+def markdown(rows, verdicts, meta, errors=(), unfinished=()) -> str:
     lines = [f"Measured {meta['date']}; medians of {meta['repeats']} interleaved rounds. DLRM: {meta['steps']} timed "
              f"steps after {meta['warmup']} untimed ones, within which auto measures ({meta['auto_steps']} steps) and "
              f"switches; NLP: the examples' own rate over {meta['nlp_steps']} steps, auto's measuring included.", "",
@@ -164,6 +165,8 @@ def markdown(rows, verdicts, meta, errors=()) -> str:
         ms = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.2f}"
         load = ", ".join(f"{x[0]:.2f}" for x in r.get("loadavg") or [] if x)
         lines.append(f"| {r['place']} | {r['workload']} | {r['config']} | {r['samples_per_s']:,.0f} | {ms} | {load} |")
+    for r in unfinished:
+        lines.append(f"| {r['place']} | {r['workload']} | {r['config']} | - | - | {r['error']} |")
     lines += ["", "| where | workload | best hand-written | auto / best | what auto chose |", "| --- | --- | --- | ---: | --- |"]
     for v in verdicts:
         chose = ", ".join(f"{k}: {x}" for k, x in (v["auto_routes"] or {}).items())
@@ -190,6 +193,7 @@ def main():
     p.add_argument("--no-network", action="store_true", help="one host only")
     p.add_argument("--ranks", default="2", help="rank counts on one host, comma-separated (e.g. 1,2,4)")
     p.add_argument("--workloads", default=",".join(CANDIDATES), help=f"of {', '.join(CANDIDATES)}")
+    p.add_argument("--configs", default="", help="only these configs, comma-separated (e.g. auto,ps)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-docs", action="store_true", help="leave docs/performance.md as it is")
     p.add_argument("--rerender", action="store_true",
@@ -202,6 +206,7 @@ def main():
         report(previous["runs"], previous["meta"], args)
         return
     args.workloads = args.workloads.split(",")
+    args.configs = [c for c in args.configs.split(",") if c]
     places = [f"1 host x {n}" for n in args.ranks.split(",")]
     cluster = None
     if not args.no_network:
@@ -214,8 +219,13 @@ def main():
             cluster = Cluster(2, rate="1gbit", prefix="hsa", subnet="10.231.10").up()
             places.append("2 hosts x 2, 1 Gbit")
     raw = []
+    timed_out = set()  # (place, workload, config): a run that timed out once is not repeated
     try:
         for place, workload, name in tqdm(plan(args, places), desc="auto runs", unit="run"):
+            if (place, workload, name) in timed_out:
+                raw.append({"error": "not run: timed out in an earlier round", "place": place,
+                            "workload": workload, "config": name, "loadavg": load_average()})
+                continue
             extra = [*WORKLOADS.get(workload, []), *config_args(name), "--print-routes"]
             on_cluster = place.startswith("2 hosts")
             if workload in EXAMPLES:
@@ -226,6 +236,8 @@ def main():
             else:
                 result = run("hybridsync", int(place.rsplit("x ", 1)[1]), args.steps, args.warmup, extra=extra)
             result.update(place=place, workload=workload, config=name, loadavg=load_average())
+            if "timed out" in result.get("error", ""):
+                timed_out.add((place, workload, name))
             if "error" in result:
                 tqdm.write(f"FAILED {workload} {name} on {place}: {result['error'][-400:]}")
             raw.append(result)
@@ -243,7 +255,14 @@ def main():
 def report(raw: list, meta: dict, args) -> None:
     """Summary, verdicts, the cost model's errors; results/auto.{json,md}; the docs page's section."""
     rows, verdicts, errors = summarise(raw)
-    table = markdown(rows, verdicts, meta, errors)
+    done = {(r["place"], r["workload"], r["config"]) for r in rows}
+    unfinished = {}
+    for r in raw:  # a config with no finished run at a place: why (its first failure)
+        key = (r["place"], r["workload"], r["config"])
+        if "error" in r and key not in done and key not in unfinished:
+            unfinished[key] = {"place": key[0], "workload": key[1], "config": key[2],
+                               "error": r["error"].strip().splitlines()[-1][:120]}
+    table = markdown(rows, verdicts, meta, errors, list(unfinished.values()))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "auto.json").write_text(json.dumps({"meta": meta, "summary": rows, "verdicts": verdicts,
                                                    "prediction_errors": errors, "runs": raw}, indent=2))

@@ -5,6 +5,8 @@ broadcasts the parameters; many scripts broadcast first), against the size of th
     python benchmarks/memory.py                 # the sweep: 1/2/4 ranks, both orders, 4 table sizes,
                                                 # then the capped run; table, JSON and PNG in results/
     python benchmarks/memory.py --quick         # 1 and 2 ranks, 2 sizes, no capped run
+    python benchmarks/memory.py --switch        # Horovod against `sync: auto` switching every table
+                                                # to a replica, 1/2/4 ranks: results/memory-switch.md
     mpirun -np 2 python benchmarks/memory.py --system hybridsync --order wrap-first   # one run
 
 Each run builds the benchmark's DLRM (examples/torch_dlrm.py: `--tables` x `--rows` x `--dim`
@@ -33,6 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MARK = "MEMORY-RESULT"
 SYSTEMS = ("horovod", "hybridsync")
+# hybridsync made to switch: links that make every replica far cheaper than the parameter server
+# (point-to-point 5 ms / 1 MB/s, collectives free), so `sync: auto` moves each table from its shards
+# to a replica after AUTO_STEPS steps -- the moment the issue's "a switch to a replica never peaks
+# above Horovod" is about.
+SWITCH = "hybridsync-switch"
+AUTO_STEPS = 3
+SWITCH_LINKS = {"p2p_latency_s": 5e-3, "p2p_bandwidth": 1e6, "allreduce_latency_s": 1e-6,
+                "allreduce_bandwidth": 10e9, "memory_bandwidth": 5e9, "collective_s": 1e-6,
+                "ranks": 0, "hosts": 1, "source": "benchmarks/memory.py --switch", "format": 2}
 ORDERS = ("wrap-first", "broadcast-first")
 CGROUP = Path("/sys/fs/cgroup/memory")
 
@@ -85,7 +96,8 @@ def run_system(args) -> None:
         import hybridsync.torch as hvd
 
         hvd.init()
-        wrap = lambda opt, model: hybridsync.DistributedOptimizer(opt, model=model)  # noqa: E731
+        config = {"auto_steps": AUTO_STEPS, "auto_trial_steps": 0} if args.system == SWITCH else None
+        wrap = lambda opt, model: hybridsync.DistributedOptimizer(opt, model=model, config=config)  # noqa: E731
     rank, size = hvd.rank(), hvd.size()
     phases = {"init": _rss()}
     torch.manual_seed(0)
@@ -117,6 +129,9 @@ def run_system(args) -> None:
     mine = {"rank": rank, "phases": phases, "peak": _peak(), "steady": _rss(),
             "loss_first": float(np.mean(losses[:3])) if losses else None,
             "loss_last": float(np.mean(losses[-3:])) if losses else None}
+    if args.system != "horovod":  # where each table ended: the switch run must have moved them
+        mine["routes"] = {v.name: v.route.value for v in opt.plan.variables
+                          if v.kind is not None and v.kind.value == "sparse"}
     everyone = MPI.COMM_WORLD.gather(mine, root=0)
     if rank == 0:
         print(f"{MARK} " + json.dumps({"system": args.system, "np": size, "order": args.order, "rows": args.rows,
@@ -144,6 +159,8 @@ def measure(np_, system, order, rows, tables, dim, steps, batch, meta=False, cap
     """One mpirun; the result, or {"failed": why} (e.g. a rank killed over its memory cap)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    if system == SWITCH:
+        env["HYBRIDSYNC_CACHE_DIR"] = _switch_links(np_)
     proc = subprocess.run(rank_command(np_, system, order, rows, tables, dim, steps, batch, meta, cap_mib),
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     result = parse(proc.stdout)
@@ -154,6 +171,47 @@ def measure(np_, system, order, rows, tables, dim, steps, batch, meta=False, cap
                 "failed": "killed over its memory cap" if killed else f"exit {proc.returncode}",
                 "tail": (proc.stdout + proc.stderr)[-1500:]}
     return result
+
+
+def _switch_links(np_: int) -> str:
+    """A cache directory whose links file (for this host, np_ ranks) makes replicas cheap."""
+    import socket
+    import tempfile
+
+    from hybridsync.comm.probe import cache_path
+
+    cache = tempfile.mkdtemp(prefix="hybridsync-bench-links-")
+    with open(cache_path([socket.gethostname()] * np_, cache), "w") as fh:
+        json.dump(SWITCH_LINKS, fh)
+    return cache
+
+
+def switch_run(args) -> None:
+    """Horovod against hybridsync switching every table to a replica mid-run, at 1/2/4 ranks:
+    each rank's lifetime peak; the verdict is hybridsync's worst rank over Horovod's worst."""
+    results = []
+    for np_ in (1, 2, 4):
+        for system in ("horovod", SWITCH):
+            results.append(measure(np_, system, "wrap-first", args.rows, args.tables, args.dim,
+                                   max(args.steps, AUTO_STEPS + 5), args.batch))
+            print(f"{system} np={np_}: {results[-1].get('failed', 'ok')}", file=sys.stderr)
+    lines = ["| ranks | Horovod peak MiB (max rank) | hybridsync, switched to replicas, peak MiB (max rank) | ratio | "
+             "routes after the switch |", "|---:|---:|---:|---:|---|"]
+    for np_ in (1, 2, 4):
+        hvd, hyb = (next(r for r in results if r["np"] == np_ and r["system"] == s) for s in ("horovod", SWITCH))
+        if "failed" in hvd or "failed" in hyb:
+            lines.append(f"| {np_} | {hvd.get('failed', '')} | {hyb.get('failed', '')} | | |")
+            continue
+        peak = {s: max(x["peak"] for x in r["ranks"]) for s, r in (("horovod", hvd), (SWITCH, hyb))}
+        routes = sorted(set(hyb["ranks"][0].get("routes", {}).values()))
+        lines.append(f"| {np_} | {_mib(peak['horovod']):.1f} | {_mib(peak[SWITCH]):.1f} | "
+                     f"{peak[SWITCH] / peak['horovod']:.3f} | {', '.join(routes)} |")
+    text = (f"## A switch to replicas against Horovod ({args.tables} x {args.rows:,} x {args.dim} tables, "
+            f"wrap-first, {max(args.steps, AUTO_STEPS + 5)} steps; target ratio <= 1.02)\n\n" + "\n".join(lines))
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "memory-switch.json").write_text(json.dumps({"runs": results}, indent=1))
+    (RESULTS / "memory-switch.md").write_text(text + "\n")
 
 
 # -- the sweep --------------------------------------------------------------------------------------
@@ -265,7 +323,7 @@ def launch(args) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--system", choices=SYSTEMS, help="run this system on the ranks of this job")
+    p.add_argument("--system", choices=(*SYSTEMS, SWITCH), help="run this system on the ranks of this job")
     p.add_argument("--order", choices=ORDERS, default="wrap-first")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--tables", type=int, default=8)
@@ -274,12 +332,16 @@ def main():
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--meta", action="store_true", help="build the tables on the meta device")
     p.add_argument("--cap-mib", type=int, default=0, help="each rank runs under this memory limit")
+    p.add_argument("--switch", action="store_true",
+                   help="launcher: only Horovod against a switch to replicas, at 1/2/4 ranks")
     p.add_argument("--quick", action="store_true", help="launcher: fewer sizes and ranks, no capped run")
     p.add_argument("--cap-rows", type=int, default=1_500_000, help="launcher: rows per table in the capped run")
     p.add_argument("--cap-steps", type=int, default=30, help="launcher: steps of the capped run")
     args = p.parse_args()
     if args.system:
         run_system(args)
+    elif args.switch:
+        switch_run(args)
     else:
         if args.cap_mib == 0:
             args.cap_mib = 1024
