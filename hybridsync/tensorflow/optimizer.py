@@ -232,9 +232,6 @@ class _DistributedKerasOptimizer(HorovodMethods):
                 raise config_mod.ConfigError(f"{rule.where}: dynamic: variable '{vp.name}': dynamic options apply to "
                                              "PyTorch DynamicEmbedding tables; pass a Keras DynamicEmbedding its "
                                              "options as arguments")
-            if rule is not None and rule.storage is not None and rule.storage != vp.storage:
-                raise config_mod.ConfigError(f"{rule.where}: storage: variable '{vp.name}': a Keras PS layer's table "
-                                             "exists before the plan; pass the layer storage= as an argument")
         if self._hs_scope:
             plan.backend_reason = self._hs_scope.reason()
             check_routes(rows, self._hs_scope)
