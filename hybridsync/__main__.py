@@ -35,7 +35,7 @@ def explain_command(args) -> int:
     from . import config as config_mod
     from .torch.optimizer import _named_parameters
     from .planning import render
-    from .torch.variables import apply_table_rules, plan_for
+    from .torch.variables import plan_for
 
     built = _load_factory(args.model)()
     model, optimizer = built if isinstance(built, tuple) else (built, None)
@@ -48,7 +48,6 @@ def explain_command(args) -> int:
     # As a job of `world` ranks on this host would choose (the model was built in a world of one)
     backend = comm.choose(args.backend or (cfg.backend if cfg else None), world_size=world)
     named = _named_parameters(optimizer, None, model)
-    apply_table_rules(cfg, named, model)  # (as a DistributedOptimizer does: PS tables take the config's storage)
     plan, _ = plan_for(optimizer, named, model, cfg, "none", backend, world, comm.why(backend))
     plan.offline = True
     print(render(plan))

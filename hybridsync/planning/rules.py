@@ -160,11 +160,6 @@ class RouteResolver:
                 raise ConfigError(f"{storage_where}: storage: variable '{v.name}': storage applies to tables sharded "
                                   "on the parameter server (sync: ps, placement: sharded): a replica's rows are the "
                                   "framework's own")
-        if ps_module and storage is not None and storage != v.storage:
-            # (the torch frontend moves its PS modules' tables to the config's storage before it
-            # plans; a Keras layer's table is in its graph before the plan, so it cannot move)
-            raise ConfigError(f"{storage_where}: storage: variable '{v.name}': its PS embedding's table exists with "
-                              f"storage {v.storage or 'float32'}: pass the embedding storage= as an argument")
         if storage is not None:  # (else a PS module's table's own: see describe.py)
             v.storage = dict(storage)
         v.staleness = self._staleness(v, s.staleness, fail)
