@@ -27,7 +27,7 @@ fixed table larger than this machine's RAM, and 16-bit rows on the flagship work
     their values are a function of (seed, id)) and the training loss's fall.
 (c) 16-bit rows against float32 on the flagship workload (benchmarks/run_one.py's DLRM: 8 tables
     x 250k rows x 32, batch 512 per rank, SGD, system hybridsync-sharded) at 2 ranks: float32,
-    float16, bfloat16 (nearest) and bfloat16 with stochastic rounding, `--repeats` interleaved
+    float16, bfloat16 (nearest) and bfloat16 with stochastic rounding, `--rounds` interleaved
     rounds, medians: bytes per row on the shards, PS bytes sent per rank and step, step time, and
     the loss on held-out batches after a fixed number of steps.
 
@@ -333,10 +333,11 @@ def part_big(args) -> dict:
 def part_dtypes(args) -> dict:
     runs = []
     configs = list(DTYPES)
-    plan = [(round_, configs[round_ % len(configs):] + configs[:round_ % len(configs)]) for round_ in range(args.repeats)]
-    with tqdm(total=args.repeats * len(configs), desc="(c) flagship runs", unit="run") as bar:
+    # Each round starts with another row type: a slow spell of this shared machine lands on all alike.
+    plan = [(round_, configs[round_ % len(configs):] + configs[:round_ % len(configs)]) for round_ in range(args.rounds)]
+    with tqdm(total=args.rounds * len(configs), desc="(c) flagship runs", unit="run") as bar:
         for round_, order in plan:
-            tqdm.write(f"(c) round {round_ + 1}/{args.repeats}: load average {' / '.join(map(str, bench.load_average()))}")
+            tqdm.write(f"(c) round {round_ + 1}/{args.rounds}: load average {' / '.join(map(str, bench.load_average()))}")
             for dtype, rounding in order:
                 extra = ["--row-dtype", dtype, "--rounding", rounding, "--eval-batches", str(args.eval_batches)]
                 result = bench.run("hybridsync-sharded", 2, args.flagship_steps, args.flagship_warmup, extra=extra)
@@ -474,7 +475,7 @@ def main() -> None:
     g.add_argument("--dim", type=int, default=16)
     g.add_argument("--memory-rows", type=int, default=2_000_000, help="rows in memory, both ranks")
     g.add_argument("--block", type=int, default=30, help="steps per timed block")
-    g.add_argument("--repeats", type=int, default=5, help="(a) timed blocks; (c) interleaved rounds")
+    g.add_argument("--repeats", type=int, default=5, help="timed blocks of steps at the end of the run")
     g.add_argument("--every", type=int, default=10, help="steps between timeline samples")
     g = p.add_argument_group("(b) a table larger than RAM")
     g.add_argument("--ram-factor", type=float, default=1.55, help="the table's float32 rows over this machine's RAM")
@@ -485,6 +486,7 @@ def main() -> None:
     g = p.add_argument_group("(c) 16-bit rows on the flagship")
     g.add_argument("--flagship-steps", type=int, default=1000)
     g.add_argument("--flagship-warmup", type=int, default=20)
+    g.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the four row types")
     g.add_argument("--eval-batches", type=int, default=20)
     args = p.parse_args()
     if args.rank_run:
@@ -495,7 +497,7 @@ def main() -> None:
         args.steps, args.batch, args.memory_rows, args.block, args.every = 60, 8192, 20_000, 10, 5
         args.big_rows = args.big_rows or 5_000_000
         args.big_memory_rows, args.big_steps, args.big_warmup = 20_000, 40, 5
-        args.flagship_steps, args.flagship_warmup, args.eval_batches = 60, 5, 4
+        args.flagship_steps, args.flagship_warmup, args.eval_batches, args.rounds = 60, 5, 4, 1
         args.repeats = min(args.repeats, 3)
     if args.rerender:
         saved = json.loads((RESULTS / f"{stem}.json").read_text())
@@ -506,8 +508,8 @@ def main() -> None:
     unknown = sorted(set(parts) - {"a", "b", "c"})
     if unknown:
         raise SystemExit(f"tiers.py: --parts: unknown part(s) {', '.join(unknown)} (known: a, b, c)")
-    if args.repeats < 1 or args.block < 1:
-        raise SystemExit("tiers.py: --repeats and --block must be >= 1")
+    if min(args.repeats, args.block, args.rounds) < 1:
+        raise SystemExit("tiers.py: --repeats, --block and --rounds must be >= 1")
     if "a" in parts and args.repeats * args.block > args.steps:
         raise SystemExit(f"tiers.py: --repeats x --block ({args.repeats * args.block}) is more than --steps ({args.steps})")
     scratch = args.dir is None
