@@ -427,7 +427,7 @@ def _plot(parts: dict, path: Path) -> None:
             ranks = parts["a"]["ranks"]
             tiered = np.median([r["tiered_ms"] for r in ranks], axis=0)
             memory = np.median([r["memory_ms"] for r in ranks], axis=0)
-            ax.plot(tiered, lw=0.6, label="memory for 2M rows + disk tier")
+            ax.plot(tiered, lw=0.6, label=f"memory for {parts['a']['summary']['memory_rows']:,} rows + disk tier")
             ax.plot(memory, lw=0.6, label="all in memory", alpha=0.8)
             ax.set_ylim(0, np.percentile(np.concatenate([tiered, memory]), 98) * 1.2)
             ax.set(xlabel="step", ylabel="ms (median over ranks)",
@@ -455,7 +455,8 @@ def _plot(parts: dict, path: Path) -> None:
             twin.set_ylim(low * 0.98, max(s["held_out_loss"] for s in rows) * 1.01)
             twin.set_ylabel("held-out loss")
             ax.set_title("(c) 16-bit rows on the flagship DLRM")
-            fig.legend(loc="upper right", fontsize=8)
+            handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+            twin.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper left")  # (twin: drawn on top)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
