@@ -53,6 +53,12 @@ def parse_args():
                    help="hybridsync systems: after the timed steps, save a checkpoint here and load it back, timed")
     p.add_argument("--wire-iface", default=None,
                    help="count the bytes this host sends/receives on this interface over the timed steps")
+    p.add_argument("--row-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="hybridsync-sharded: how the shards store the tables' rows (storage: dtype)")
+    p.add_argument("--rounding", choices=("nearest", "stochastic"), default="nearest",
+                   help="hybridsync-sharded with 16-bit rows: storage: rounding")
+    p.add_argument("--eval-batches", type=int, default=0,
+                   help="after training: the loss on this many held-out batches (same teacher, other samples)")
     return p.parse_args()
 
 
@@ -131,6 +137,25 @@ def global_batches(args, ranks, rank, share):
     return out, ids_all
 
 
+def held_out_loss(args, model, ranks, rank, share):
+    """Mean loss over args.eval_batches batches the run never trained on (the same teacher; a
+    data seed of its own), each rank its slice of every global batch; every rank evaluates the
+    same number of batches (a PS lookup is collective)."""
+    import torch
+    import torch.nn.functional as F
+    from torch_dlrm import SyntheticCriteo
+
+    data = SyntheticCriteo(args.batch * ranks, args.tables, args.rows, seed=args.seed + 10_000, hot_rows=args.hot_rows)
+    part = slice(rank * share, (rank + 1) * share)
+    losses = []
+    with torch.no_grad():
+        for _ in range(args.eval_batches):
+            dense, sparse, label = data.batch()
+            out = model(dense[part].contiguous(), sparse[part].contiguous())
+            losses.append(F.binary_cross_entropy_with_logits(out, label[part]).item())
+    return float(np.mean(losses))
+
+
 def build(args, rank, size):
     """(model, optimizer, engine or None) for the system under test."""
     import torch
@@ -149,8 +174,10 @@ def build(args, rank, size):
         hvd.init()
         if args.system == "hybridsync-sharded":
             # Tables created on the shards directly: no rank ever holds a whole table.
+            storage = None if args.row_dtype == "float32" else {"dtype": args.row_dtype, "rounding": args.rounding}
             model = dlrm(embedding=lambda r, d: hvd.Embedding(r, d, initializer=("uniform", -1 / np.sqrt(r),
-                                                                                    1 / np.sqrt(r))))
+                                                                                    1 / np.sqrt(r)),
+                                                              storage=storage))
             opt = hybridsync.DistributedOptimizer(sgd(model), model=model)
         elif args.system in AS_WRITTEN:  # as a user writes it: routes by `sync: auto` or the YAML
             model = dlrm()
@@ -294,6 +321,8 @@ def main():
             if wire_start and local_rank == 0 else None)
 
     traffic = engine.traffic() if engine is not None else None
+    eval_loss = held_out_loss(args, model, ranks, rank, share) if args.eval_batches else None
+    row_bytes = engine.row_store_bytes() if engine is not None else None  # (this rank's shards: rows as stored)
     training_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before any checkpoint
     checkpoint = None
     if args.checkpoint_dir and args.system.startswith("hybridsync"):
@@ -305,6 +334,8 @@ def main():
         "phases_ms": (phases / args.steps * 1e3).tolist(),
         "wire": wire,
         "loss": float(np.mean(losses[-20:])),
+        "eval_loss": eval_loss,
+        "row_store_bytes": row_bytes,
         "sent": traffic["bytes_sent"] / args.steps if traffic else None,
         "received": traffic["bytes_received"] / args.steps if traffic else None,
     }
@@ -319,6 +350,9 @@ def main():
             "rss_per_rank": [e["rss"] for e in everyone],
             "wrap_peak_rss_per_rank": [e["wrap_rss"] for e in everyone],
             "loss": float(np.mean([e["loss"] for e in everyone])),
+            "eval_loss": float(np.mean([e["eval_loss"] for e in everyone])) if args.eval_batches else None,
+            "row_store_bytes": sum(e["row_store_bytes"] for e in everyone) if engine is not None else None,
+            "row_dtype": args.row_dtype, "rounding": args.rounding,
             "ps_bytes_sent_per_rank_step": (float(np.mean([e["sent"] for e in everyone]))
                                             if traffic else None),
             "ps_bytes_received_per_rank_step": (float(np.mean([e["received"] for e in everyone]))

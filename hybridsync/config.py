@@ -15,7 +15,7 @@
       - match: "user_ids.*"                             # a hybridsync DynamicEmbedding's options
         dynamic: {capacity: 1000000, evict: lru, ttl_steps: 5000, admit_after: 2}
       - match: "item_emb.*"                             # how a PS table's shards store its rows
-        storage: {dtype: float16}                       # (docs/storage.md)
+        storage: {dtype: float16}                       # (docs/storage.md; also under defaults.sparse)
     strict: true                                        # a rule that matches nothing is an error (else a warning)
     backend: mpi                                        # dense backend: horovod | mpi (optional)
     auto_steps: 20                                      # steps `sync: auto` measures before it decides
@@ -57,7 +57,7 @@ OPTIMIZERS = ("sgd", "adagrad", "adam")
 BACKENDS = ("horovod", "mpi")
 RULE_KEYS = ("match", "sync", "placement", "partitions", "partition", "compression", "optimizer", "staleness",
              "dynamic", "storage")
-DEFAULT_KEYS = ("sync", "placement", "partitions", "partition", "compression", "optimizer", "staleness")
+DEFAULT_KEYS = ("sync", "placement", "partitions", "partition", "compression", "optimizer", "staleness", "storage")
 DYNAMIC_KEYS = ("capacity", "evict", "ttl_steps", "admit_after")
 
 
@@ -73,7 +73,7 @@ class Settings:
     optimizer: dict | None = None
     staleness: int | None = None  # bounded staleness of a PS table (docs/staleness.md)
     dynamic: dict | None = None  # a DynamicEmbedding's options (rules only)
-    storage: dict | None = None  # how a PS table stores its rows (rules only; hybridsync.ps.storage)
+    storage: dict | None = None  # how a PS table stores its rows (rules, defaults.sparse; hybridsync.ps.storage)
 
 
 @dataclasses.dataclass
@@ -101,6 +101,17 @@ class Config:
             if fnmatch.fnmatchcase(name, rule.match):
                 return rule
         return None
+
+    def storage_for(self, name: str) -> tuple[dict | None, str]:
+        """(storage, where it was set) of the sparse table `name`: its rule's `storage:`, else
+        defaults.sparse's (where: "defaults.sparse (file:line)"); (None, "") when the config
+        sets none (the table keeps its own)."""
+        rule = self.rule_for(name)
+        if rule is not None and rule.storage is not None:
+            return rule.storage, rule.where
+        if self.sparse.storage is not None:
+            return self.sparse.storage, f"defaults.sparse ({self.where.get('defaults.sparse', self.source)})"
+        return None, ""
 
 
 # -- reading YAML while keeping line numbers -------------------------------------------------------
@@ -280,6 +291,9 @@ def _parse(root: _Node, source: str) -> Config:
             if kind in defaults:
                 fields = c.mapping(defaults[kind][0], f"defaults.{kind}", DEFAULT_KEYS)
                 setattr(cfg, kind, c.settings(fields, f"defaults.{kind}", choices))
+                if kind == "dense" and cfg.dense.storage is not None:
+                    c.fail(fields["storage"][1], "defaults.dense.storage", "storage applies to sparse tables on the "
+                           "parameter server (set it under defaults.sparse or in a rule)")
                 if kind == "dense" and cfg.dense.staleness:
                     c.fail(fields["staleness"][1], "defaults.dense.staleness", "dense variables stay synchronous "
                            "(bounded staleness applies to sparse tables on the parameter server)")

@@ -202,7 +202,7 @@ void DynamicStore::remove_on_disk(std::vector<int64_t> entries) {
   disk_last_.resize(static_cast<size_t>(disk_->size()));
 }
 
-void DynamicStore::spill(Shard& arena, int64_t incoming) {
+void DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
   const int64_t held = rows_.size();
   if (!disk_ || held + incoming <= memory_) return;
   // An eighth of memory at least, so a full arena does not spill a few rows every round.
@@ -219,7 +219,12 @@ void DynamicStore::spill(Shard& arena, int64_t incoming) {
     ids.push_back(rows_.id(victims[v]));
     arena.get_record(victims[v], records.data() + v * arena.record_size());
   }
-  disk_->add(ids.data(), static_cast<int64_t>(ids.size()), records.data());  // all or nothing
+  try {
+    disk_->add(ids.data(), static_cast<int64_t>(ids.size()), records.data());  // all or nothing
+  } catch (const PSError&) {
+    if (mode == SpillMode::kMust) throw;
+    return;  // (nothing was added: the rows stay in memory)
+  }
   for (const int64_t p : victims) {
     disk_counts_.push_back(counts_[static_cast<size_t>(p)]);
     disk_last_.push_back(last_[static_cast<size_t>(p)]);
@@ -227,7 +232,7 @@ void DynamicStore::spill(Shard& arena, int64_t incoming) {
   remove_rows(arena, std::move(victims));
 }
 
-void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n) {
+void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode) {
   ++now_;
   std::vector<int64_t> at(static_cast<size_t>(n));
   rows_.find_many(ids, n, at.data());
@@ -248,7 +253,7 @@ void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   }
   // Absent ids not stored may be admitted by the round: room for them too. Spilling and
   // reading come before anything changes: a failure leaves the shard as it was.
-  spill(*arena, static_cast<int64_t>(absent.size()));
+  spill(*arena, static_cast<int64_t>(absent.size()), mode);
   const int64_t size = arena->record_size();
   std::vector<char> records(found.size() * static_cast<size_t>(size));
   disk_->read(found.data(), static_cast<int64_t>(found.size()), records.data());
@@ -336,9 +341,10 @@ int64_t DynamicStore::evict_to(Shard& arena, int64_t target, int32_t now) {
 }
 
 void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* grads) {
-  // Disk tier: the stored rows this round touches come back into memory first (a failure there
-  // changes nothing); the rules below then find every touched stored row in the arena.
-  if (disk_) load(arena, ids, n);
+  // Disk tier: the stored rows this round touches come back into memory first (a file that
+  // cannot be read fails it before anything changes; a full disk leaves rows in memory, see
+  // SpillMode); the rules below then find every touched stored row in the arena.
+  if (disk_) load(arena, ids, n, SpillMode::kIfRoom);
   arena->rule().begin_step();
   const auto now = static_cast<int32_t>(arena->rule().step());
   counters_.last_admitted = counters_.last_evicted = counters_.last_expired = 0;

@@ -24,7 +24,7 @@
 // prefetch, first reads back the stored rows it touches, and if the arena would then hold more
 // than `memory` rows, rows it does not touch go to disk first (in the eviction order; LRU when
 // evict is none), an eighth of `memory` at a time -- so a disk that cannot take them fails the
-// round or the pull before any row changes. Rows leave the disk only by expiry or eviction.
+// pull before any row changes; a round keeps them in memory instead (SpillMode). Rows leave the disk only by expiry or eviction.
 #pragma once
 
 #include <algorithm>
@@ -112,10 +112,10 @@ class DynamicStore {
   int64_t evict_to(Shard& arena, int64_t target, int32_t now);
   // Disk tier: brings the stored rows of ids into the arena (making room first); the rows ids
   // name are marked as this operation's, so nothing spills them.
-  void load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n);
+  void load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode = SpillMode::kMust);
   // Disk tier: rows of the arena not marked by the newest operation go to disk until
   // `incoming` more rows fit `memory_`.
-  void spill(Shard& arena, int64_t incoming);
+  void spill(Shard& arena, int64_t incoming, SpillMode mode = SpillMode::kMust);
   // Disk tier: back within `memory_` rows, any row a candidate to spill (restores, writes).
   void settle(Shard& arena) {
     ++now_;

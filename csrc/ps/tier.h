@@ -19,6 +19,13 @@
 
 namespace hybridsync {
 
+// What an operation does when the rows it must move to disk to make room cannot be written (a
+// full disk). A pull's prefetch, a write, a restore fail (kMust): nothing has changed yet, and
+// every rank hears of it. A push round goes on with those rows left in memory, over the share,
+// until a later operation spills them (kIfRoom): a push is not answered, so a failure on one
+// shard could not stop the others from applying their part -- a push never needs the disk.
+enum class SpillMode { kMust, kIfRoom };
+
 class DiskTier {
  public:
   // Creates the file `<dir>/<table>.shard<shard>.<pid>-<n>.tier` (dir is created if missing; n

@@ -27,7 +27,7 @@ void TieredRows::initialize(Shard& arena, int64_t l, int64_t p) const {
   arena.reset_slots(p);
 }
 
-void TieredRows::spill(Shard& arena, int64_t incoming) {
+void TieredRows::spill(Shard& arena, int64_t incoming, SpillMode mode) {
   const int64_t held = resident_.size();
   if (held + incoming <= memory_) return;
   std::vector<int64_t> eligible;  // rows this operation does not touch
@@ -56,7 +56,12 @@ void TieredRows::spill(Shard& arena, int64_t incoming) {
     records.resize(records.size() + static_cast<size_t>(size));
     arena.get_record(p, records.data() + records.size() - size);
   }
-  disk_->add(keys.data(), static_cast<int64_t>(keys.size()), records.data());
+  try {
+    disk_->add(keys.data(), static_cast<int64_t>(keys.size()), records.data());
+  } catch (const PSError&) {
+    if (mode == SpillMode::kMust) throw;
+    return;  // (add changed nothing: the rows stay in memory)
+  }
   for (const auto& [from, to] : resident_.erase_many(std::move(eligible))) {
     arena.copy_row(from, to);
     tick_[static_cast<size_t>(to)] = tick_[static_cast<size_t>(from)];
@@ -66,7 +71,7 @@ void TieredRows::spill(Shard& arena, int64_t incoming) {
   dirty_.resize(static_cast<size_t>(resident_.size()));
 }
 
-void TieredRows::locate(Shard& arena, const int64_t* local, int64_t n, std::vector<int64_t>* pos) {
+void TieredRows::locate(Shard& arena, const int64_t* local, int64_t n, std::vector<int64_t>* pos, SpillMode mode) {
   ++now_;
   pos->resize(static_cast<size_t>(n));
   resident_.find_many(local, n, pos->data());
@@ -82,7 +87,7 @@ void TieredRows::locate(Shard& arena, const int64_t* local, int64_t n, std::vect
   hits_ += n - incoming;
   if (incoming == 0) return;
   const int64_t before = resident_.size();
-  spill(arena, incoming);
+  spill(arena, incoming, mode);
   if (resident_.size() != before) resident_.find_many(local, n, pos->data());  // spilling moved rows
   // The distinct rows missing, and those of them on disk: read before anything changes.
   std::vector<int64_t> missing;
@@ -188,7 +193,7 @@ void TieredRows::scatter(Shard& arena, const int64_t* local, int64_t n, const fl
 
 void TieredRows::apply(Shard& arena, const int64_t* local, int64_t n, const float* grads) {
   std::vector<int64_t> pos;
-  locate(arena, local, n, &pos);  // (may fail: before the rule's step advances)
+  locate(arena, local, n, &pos, SpillMode::kIfRoom);  // (reading may fail: before the rule's step advances)
   arena.rule().begin_step();
   std::vector<int64_t> ids(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) ids[static_cast<size_t>(i)] = id_of(local[i]);

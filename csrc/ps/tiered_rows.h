@@ -8,7 +8,8 @@
 // than its share, rows that operation does not touch go to disk first, least recently used
 // first, an eighth of the share at a time; rows never changed since they were computed are
 // simply forgotten. The spilling comes first, so a disk that cannot take them fails the
-// operation before any row changes. A row on disk trains exactly as a row in memory: it moves
+// operation before any row changes -- except a push, which keeps them in memory instead
+// (SpillMode). A row on disk trains exactly as a row in memory: it moves
 // as stored, bit for bit. An operation touching more rows than the share holds them all until
 // the next one.
 #pragma once
@@ -66,9 +67,10 @@ class TieredRows {
 
  private:
   // Positions in the arena of local[0..n) after loading those not there (spilling first).
-  void locate(Shard& arena, const int64_t* local, int64_t n, std::vector<int64_t>* pos);
+  void locate(Shard& arena, const int64_t* local, int64_t n, std::vector<int64_t>* pos,
+              SpillMode mode = SpillMode::kMust);
   // Makes room for `incoming` rows: rows not touched by this operation go to disk.
-  void spill(Shard& arena, int64_t incoming);
+  void spill(Shard& arena, int64_t incoming, SpillMode mode);
   // Row l's initial value as stored (rounded to the row type) and fresh slots, at position p.
   void initialize(Shard& arena, int64_t l, int64_t p) const;
   int64_t id_of(int64_t l) const { return l * id_stride_ + id_offset_; }

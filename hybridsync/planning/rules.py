@@ -40,20 +40,22 @@ class RouteResolver:
             return self.config.auto_steps
         return settings().auto_steps
 
-    def _auto(self, v: VariablePlan, sync: str, ps_module: bool, explicit: bool) -> str:
+    def _auto(self, v: VariablePlan, sync: str, ps_module: bool, explicit: bool, stored: bool = False) -> str:
         """`sync: auto` (the default for sparse variables): measure on the parameter server for
         auto_steps steps, then hybridsync.planning.measure picks the route. Returns the route to
-        start on."""
+        start on. stored: the config gives the table a `storage:` -- only the parameter server
+        stores rows that way (16-bit, a disk tier), so auto keeps it there."""
         v.auto = None
         if sync != "auto":
             return sync
         if v.kind is not GradKind.SPARSE:
             v.reason += "; auto: dense variables are all-reduced"
             return "allreduce"
-        if not settings().auto or ps_module or self.world_size == 1 or not self.auto_supported:
-            if explicit:  # the implicit default says nothing where auto has nothing to do
+        if not settings().auto or ps_module or stored or self.world_size == 1 or not self.auto_supported:
+            if explicit or stored:  # the implicit default says nothing where auto has nothing to do
                 v.reason += ("; auto off (HYBRIDSYNC_AUTO=off): ps" if not settings().auto else
                              "; auto: a PS embedding's rows exist only on the PS" if ps_module else
+                             "; auto: its storage exists only on the PS" if stored else
                              "; auto: one rank, nothing to exchange: ps" if self.world_size == 1 else
                              "; auto: not available in this frontend: ps")
         else:
@@ -96,7 +98,8 @@ class RouteResolver:
         # A staleness bound is a parameter-server setting: without a sync of its own, it means ps.
         sync = s.sync or ("allreduce" if not sparse else "ps" if s.staleness else "auto")
         v.reason = why
-        sync = self._auto(v, sync, ps_module, explicit=s.sync == "auto")
+        storage, storage_where = self.config.storage_for(v.name) if self.config is not None and sparse else (None, "")
+        sync = self._auto(v, sync, ps_module, explicit=s.sync == "auto", stored=storage is not None)
         if ps_module and sync != "ps":
             fail("sync", f"'{sync}' is impossible for a PS embedding: its rows exist only on the PS")
         if not sparse and sync in ("allgather", "allreduce-as-dense"):
@@ -146,11 +149,19 @@ class RouteResolver:
             fail("optimizer", "a server optimizer applies to variables on the parameter server (sync: ps)")
         if s.partitions is not None and v.route is not Route.PS:
             fail("partitions", "partitions apply to variables on the parameter server (sync: ps)")
-        if s.storage is not None and (v.route is not Route.PS or v.placement is not Placement.SHARDED):
+        if s.storage is not None and not sparse:  # (only a rule: defaults.dense has no storage)
             fail("storage", "storage applies to tables sharded on the parameter server (sync: ps, placement: "
-                            "sharded): a replica's rows are the framework's own")
-        if s.storage is not None:  # (else a PS module's table's own, which the caller set: see describe.py)
-            v.storage = dict(s.storage)
+                            "sharded): a dense variable's values are the framework's own")
+        if storage is not None and (v.route is not Route.PS or v.placement is not Placement.SHARDED):
+            if storage_where.startswith("defaults."):  # a default applies where it can: tables sharded on the PS
+                v.reason += "; defaults.sparse.storage: not applied (not a table sharded on the PS)"
+                storage = None
+            else:
+                raise ConfigError(f"{storage_where}: storage: variable '{v.name}': storage applies to tables sharded "
+                                  "on the parameter server (sync: ps, placement: sharded): a replica's rows are the "
+                                  "framework's own")
+        if storage is not None:  # (else a PS module's table's own: see describe.py)
+            v.storage = dict(storage)
         v.staleness = self._staleness(v, s.staleness, fail)
         if sparse and v.shape and v.shape[0] > 0:
             self._check_memory(v, param, sync, fail)

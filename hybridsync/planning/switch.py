@@ -100,7 +100,7 @@ class Switch:
         table.drop()  # its rows and server state now live in the frontend's variable and optimizer
         var.table = None
         var.ps_home = {"placement": plan.placement, "shards": plan.shards, "partition": plan.partition,
-                       "optimizer": plan.optimizer, "optimizer_source": plan.optimizer_source}
+                       "optimizer": plan.optimizer, "optimizer_source": plan.optimizer_source, "storage": table.storage}
         plan.route, plan.placement, plan.shards = route, Placement.NONE, 0
         plan.optimizer, plan.optimizer_source, plan.compression = None, "-", "none"
         plan.bytes_per_step = None
@@ -111,7 +111,8 @@ class Switch:
         rank) become a table on the parameter server again, where it was before it left."""
         home, plan = var.ps_home, var.plan
         shards = shards or home["shards"]
-        table = PSTable(var.name, plan.shape[0], var.dim, shards, home["partition"], home["optimizer"])
+        table = PSTable(var.name, plan.shape[0], var.dim, shards, home["partition"], home["optimizer"],
+                        storage=home.get("storage"))
         rows, slots, step = self.frontend.replica_state(var, table.slot_names)
         replicated = home["placement"] is Placement.REPLICATED
         view = var.access.replica() if replicated else None
@@ -137,7 +138,7 @@ class Switch:
         old, plan = var.table, var.plan
         sharded = plan.placement is Placement.SHARDED
         view = None if sharded else var.access.replica()  # replicated: the shard may alias the replica
-        new = PSTable(var.name, plan.shape[0], var.dim, shards, plan.partition, plan.optimizer)
+        new = PSTable(var.name, plan.shape[0], var.dim, shards, plan.partition, plan.optimizer, storage=old.storage)
         if old.attached is not None:
             old.attach(None)
         if view is not None:

@@ -226,14 +226,16 @@ class _DistributedKerasOptimizer(HorovodMethods):
                     f"variable '{vp.name}' is {vp.dtype} (Keras mixed-precision policy "
                     f"'{keras.mixed_precision.global_policy().name}'): the parameter server holds float32 rows; use "
                     "policy 'mixed_float16' / 'mixed_bfloat16' (float32 variables) or route it with sync: allreduce")
-        for vp in rows:  # (a Keras layer's table exists, and its graph holds it, before the plan)
+        for vp, d in zip(rows, described):  # (a Keras layer's table exists, and its graph holds it, before the plan)
             rule = self._hs_config.rule_for(vp.name) if self._hs_config is not None else None
             if rule is not None and rule.dynamic:
                 raise config_mod.ConfigError(f"{rule.where}: dynamic: variable '{vp.name}': dynamic options apply to "
                                              "PyTorch DynamicEmbedding tables; pass a Keras DynamicEmbedding its "
                                              "options as arguments")
-            if rule is not None and rule.storage is not None and rule.storage != vp.storage:
-                raise config_mod.ConfigError(f"{rule.where}: storage: variable '{vp.name}': a Keras PS layer's table "
+            # (compared with the layer's table: the plan says what the config asks for)
+            storage, where = self._hs_config.storage_for(vp.name) if self._hs_config is not None else (None, "")
+            if d.table is not None and storage is not None and storage != d.table.storage:
+                raise config_mod.ConfigError(f"{where}: storage: variable '{vp.name}': a Keras PS layer's table "
                                              "exists before the plan; pass the layer storage= as an argument")
         if self._hs_scope:
             plan.backend_reason = self._hs_scope.reason()

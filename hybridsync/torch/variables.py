@@ -61,12 +61,12 @@ def ps_modules(model) -> list:
 def apply_table_rules(config: Config | None, named, model) -> None:
     """Collective where it changes a table: a config rule's `dynamic:` options replace those of
     the hybridsync.torch.DynamicEmbedding it matches (its table is made anew, still empty), and
-    its `storage:` becomes the storage of the PS embedding it matches (a fixed table moves its
+    its `storage:` (else defaults.sparse's) becomes the storage of the PS embedding it matches (a fixed table moves its
     rows and optimizer state to a new table that stores them so). A rule with `dynamic:` that
     matches another kind of variable is a ConfigError, raised on every rank alike before
     anything changes (every rank has the same config and model); `storage:` on a variable that
     is not a PS table is checked when its route is planned."""
-    if config is None or not any(rule.dynamic or rule.storage for rule in config.rules):
+    if config is None or not (config.sparse.storage or any(rule.dynamic or rule.storage for rule in config.rules)):
         return
     tables = ps_modules(model)
     for name, module in [(n, None) for n, _ in named] + tables:
@@ -77,12 +77,15 @@ def apply_table_rules(config: Config | None, named, model) -> None:
     moved = {}  # id(old table) -> (it, its new table): modules sharing a table (tied) follow it together
     for name, module in tables:
         rule = config.rule_for(name)
-        if rule is None or not (rule.dynamic or rule.storage):
+        dynamic = rule.dynamic if rule is not None else None
+        storage, _ = config.storage_for(name)  # (its rule's, else defaults.sparse's)
+        if not (dynamic or storage):
             continue
         if isinstance(module, DynamicEmbedding):
-            module.reconfigure(storage=rule.storage, **(rule.dynamic or {}))
-        elif rule.storage != module.table.storage and id(module.table) not in moved:
-            moved[id(module.table)] = (module.table, module.table.restored_as(rule.storage))
+            if dynamic or storage != module.table.storage:
+                module.reconfigure(storage=storage, **(dynamic or {}))
+        elif storage != module.table.storage and id(module.table) not in moved:
+            moved[id(module.table)] = (module.table, module.table.restored_as(storage))
     for _, module in tables:
         if id(module.table) in moved:
             module.table = moved[id(module.table)][1]

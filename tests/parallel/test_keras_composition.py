@@ -3,7 +3,7 @@
 The Keras twin of test_composition.py. One functional Keras model holds a sharded
 `hybridsync.tensorflow.Embedding` (fixed table), a `hybridsync.tensorflow.DynamicEmbedding`
 (admission, LRU eviction, TTL expiry, bags with duplicate ids), a second sharded table with
-`staleness: 2` and an SGD server rule in the YAML config, a plain `keras.layers.Embedding` routed
+`staleness: 2` and an SGD server rule in the YAML config (its rows mostly in a disk tier), a plain `keras.layers.Embedding` routed
 `allreduce-as-dense` and Dense layers, under one `DistributedOptimizer(keras.optimizers.Adagrad)`
 with `adaptive={"scaling_rule": "auto"}`, trained in a `tf.function` GradientTape loop. Job 1
 trains it with `AdaptiveDataset` (accumulation allowed), commits and restores an
@@ -51,6 +51,10 @@ CONFIG = {"variables": [
     {"match": "small*", "sync": "allreduce-as-dense"},
 ]}
 TABLES = ("fixed", "stale")  # the sharded fixed-size tables
+# The stale table keeps only a few rows in memory, the rest in a disk tier (docs/storage.md): the
+# same numbers as all in memory, so the parity below covers it (as in test_composition.py).
+TIER_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "hybridsync-keras-composition-tiers")
+STALE_STORAGE = {"memory_rows": 6, "path": TIER_DIR}
 
 
 # -- the model and its data -------------------------------------------------------------------------
@@ -106,7 +110,9 @@ def _model():
              keras.layers.Embedding(SMALL_ROWS, DIM, name="small",
                                     embeddings_initializer=keras.initializers.RandomUniform(-1, 1))(small),
              htf.DynamicEmbedding(DIM, name="dyn", **DYN)(bag)]
-    out, shift = _head(keras, parts, htf.Embedding(STALE_ROWS, DIM, name="stale", initializer=uniform)(stale))
+    os.makedirs(TIER_DIR, exist_ok=True)
+    stale_table = htf.Embedding(STALE_ROWS, DIM, name="stale", initializer=uniform, storage=STALE_STORAGE)
+    out, shift = _head(keras, parts, stale_table(stale))
     return keras.Model([dense, fixed, stale, small, bag], [out, shift])
 
 

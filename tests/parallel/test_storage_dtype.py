@@ -264,19 +264,16 @@ def rank_keras_storage(tmp):
     assert sum(s["bytes_written"] for s in stats) > 0 and sum(s["disk_rows"] for s in stats) > 0, stats
 
 
-@pytest.mark.parametrize("np_", [2])
-def test_keras_layers_store_half_rows_and_spill_to_disk(np_, tmp_path):
-    run_ranks(__file__, "rank_keras_storage", np_, str(tmp_path))
+def test_keras_layers_store_half_rows_and_spill_to_disk(tmp_path):
+    run_ranks(__file__, "rank_keras_storage", 2, str(tmp_path))
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_torch_modules_and_rules_store_half_rows_and_checkpoints_keep_them(np_, tmp_path):
-    run_ranks(__file__, "rank_torch_storage", np_, str(tmp_path))
+def test_torch_modules_and_rules_store_half_rows_and_checkpoints_keep_them(tmp_path):
+    run_ranks(__file__, "rank_torch_storage", 2, str(tmp_path))
 
 
-@pytest.mark.parametrize("np_", [1, 2])
-def test_bad_storage_options_name_the_table_and_key(np_):
-    run_ranks(__file__, "rank_bad_storage", np_)
+def test_bad_storage_options_name_the_table_and_key():
+    run_ranks(__file__, "rank_bad_storage", 2)
 
 
 @pytest.mark.parametrize("np_", [1, 2, 3])

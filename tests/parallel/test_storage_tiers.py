@@ -138,22 +138,27 @@ def rank_broken_tier_files(tmp):
 DYN_IDS = [-7, 3, 11, 2**40, 99, -2**62, 5, 123456789]
 
 
-def _tiered_model(tmp, tag):
-    """A torch model whose two PS tables keep 2 rows per rank in memory, the rest on disk."""
+def _tiered_model(tmp, tag, tiered=True):
+    """A torch model whose two PS tables keep 2 rows per rank in memory, the rest on disk (or,
+    not tiered, the same tables all in memory)."""
     import torch
 
     import hybridsync
     import hybridsync.torch as hvd
 
     size = hybridsync.size()
-    disk = lambda name: {"memory_rows": 2 * size, "path": _tier_dir(tmp, f"{tag}-{name}")}  # noqa: E731
+    if tiered:
+        disk = lambda name: {"memory_rows": 2 * size, "path": _tier_dir(tmp, f"{tag}-{name}")}  # noqa: E731
+        dyn = {"evict": "lfu", "storage": disk("d")}  # (spills LFU)
+    else:
+        disk, dyn = (lambda name: {}), {}  # noqa: E731
 
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
             self.fixed = hvd.Embedding(ROWS, DIM, name="fixed", seed=4, storage={"dtype": "bfloat16", **disk("f")})
-            self.dyn = hvd.DynamicEmbedding(DIM, name="dyn", seed=5, evict="lfu", storage=disk("d"))  # (spills LFU)
+            self.dyn = hvd.DynamicEmbedding(DIM, name="dyn", seed=5, **dyn)
             self.out = torch.nn.Linear(2 * DIM, 1)
 
         def forward(self, ids, raw):
@@ -234,20 +239,88 @@ def rank_tiered_checkpoint_load(tmp):
                 np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"{stage} {key}")
 
 
+def rank_checkpoints_between_tiered_and_untiered(tmp):
+    """A checkpoint of tables with a disk tier loads into the same tables all in memory, and back:
+    every row, slot and dynamic entry equal, and both train on alike, bit for bit."""
+    import numpy as np
+
+    import hybridsync
+
+    def same(got, want, what):
+        assert set(got) == set(want), (what, sorted(got), sorted(want))
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{what}: {key}")
+
+    source = _tiered_model(tmp, "from", tiered=True)
+    _tiered_steps(*source, range(4))
+    stats = hybridsync.allgather_object(source[0].fixed.table.tier_stats())
+    assert sum(s["disk_rows"] for s in stats) > 0, stats  # (rows on disk to carry)
+    for k, tiered in enumerate((False, True)):  # tiered -> all in memory, then all in memory -> tiered
+        hybridsync.save_checkpoint(f"{tmp}/ckpt{k}", *source)
+        target = _tiered_model(tmp, f"to{k}", tiered=tiered)
+        hybridsync.load_checkpoint(f"{tmp}/ckpt{k}", *target)
+        same(_tiered_snapshot(target[0]), _tiered_snapshot(source[0]), f"loaded (tiered={tiered})")
+        for model, opt in (source, target):
+            _tiered_steps(model, opt, range(4 + 3 * k, 7 + 3 * k))
+        same(_tiered_snapshot(target[0]), _tiered_snapshot(source[0]), f"trained on (tiered={tiered})")
+        source = target
+
+
+def test_checkpoints_load_between_tiered_and_untiered_tables(tmp_path):
+    run_ranks(__file__, "rank_checkpoints_between_tiered_and_untiered", 2, str(tmp_path))
+
+
+def rank_auto_keeps_a_tiered_table_on_the_ps(tmp):
+    """`sync: auto` (the default) on an nn.Embedding whose rule gives it a disk tier: only the PS
+    stores rows so, so auto leaves it there (before, it measured and could move the table to a
+    replica, its disk tier gone). It trains exactly as the same table all in memory."""
+    import numpy as np
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+    from hybridsync.types import Route
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+
+    def build(storage):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(ROWS, DIM, sparse=True))
+        rule = {"match": "0.weight", **({"storage": storage} if storage else {"sync": "ps"})}
+        config = {"auto_steps": 2, "auto_trial_steps": 3, "variables": [rule]}
+        return model, hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model=model,
+                                               config=config)
+
+    tiered = build({"memory_rows": 2 * size, "path": _tier_dir(tmp, "auto")})
+    memory = build(None)
+    for step in range(12):  # past auto_steps and its trials
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, ROWS, (BATCH,), generator=g)[rank::size]
+        for model, opt in (tiered, memory):
+            opt.zero_grad()
+            (model(ids) ** 2).sum().backward()
+            opt.step()
+    v = tiered[1].plan.by_name()["0.weight"]
+    assert v.route is Route.PS and not v.auto and v.storage["memory_rows"] == 2 * size, (v.route, v.auto, v.reason)
+    table = tiered[0][0].table
+    stats = hybridsync.allgather_object(table.tier_stats())
+    assert all(s["path"] and s["memory_share"] == 2 for s in stats), stats  # (its tier is there)
+    all_ids = np.arange(ROWS)
+    np.testing.assert_array_equal(table.read_rows(all_ids), memory[0][0].table.read_rows(all_ids))
+
+
+def test_sync_auto_keeps_a_tiered_table_on_the_ps(tmp_path):
+    run_ranks(__file__, "rank_auto_keeps_a_tiered_table_on_the_ps", 2, str(tmp_path))
+
+
 def rank_tiered_steps(tmp):
     model, opt = _tiered_model(tmp, "timeline")
     _tiered_steps(model, opt, range(4))
 
 
-def test_a_job_that_ends_leaves_no_tier_file(tmp_path):
-    """The tier files go with the engine at shutdown, although the script still holds its tables
-    (before, every rank's files stayed in the directory after the job)."""
-    run_ranks(__file__, "rank_tiered_steps", 2, str(tmp_path))
-    left = sorted(str(f) for f in tmp_path.rglob("*.tier"))
-    assert left == [], left
-
-
-def test_the_timeline_shows_tier_io(tmp_path):
+def test_the_timeline_shows_tier_io_and_a_job_that_ends_leaves_no_tier_file(tmp_path):
+    """The timeline has the tier's spans; the tier files go with the engine at shutdown, although
+    the script still holds its tables (before, every rank's files stayed after the job)."""
     import json
 
     trace = tmp_path / "trace.json"
@@ -256,12 +329,13 @@ def test_the_timeline_shows_tier_io(tmp_path):
     for rank in (0, 1):
         names = {e["name"] for e in spans if e["pid"] == rank}
         assert {"tier prefetch", "tier read", "tier write"} <= names, (rank, sorted(names))
+    left = sorted(str(f) for f in tmp_path.rglob("*.tier"))
+    assert left == [], left
 
 
 def test_checkpoints_carry_both_tiers_to_another_world_size(tmp_path):
     run_ranks(__file__, "rank_tiered_checkpoint_save", 2, str(tmp_path))
     run_ranks(__file__, "rank_tiered_checkpoint_load", 3, str(tmp_path))
-    run_ranks(__file__, "rank_tiered_checkpoint_load", 1, str(tmp_path))
 
 
 def rank_full_disk(tmp):
@@ -310,6 +384,80 @@ def rank_full_disk(tmp):
     _train_pair(memory, tiered, [(steps[2], grads), (steps[0], grads)], ids)
 
 
+def rank_full_disk_at_a_push(tmp):
+    """One rank's disk fills up while a push must spill rows (it touches rows no pull brought in:
+    gradient accumulation, a push without a pull). A push is not answered, so a failure could
+    not stop the other shards from applying their part: the push keeps those rows in memory and
+    applies everywhere, exactly. The next pull that must spill fails on every rank, naming the
+    file, with no row or slot changed; once there is room, training goes on as all in memory.
+    Fixed and dynamic tables."""
+    import resource
+    import signal
+
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps import dynamic_options as dyn
+    from hybridsync.ps.dynamic import DynamicTable
+    from hybridsync.ps.table import PSTable, pull
+
+    hybridsync.init()
+    rank, size = hybridsync.rank(), hybridsync.size()
+    rule = {"name": "adagrad", "lr": 0.3}
+    grads = np.random.default_rng(0).standard_normal((BATCH, DIM)).astype(np.float32)
+    pool = np.random.default_rng(2).integers(-2**40, 2**40, size=5 * BATCH, dtype=np.int64)
+    for kind in ("fixed", "dynamic"):
+        disk = {"memory_rows": size, "path": _tier_dir(tmp, f"push-{kind}")}
+        if kind == "fixed":
+            ids = np.arange(ROWS, dtype=np.int64)
+            memory = PSTable("pfull_mem", ROWS, DIM, rule=rule)
+            tiered = PSTable("pfull_disk", ROWS, DIM, rule=rule, storage=disk)
+            for t in (memory, tiered):
+                t.initialize(("normal", 0.0, 0.5), 2)
+        else:
+            ids = pool
+            opts = dyn.options(kind, seed=3)
+            memory = DynamicTable("pfull_dmem", DIM, opts, rule=rule)
+            tiered = DynamicTable("pfull_ddisk", DIM, dyn.options(kind, seed=3, disk_tier=True), rule=rule, storage=disk)
+        a, b, c, d = (ids[BATCH * k:BATCH * (k + 1)] for k in range(4))  # (disjoint; d: 4 rows of a fixed table)
+        mine = slice(rank, None, size)
+        _train_pair(memory, tiered, [(a, grads)], ids)  # a: trained, in memory
+        pull([memory, tiered], [b[mine], b[mine]])  # a goes to disk to make room for b
+        tiered.engine.push([memory.handle, tiered.handle], [b[mine]] * 2, [grads[mine]] * 2)
+        tiered.engine.barrier("b trained")  # b: trained, in memory; the disk holds a, nothing free
+        path = tiered.engine.tier_stats(tiered.handle)["path"]
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if rank == size - 1:  # its disk is full now
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit fails with EFBIG instead)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path), hard))
+        paths = hybridsync.allgather_object(path)
+        # A push of rows no pull brought in: room for c means b to disk, which cannot take it.
+        tiered.engine.push([memory.handle, tiered.handle], [c[mine]] * 2, [grads[mine]] * 2)
+        tiered.engine.barrier("c pushed")
+        np.testing.assert_array_equal(tiered.read_rows(ids), memory.read_rows(ids), err_msg=f"{kind}: after the push")
+        for k in range(len(tiered.slot_names)):
+            np.testing.assert_array_equal(tiered.read_rows(ids, k), memory.read_rows(ids, k), err_msg=f"{kind} slot {k}")
+        before = tiered.read_rows(ids), [tiered.read_rows(ids, k) for k in range(len(tiered.slot_names))]
+        try:  # new rows: the pull must spill b and c first
+            pull([tiered], [d[mine]])
+        except Exception as exc:
+            assert paths[-1] in str(exc) and "could not take" in str(exc), str(exc)
+            print(f"rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+        else:
+            raise AssertionError(f"{kind}: a full disk went unnoticed by the pull")
+        tiered.engine.barrier("after-full")
+        np.testing.assert_array_equal(tiered.read_rows(ids), before[0])
+        for k, slot in enumerate(before[1]):
+            np.testing.assert_array_equal(tiered.read_rows(ids, k), slot)
+        if rank == size - 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        _train_pair(memory, tiered, [(d, grads[:len(d)]), (a, grads), (c, grads)], ids)
+        if kind == "dynamic":
+            assert tiered.read_state()["ids"].tolist() == memory.read_state()["ids"].tolist()
+        memory.drop()
+        tiered.drop()
+
+
 def rank_same_name_same_path(tmp):
     """Two live tables of one name with their tiers in one directory (a table moving to another
     layout or storage is made before the old one is dropped): each keeps its own file."""
@@ -344,9 +492,12 @@ def test_a_full_disk_fails_the_pull_on_every_rank_and_changes_nothing(tmp_path):
     run_ranks(__file__, "rank_full_disk", 2, str(tmp_path))
 
 
-@pytest.mark.parametrize("np_", [1, 2])
-def test_a_missing_or_truncated_tier_file_is_an_error_naming_it(np_, tmp_path):
-    run_ranks(__file__, "rank_broken_tier_files", np_, str(tmp_path))
+def test_a_full_disk_at_a_push_applies_it_everywhere_and_fails_the_next_pull(tmp_path):
+    run_ranks(__file__, "rank_full_disk_at_a_push", 2, str(tmp_path))
+
+
+def test_a_missing_or_truncated_tier_file_is_an_error_naming_it(tmp_path):
+    run_ranks(__file__, "rank_broken_tier_files", 2, str(tmp_path))
 
 
 def rank_dynamic_disk_bound(tmp):
@@ -375,9 +526,8 @@ def rank_dynamic_disk_bound(tmp):
         tiered.drop()
 
 
-@pytest.mark.parametrize("np_", [1, 3])
-def test_disk_rows_bounds_a_dynamic_table_like_a_capacity(np_, tmp_path):
-    run_ranks(__file__, "rank_dynamic_disk_bound", np_, str(tmp_path))
+def test_disk_rows_bounds_a_dynamic_table_like_a_capacity(tmp_path):
+    run_ranks(__file__, "rank_dynamic_disk_bound", 3, str(tmp_path))  # (3: uneven shares)
 
 
 @pytest.mark.parametrize("np_", [1, 2, 3])

@@ -56,6 +56,10 @@ def plan_rows(tmp_path, text, world=None, model=True, optimizer=torch.optim.Adag
     ("variables:\n  - match: emb*\n    staleness: -1\n", 3, "variables[0].staleness", "expected an integer >= 0"),
     ("variables:\n  - match: emb*\n    staleness: soon\n", 3, "variables[0].staleness", "expected an integer >= 0"),
     ("defaults:\n  dense: {staleness: 2}\n", 2, "defaults.dense.staleness", "dense variables stay synchronous"),
+    ("defaults:\n  dense: {storage: {dtype: float16}}\n", 2, "defaults.dense.storage",
+     "storage applies to sparse tables"),
+    ("defaults:\n  sparse:\n    storage: {dtype: fp8}\n", 3, "defaults.sparse.storage.dtype", "must be one of"),
+    ("defaults:\n  sparse:\n    storage: {path: /tmp}\n", 3, "defaults.sparse.storage", "needs storage.memory_rows"),
 ])
 def test_each_validation_error_names_file_line_and_key(tmp_path, text, line, key, problem):
     path = write(tmp_path, text)

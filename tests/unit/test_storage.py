@@ -110,3 +110,58 @@ def test_a_plan_lets_a_disk_tier_table_exceed_memory_per_rank():
         else:
             assert fits and plan.by_name()["emb.weight"].memory_bytes < 2**20, plan.by_name()["emb.weight"]
         model.emb.table.drop()
+
+
+def test_defaults_sparse_storage_applies_to_every_table_sharded_on_the_ps(tmp_path):
+    """`storage:` under defaults.sparse, as the other per-table keys: every sparse table sharded
+    on the PS -- a wrapped nn.Embedding and a PS module, whose table moves -- stores its rows so,
+    a rule's storage wins, and `sync: auto` keeps such tables on the PS (only it stores them so)."""
+    import torch
+
+    import hybridsync.torch as hvd
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wrapped = torch.nn.Embedding(20, 4, sparse=True)
+            self.module = hvd.Embedding(20, 4, name="module", seed=1)
+            self.ruled = hvd.Embedding(20, 4, name="ruled", seed=2)
+            self.out = torch.nn.Linear(12, 1)
+
+    path = tmp_path / "hs.yaml"
+    path.write_text(textwrap.dedent("""
+        defaults:
+          sparse: {storage: {dtype: bfloat16}}
+        variables:
+          - match: "ruled.*"
+            storage: {dtype: float16}
+        """).lstrip())
+    net = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.Adagrad(net.parameters(), lr=0.1), model=net, config=str(path))
+    plan = opt.plan.by_name()
+    assert plan["wrapped.weight"].storage == {"dtype": "bfloat16"}, plan["wrapped.weight"]
+    assert plan["module.weight"].storage == {"dtype": "bfloat16"} and plan["ruled.weight"].storage == {"dtype": "float16"}
+    assert plan["out.weight"].storage is None
+    for table, dtype in ((net.module.table, "bfloat16"), (net.ruled.table, "float16")):
+        assert table.engine.spec(table.handle)["storage"]["dtype"] == dtype, table.name
+    cfg = config_mod.load(str(path))
+    assert cfg.storage_for("wrapped.weight") == ({"dtype": "bfloat16"}, f"defaults.sparse ({path}:2)")
+
+
+def test_a_table_with_storage_is_not_measured_by_sync_auto():
+    """Only the PS stores 16-bit rows or a disk tier: `sync: auto` must not move such a table to a
+    replica (its storage would be gone), so the plan keeps it on the PS without measuring."""
+    import torch
+
+    from hybridsync.torch.variables import plan_for
+
+    net = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for storage, measured in ((None, True), ({"dtype": "bfloat16"}, False)):
+        rule = {"match": "0.weight", "sync": "auto", **({"storage": storage} if storage else {})}
+        plan, _ = plan_for(opt, list(net.named_parameters()), net, config_mod.load({"variables": [rule]}),
+                           "none", "mpi", 2)  # (planned for 2 ranks: auto has something to choose)
+        v = plan.by_name()["0.weight"]
+        assert bool(v.auto) == measured and v.storage == storage, (v.auto, v.reason)
+        if not measured:
+            assert "auto: its storage exists only on the PS" in v.reason, v.reason

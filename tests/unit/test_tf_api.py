@@ -218,3 +218,17 @@ def test_gradient_tape_keeps_horovods_class_and_local_sources_in_a_world_of_one(
     assert isinstance(dtape, tf.GradientTape)
     dtape.register_local_source(x)
     np.testing.assert_allclose(dtape.gradient(loss, [x])[0].numpy(), [2.0, 4.0])
+
+
+@pytest.mark.parametrize("config", [{"variables": [{"match": "kst*", "storage": {"dtype": "float16"}}]},
+                                    {"defaults": {"sparse": {"storage": {"dtype": "bfloat16"}}}}])
+def test_a_config_storage_other_than_a_keras_ps_layers_is_an_error(config):
+    """A Keras PS layer's table exists (in its graph) before the plan, so the config cannot give
+    it another storage: an error naming the rule or defaults.sparse, not a plan that says float16
+    over a table that stores float32."""
+    keras.utils.set_random_seed(0)
+    ids = keras.Input(shape=(2,), dtype="int64")
+    x = keras.layers.Flatten()(htf.Embedding(20, 4, name="kst")(ids))
+    model = keras.Model(ids, keras.layers.Dense(1, name="head")(x))
+    with pytest.raises(hybridsync.ConfigError, match=r"storage: variable 'kst.*': a Keras PS layer's table exists"):
+        fit_once(htf.DistributedOptimizer(keras.optimizers.SGD(0.1), config=config), model)
