@@ -18,6 +18,8 @@ stays as it is, with a warning naming it and why.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import warnings
 import weakref
 
@@ -33,6 +35,8 @@ from .table_weight import TableWeight
 
 _LAYER_OF_VARIABLE = "_hybridsync_embedding_layer"  # on an Embedding's variable: a weakref to its layer
 _warned = weakref.WeakSet()  # layers already warned about
+_libc = ctypes.CDLL(None)
+_MADV_DONTNEED = 4  # (Linux)
 
 
 def install() -> None:
@@ -101,9 +105,13 @@ def move_to_shards(layer, name: str, *, shards: int, partition: str, storage=Non
     ShardedKerasEmbedding."""
     variable = layer._embeddings
     root = runtime.world().rank == 0
-    rows = np.array(variable.numpy(), dtype=np.float32) if root else None  # (writable: handed to the shards)
-    del layer._embeddings  # Keras untracks it; its memory goes with the last reference
-    del variable
+    # The variable's own memory (a read aliases it, unless a scatter has put the variable in
+    # copy-on-read mode: then a copy): rank 0's pages go back to the system as its rows reach
+    # the shards, the other ranks' at once. TensorFlow's allocator keeps what it frees, so
+    # dropping the variable alone would leave the table resident.
+    own = variable.value.read_value()._numpy()
+    del layer._embeddings  # Keras untracks it
+    _empty(variable)  # whoever still holds it (a list of the model's variables) holds no rows
     layer._tracker.unlock()
     try:
         layer.__class__ = ShardedKerasEmbedding
@@ -114,7 +122,26 @@ def move_to_shards(layer, name: str, *, shards: int, partition: str, storage=Non
         layer.table = PSTable(name, layer.input_dim, layer.output_dim, shards, partition, storage=storage)
     finally:
         layer._tracker.lock()
-    layer.table.load_from_root(rows, 0, consume=root)
+    layer.table.load_from_root(own if root else None, 0, consume=root)
+    if not root:
+        _give_pages_back(own)
+
+
+def _empty(variable) -> None:
+    """A Keras variable made (0, dim): its table's memory is no longer its own."""
+    dim = int(variable.shape[1])
+    variable._shape = (0, dim)
+    variable._initialize(np.zeros((0, dim), np.float32))
+
+
+def _give_pages_back(array: np.ndarray) -> None:
+    """The pages wholly inside `array` go back to the system (MADV_DONTNEED; they read as
+    zeros if touched again), as the C++ core does with a table it loads by consuming it."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = -(-array.ctypes.data // page) * page
+    last = (array.ctypes.data + array.nbytes) // page * page
+    if last > first:
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)  # advisory
 
 
 @keras.saving.register_keras_serializable(package="hybridsync")
