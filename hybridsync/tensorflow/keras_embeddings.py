@@ -180,3 +180,8 @@ class ShardedKerasEmbedding(ShardedEmbedding, keras.layers.Embedding):
         """A saved model loads it as the plain Keras Embedding it was (a DistributedOptimizer that
         sees the loaded model moves it again)."""
         return keras.layers.Embedding.from_config(config)
+
+
+# Keras names a layer's entry in a weights file by its class's name: a moved layer's must be a
+# Keras Embedding's, so that files load across plain and moved models.
+ShardedKerasEmbedding.__name__ = "Embedding"

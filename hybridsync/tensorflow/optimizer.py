@@ -213,9 +213,8 @@ class _DistributedKerasOptimizer(HorovodMethods):
             name = variable_name(variable)
             plan = VariablePlan(name=name, shape=tuple(variable.shape), dtype=tf.as_dtype(variable.dtype).name,
                                 kind=GradKind.SPARSE, route=None)
-            wanted, _ = resolver.settings_for(plan)
-            if wanted.sync not in (None, "ps") or wanted.placement not in (None, "sharded"):
-                continue  # the config keeps this variable (sync: auto included: it measures replicas)
+            if _config_keeps(resolver, plan):
+                continue
             why = keras_embeddings.why_not_movable(layer)
             if why is None and self.built:
                 why = "the optimizer was built (with its variable) before hybridsync could move it"
@@ -285,7 +284,7 @@ class _DistributedKerasOptimizer(HorovodMethods):
         rows = plan.variables
         for vp, v in zip(rows, variables):
             layer = keras_embeddings.layer_of(v)  # a plain Keras Embedding the optimizer did not see in time
-            if layer is not None and vp.route is Route.PS and resolver.settings_for(vp)[0].placement is None:
+            if layer is not None and vp.route is Route.PS and not _config_keeps(resolver, vp):
                 keras_embeddings.warn_kept(layer, keras_embeddings.why_not_movable(layer) or (
                     "hybridsync first saw it inside the traced step; build the model (call it on a batch) before "
                     "training and give DistributedOptimizer model=model, or in model.fit pass "
@@ -563,6 +562,14 @@ class _DistributedKerasOptimizer(HorovodMethods):
         if var.plan.placement is Placement.REPLICATED:
             return [tf.int64, tf.float32]
         return []
+
+
+def _config_keeps(resolver, plan) -> bool:
+    """Whether the config routes this plain Keras Embedding's variable off the sharded PS
+    (allgather, allreduce, replicated, or an explicit `sync: auto`, which measures replicas):
+    then it keeps its TensorFlow variable."""
+    wanted, _ = resolver.settings_for(plan)
+    return wanted.sync not in (None, "ps") or wanted.placement not in (None, "sharded")
 
 
 def _variable(v):

@@ -119,10 +119,11 @@ def _wrap(model):
     import keras
 
     import hybridsync.tensorflow.keras as hvd
+    from hybridsync.tensorflow.keras_embeddings import ShardedKerasEmbedding
 
     opt = hvd.DistributedOptimizer(keras.optimizers.Adagrad(LR), config=CONFIG, adaptive={"scaling_rule": "auto"},
                                    model=model)
-    assert type(model.get_layer("moved")).__name__ == "ShardedKerasEmbedding"
+    assert isinstance(model.get_layer("moved"), ShardedKerasEmbedding)
     assert type(model.get_layer("small")) is keras.layers.Embedding  # its config rule keeps it (allreduce-as-dense)
     model.compile(optimizer=opt)  # (so that model.save() keeps the optimizer)
     return opt
@@ -422,6 +423,7 @@ def rank_job2(tmp):
 
     import hybridsync
     import hybridsync.tensorflow.keras as hvd
+    from hybridsync.tensorflow.keras_embeddings import ShardedKerasEmbedding
 
     want = dict(np.load(os.path.join(tmp, "job1.npz")))
     with open(os.path.join(tmp, "job1.json")) as fh:
@@ -434,7 +436,7 @@ def rank_job2(tmp):
     model = hvd.load_model(os.path.join(tmp, "model.keras"))
     opt = model.optimizer
     # The moved table was saved as a Keras Embedding and loads as one; the loaded optimizer moves it again.
-    assert type(model.get_layer("moved")).__name__ == "ShardedKerasEmbedding"
+    assert isinstance(model.get_layer("moved"), ShardedKerasEmbedding)
     got = _snapshot(model, opt)
     in_file = [k for k in want if k.startswith("param.") or k.endswith(".rows") or k.startswith("dyn.row.")]
     _assert_same(got, want, "hvd.load_model", keys=in_file)
