@@ -109,7 +109,7 @@ def move_to_shards(layer, name: str, *, shards: int, partition: str, storage=Non
     # copy-on-read mode: then a copy): rank 0's pages go back to the system as its rows reach
     # the shards, the other ranks' at once. TensorFlow's allocator keeps what it frees, so
     # dropping the variable alone would leave the table resident.
-    own = variable.value.read_value()._numpy()
+    own = variable.value.read_value()._numpy()  # (np.asarray would alias it read-only)
     del layer._embeddings  # Keras untracks it
     _empty(variable)  # whoever still holds it (a list of the model's variables) holds no rows
     layer._tracker.unlock()
