@@ -28,7 +28,9 @@ import numpy as np
 import tensorflow as tf
 
 from .. import runtime
+from ..planning import VariablePlan
 from ..ps.table import PSTable
+from ..types import GradKind, Placement, Route
 from .embedding import Embedding as ShardedEmbedding
 from .names import variable_name
 from .table_weight import TableWeight
@@ -97,6 +99,45 @@ def warn_kept(layer, why: str) -> None:
     if runtime.world().rank == 0:
         warnings.warn(f"keras.layers.Embedding '{layer.name}' stays a TensorFlow variable (a whole table per rank, "
                       f"replicated on the parameter server) instead of moving to the PS shards: {why}", stacklevel=3)
+
+
+def config_keeps(resolver, plan) -> bool:
+    """Whether the config routes a plain Keras Embedding's variable (`plan`, a VariablePlan) off
+    the sharded PS -- allgather, allreduce, replicated, or an explicit `sync: auto` (it measures
+    routes on a replica): then the layer keeps its TensorFlow variable."""
+    wanted, _ = resolver.settings_for(plan)
+    return wanted.sync not in (None, "ps") or wanted.placement not in (None, "sharded")
+
+
+def move_layers(layers, resolver, *, optimizer_built: bool) -> dict:
+    """Collective: each built layer of `layers` that `resolver` (the optimizer's RouteResolver,
+    planning with the model) puts on the sharded PS moves there; the others keep their variable
+    -- silently where the config routes it elsewhere, with a warning where the shards cannot
+    reproduce the layer. Returns {id(old variable): the moved layer's anchor}."""
+    moved = {}
+    for layer in layers:
+        if not layer.built:
+            continue  # (moved when the optimizer builds, once the model is)
+        variable = layer._embeddings
+        name = variable_name(variable)
+        plan = VariablePlan(name=name, shape=tuple(variable.shape), dtype=tf.as_dtype(variable.dtype).name,
+                            kind=GradKind.SPARSE, route=None)
+        if config_keeps(resolver, plan):
+            continue
+        why = why_not_movable(layer)
+        if why is None and optimizer_built:
+            why = "the optimizer was built (with its variable) before hybridsync could move it"
+        if why is not None:
+            warn_kept(layer, why)
+            continue
+        try:
+            resolver.decide(plan, variable)
+        except ValueError:
+            continue  # (the plan raises it at the first step, naming the variable, as for any table)
+        if plan.route is Route.PS and plan.placement is Placement.SHARDED:
+            moved[id(variable)] = layer  # (the id of a variable about to go: taken while it lives)
+            move_to_shards(layer, name, shards=plan.shards, partition=plan.partition, storage=plan.storage or None)
+    return {key: layer.ps_anchor for key, layer in moved.items()}
 
 
 def move_to_shards(layer, name: str, *, shards: int, partition: str, storage=None) -> None:

@@ -30,7 +30,7 @@ from .. import planning, runtime
 from .. import config as config_mod
 from ..adaptive import Adaptive, AdaptiveConfig
 from ..adaptive.collect import StepRecorder
-from ..planning import Described, Plan, VariablePlan, agree, estimate, make_plan, route_resolver
+from ..planning import Described, Plan, agree, estimate, make_plan, route_resolver
 from ..planning.choose import candidates_for
 from ..sync.base import SyncContext, Variable, check_options
 from ..sync.process_set_scope import check_routes
@@ -195,41 +195,14 @@ class _DistributedKerasOptimizer(HorovodMethods):
             self._hs_move_embeddings(keras_embeddings.plain_embeddings(model))
 
     def _hs_move_embeddings(self, layers) -> dict:
-        """Collective: each of `layers` (plain keras.layers.Embedding) that the plan would put on
-        the sharded PS moves there (keras_embeddings.move_to_shards); the others keep their
-        variable -- a config rule routing it elsewhere (allgather, allreduce, replicated, an
-        explicit `sync: auto`) silently, a layer the shards cannot reproduce with a warning.
-        Returns {id(old variable): its anchor}."""
-        if self._hs_scope is not None or not layers:  # (a process set's tables stay replicated)
+        """Collective: keras_embeddings.move_layers with this optimizer's config and server rule
+        (a process set's tables stay replicated). Returns {id(old variable): its anchor}."""
+        if self._hs_scope is not None or not layers:
             return {}
         resolver = route_resolver(self._hs_config, lambda param: describe(self), has_model=True,
                                   world_size=self._hs_size(), compression=self._hs_compression,
                                   optimizer_name=type(self).__name__)
-        moved = {}
-        for layer in layers:
-            if not layer.built:
-                continue  # (moved when the optimizer builds, once the model is)
-            variable = layer._embeddings
-            name = variable_name(variable)
-            plan = VariablePlan(name=name, shape=tuple(variable.shape), dtype=tf.as_dtype(variable.dtype).name,
-                                kind=GradKind.SPARSE, route=None)
-            if _config_keeps(resolver, plan):
-                continue
-            why = keras_embeddings.why_not_movable(layer)
-            if why is None and self.built:
-                why = "the optimizer was built (with its variable) before hybridsync could move it"
-            if why is not None:
-                keras_embeddings.warn_kept(layer, why)
-                continue
-            try:
-                resolver.decide(plan, variable)
-            except ValueError:
-                continue  # (the plan raises it at the first step, naming the variable, as for any table)
-            if plan.route is Route.PS and plan.placement is Placement.SHARDED:
-                moved[id(variable)] = layer  # (the id of a variable about to go: looked up before it does)
-                keras_embeddings.move_to_shards(layer, name, shards=plan.shards, partition=plan.partition,
-                                                storage=plan.storage or None)
-        return {key: layer.ps_anchor for key, layer in moved.items()}
+        return keras_embeddings.move_layers(layers, resolver, optimizer_built=self.built)
 
     # -- planning (at the first apply, when the gradients' kinds are known) ----------------------
     def _hs_plan_ahead(self, variables, kinds) -> None:
@@ -284,7 +257,8 @@ class _DistributedKerasOptimizer(HorovodMethods):
         rows = plan.variables
         for vp, v in zip(rows, variables):
             layer = keras_embeddings.layer_of(v)  # a plain Keras Embedding the optimizer did not see in time
-            if layer is not None and vp.route is Route.PS and not _config_keeps(resolver, vp):
+            if layer is not None and vp.route is Route.PS and not self._hs_scope \
+                    and not keras_embeddings.config_keeps(resolver, vp):
                 keras_embeddings.warn_kept(layer, keras_embeddings.why_not_movable(layer) or (
                     "hybridsync first saw it inside the traced step; build the model (call it on a batch) before "
                     "training and give DistributedOptimizer model=model, or in model.fit pass "
@@ -562,14 +536,6 @@ class _DistributedKerasOptimizer(HorovodMethods):
         if var.plan.placement is Placement.REPLICATED:
             return [tf.int64, tf.float32]
         return []
-
-
-def _config_keeps(resolver, plan) -> bool:
-    """Whether the config routes this plain Keras Embedding's variable off the sharded PS
-    (allgather, allreduce, replicated, or an explicit `sync: auto`, which measures replicas):
-    then it keeps its TensorFlow variable."""
-    wanted, _ = resolver.settings_for(plan)
-    return wanted.sync not in (None, "ps") or wanted.placement not in (None, "sharded")
 
 
 def _variable(v):
