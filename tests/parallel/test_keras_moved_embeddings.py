@@ -9,7 +9,8 @@
 - Memory: the layer keeps no table-sized TensorFlow variable (its old tf.Variable is gone, a list
   of the model's variables the script held sees an empty one).
 - The config decides: a rule routing the variable to allgather, replicated, an explicit
-  `sync: auto`, or Horovod's sparse_as_dense keeps the Keras variable.
+  `sync: auto`, or Horovod's sparse_as_dense keeps the Keras variable; a rule's partitions and
+  partition shape the moved table.
 - Layers the shards cannot reproduce (a constraint, a subclass) and a loop that shows the
   optimizer the model only inside its traced step keep their variable with a warning naming
   the layer; code reading a moved layer's `.embeddings` gets an error naming it.
@@ -176,6 +177,16 @@ def rank_config_keeps_the_variable():
         row = _emb_row(opt)
         assert (row.route.value, row.placement.value) == route, (kwargs, row)
         assert not [w for w in caught if "stays a TensorFlow variable" in str(w.message)], kwargs
+
+    # A rule that keeps the sharded PS but sets its layout: the moved table is made with it.
+    model = _model(ROOT_SEED)
+    config = {"variables": [{"match": "emb*", "partitions": 1, "partition": "block"}]}
+    opt = hvd.DistributedOptimizer(_optimizer("sgd"), model=model, config=config)
+    _loop(model, opt, rank, size)
+    assert hasattr(model.get_layer("emb"), "table")
+    row = _emb_row(opt)
+    assert (row.placement.value, row.shards, row.partition) == ("sharded", 1, "block"), row
+    assert model.get_layer("emb").table.layout == (1, "block")
 
 
 def rank_kept_with_a_warning():
