@@ -67,7 +67,9 @@ def layer_of(variable):
 
 
 def plain_embeddings(model) -> list:
-    """The built keras.layers.Embedding layers in `model` (itself, if it is one), each once."""
+    """The keras.layers.Embedding layers in `model` (itself, if it is one; or a list of
+    layers), each once, not yet moved. (Layer._flatten_layers: the walk Keras itself uses to
+    collect a model's variables.)"""
     layers = model._flatten_layers(include_self=True, recursive=True) if isinstance(model, keras.layers.Layer) \
         else list(model)
     return [layer for layer in layers if isinstance(layer, keras.layers.Embedding)
