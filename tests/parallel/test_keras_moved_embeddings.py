@@ -128,6 +128,8 @@ def rank_parity():
         assert (row.route.value, row.placement.value, row.shards) == ("ps", "sharded", size), row
         assert row.reason.startswith("keras.layers.Embedding moved to the shards"), row.reason
 
+        if name != "sgd":
+            continue  # (the other paths once: they differ from model= in when the table moves, not in the rule)
         # model.fit with Horovod's callback, no model=: the callback hands the model over at train begin.
         model = _model(ROOT_SEED + rank)
         model.compile(optimizer=hvd.DistributedOptimizer(_optimizer(name)), loss="mse", jit_compile=False)
@@ -147,7 +149,7 @@ def rank_parity():
             model.get_layer(n).set_weights(initial[k:k + 2])
         _loop(model, hvd.DistributedOptimizer(_optimizer(name)), rank, size)
         _same(moved, _weights(model), f"{name}: moved vs hybridsync.tensorflow.Embedding")
-        print(f"rank {rank}: {name}: a moved keras.layers.Embedding trains as the sharded layer and one process",
+        print(f"rank {rank}: a moved keras.layers.Embedding trains as the sharded layer and one process",
               flush=True)
 
 
@@ -287,17 +289,17 @@ def test_moved_embedding_parity(np_):
     run_ranks(__file__, "rank_parity", np_)
 
 
-@pytest.mark.parametrize("np_", [2])
-def test_config_keeps_the_variable(np_):
-    run_ranks(__file__, "rank_config_keeps_the_variable", np_)
+def rank_what_stays():
+    rank_config_keeps_the_variable()
+    rank_kept_with_a_warning()
 
 
 @pytest.mark.parametrize("np_", [2])
-def test_kept_with_a_warning(np_):
-    run_ranks(__file__, "rank_kept_with_a_warning", np_)
+def test_config_rules_and_warnings_decide_what_stays(np_):
+    run_ranks(__file__, "rank_what_stays", np_)
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [2])  # (re-sharding across world sizes: test_keras_composition.py)
 def test_checkpoints(tmp_path, np_):
     run_ranks(__file__, "rank_checkpoints", np_, str(tmp_path))
 
