@@ -14,7 +14,9 @@ tf.function (GradientTape, the optimizer's apply_gradients), one thread per proc
                        step asynchronously, so ms/step is the time of one step of every worker;
                        its servers need 2 inter-op threads (with 1 they deadlock), ops 1 thread
   hybridsync-keras     keras.layers.Embedding tables (what a Horovod script has), the model as it
-                       is, hybridsync.tensorflow.DistributedOptimizer: 1 and 2 ranks (mpirun)
+                       is, hybridsync.tensorflow.DistributedOptimizer(..., model=model), which moves
+                       those tables onto the PS shards (the loop is a custom one: model= is how
+                       its optimizer sees the model before the step is traced): 1 and 2 ranks
   hybridsync-sharded   hybridsync.tensorflow.Embedding tables (rows only on the PS shards): 1, 2
 
 Per configuration: ms/step (elapsed / timed steps), samples/s, and the peak RSS of every process
@@ -51,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ["tf-mwms", "tf-ps", "hybridsync-keras", "hybridsync-sharded"]
 NAMES = {"tf-mwms": "TensorFlow MultiWorkerMirroredStrategy (RING)",
          "tf-ps": "TensorFlow ParameterServerStrategy (1 ps, 2 workers, chief)",
-         "hybridsync-keras": "hybridsync, `keras.layers.Embedding` (what a Horovod script has)",
+         "hybridsync-keras": "hybridsync, `keras.layers.Embedding` (what a Horovod script has; moved to the shards by `model=`)",
          "hybridsync-sharded": "hybridsync, `hybridsync.tensorflow.Embedding` (sharded PS)"}
 PS_WORKERS = 2  # ParameterServerStrategy runs at this many workers only
 # A ParameterServerStrategy server (ps, worker) with one inter-op thread never finishes a step: the
@@ -152,7 +154,8 @@ def worker_hybridsync(args) -> None:
     keras.utils.set_random_seed(args.seed)
     model = build_model(args, ps_embedding if args.worker == "hybridsync-sharded" else keras_embedding)
     model((tf.constant(batches[0][0]), tf.constant(batches[0][1])))  # builds the variables
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(args.lr))
+    # model=: the plain Keras tables move onto the PS shards (from rank 0's rows) before the step is traced.
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(args.lr), model=model)
     hvd.broadcast_variables(model.variables, 0)
 
     @tf.function(jit_compile=False)  # hybridsync's exchange is a Python op, which XLA cannot compile

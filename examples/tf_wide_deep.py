@@ -1,7 +1,9 @@
 """Wide & Deep (Keras 3 / TensorFlow) on synthetic CTR data, trained with hybridsync.
 
-The embedding tables' sparse gradients go to the parameter server (each row updated once per
-step on the shard that owns it, all replicas kept identical); the dense layers are all-reduced.
+The embedding tables' rows live on the parameter server's shards: plain keras.layers.Embedding
+tables are moved there when Horovod's BroadcastGlobalVariablesCallback hands the model to the
+DistributedOptimizer (--ps-embeddings builds them as hybridsync.tensorflow.Embedding instead);
+each row is updated once per step on the shard that owns it. The dense layers are all-reduced.
 
     mpirun -np 2 python examples/tf_wide_deep.py                # as root: mpirun --allow-run-as-root
     mpirun -np 2 python examples/tf_wide_deep.py --config hybridsync.yaml

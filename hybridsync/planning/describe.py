@@ -37,6 +37,8 @@ def make_plan(described: list, resolver: RouteResolver, *, framework: str, backe
     for d in described:
         if d.table is not None:
             variables.append(ps_embedding_plan(resolver, d.name, d.table, label))
+            if d.note:
+                variables[-1].reason = f"{d.note}; {variables[-1].reason}"
             continue
         v = VariablePlan(name=d.name, shape=tuple(d.shape), dtype=d.dtype, kind=d.kind, route=None)
         if d.kind is not None:

@@ -18,6 +18,10 @@ from . import keras2_idioms
 
 keras2_idioms.install()
 
+from . import keras_embeddings  # noqa: E402
+
+keras_embeddings.install()  # plain Keras Embeddings' variables know their layer (moved to the PS shards)
+
 from ..planning import explain  # noqa: E402
 from ..types import ReduceOp  # noqa: E402
 from . import compression, elastic, functions, mpi_ops, util  # noqa: E402

@@ -9,5 +9,9 @@ def variable_name(v) -> str:
 
 
 def table_variable_name(anchor) -> str:
-    """The plan's name of a hybridsync.tensorflow Embedding's table, from its anchor variable."""
+    """The plan's name of a hybridsync.tensorflow Embedding's table, from its anchor variable (a
+    keras.layers.Embedding moved to the shards keeps its variable's name)."""
+    moved = getattr(getattr(anchor, "_hybridsync_table", None), "_hs_table_name", None)
+    if moved is not None:
+        return moved
     return variable_name(anchor).rsplit("/", 1)[0] + "/embeddings"

@@ -36,7 +36,7 @@ from ..sync.base import SyncContext, Variable, check_options
 from ..sync.process_set_scope import check_routes
 from ..sync.registry import SyncSet
 from ..types import GradKind, Placement, ReduceOp, Route
-from . import adaptive, collectives
+from . import adaptive, collectives, keras_embeddings
 from .access import AutoKerasAccess, KerasAccess
 from .micro_steps import MicroSteps
 from .names import table_variable_name, variable_name
@@ -79,7 +79,10 @@ class _DistributedKerasOptimizer(HorovodMethods):
         self._hs_reduced = None  # gradients _compute_gradients returned reduced (apply() takes them as they are)
         self._hs_plan = None
         self._hs_unconfirmed = False  # a plan made before the first step, not yet checked by it
+        self._hs_model = settings.model
         planning.register(self)
+        if settings.model is not None:  # (a model built later gets its tables moved when the optimizer builds)
+            self._hs_move_embeddings(keras_embeddings.plain_embeddings(settings.model))
 
     def _hs_backend(self):
         """The dense collectives of this optimizer's ranks (a process set's, or the job's)."""
@@ -166,6 +169,41 @@ class _DistributedKerasOptimizer(HorovodMethods):
         return self._hs_plan if self._hs_plan is not None else Plan([], framework="tensorflow", backend="mpi",
                                                                      world_size=runtime.world().size)
 
+    # -- plain Keras embeddings onto the PS shards (hybridsync.tensorflow.keras_embeddings) ---------
+    def build(self, variables):
+        """Keras's build (fit calls it with the model's trainable variables before tracing the
+        step): plain Keras Embeddings among `variables`, or in the model= given, move to the
+        shards first, and their anchors take their variables' places."""
+        variables = list(variables)
+        if self._hs_plan is None and not self.built and tf.executing_eagerly():
+            layers = keras_embeddings.plain_embeddings(self._hs_model) if self._hs_model is not None else []
+            for v in variables:
+                layer = keras_embeddings.layer_of(v)
+                if layer is not None and layer not in layers:
+                    layers.append(layer)
+            moved = self._hs_move_embeddings(layers)
+            variables = [moved.get(id(v), v) for v in variables]
+        return super().build(variables)
+
+    def _hs_adopt_model(self, model) -> None:
+        """Collective: `model` is the one this optimizer trains (Horovod's
+        BroadcastGlobalVariablesCallback hands it over at train begin, before Keras traces the
+        step): its plain Keras Embeddings move to the shards, as with model=."""
+        if self._hs_model is None:
+            self._hs_model = model
+        if self._hs_plan is None and not self.built:
+            self._hs_move_embeddings(keras_embeddings.plain_embeddings(model))
+
+    def _hs_move_embeddings(self, layers) -> dict:
+        """Collective: keras_embeddings.move_layers with this optimizer's config and server rule
+        (a process set's tables stay replicated). Returns {id(old variable): its anchor}."""
+        if self._hs_scope is not None or not layers:
+            return {}
+        resolver = route_resolver(self._hs_config, lambda param: describe(self), has_model=True,
+                                  world_size=self._hs_size(), compression=self._hs_compression,
+                                  optimizer_name=type(self).__name__)
+        return keras_embeddings.move_layers(layers, resolver, optimizer_built=self.built)
+
     # -- planning (at the first apply, when the gradients' kinds are known) ----------------------
     def _hs_plan_ahead(self, variables, kinds) -> None:
         """Collective: the plan before the first step (load_checkpoint right after compile()),
@@ -208,13 +246,23 @@ class _DistributedKerasOptimizer(HorovodMethods):
         for kind, v in zip(kinds, variables):
             layer = getattr(v, "_hybridsync_table", None)  # a hybridsync.tensorflow.Embedding's anchor
             if layer is not None:
+                moved = isinstance(layer, keras_embeddings.ShardedKerasEmbedding)
                 described.append(Described(table_variable_name(v), (layer.table.num_rows, layer.table.dim), "float32",
-                                           GradKind.SPARSE, table=layer.table))
+                                           GradKind.SPARSE, table=layer.table,
+                                           note="keras.layers.Embedding moved to the shards" if moved else ""))
             else:  # (Keras variables give a dtype string, tf.Variables a DType)
                 described.append(Described(variable_name(v), tuple(v.shape), tf.as_dtype(v.dtype).name, kind, param=v))
         plan = make_plan(described, resolver, framework="tensorflow", backend="mpi", label="hybridsync.tensorflow",
                          backend_reason="TensorFlow: MPI via mpi4py (Horovod here is built for PyTorch only)")
         rows = plan.variables
+        for vp, v in zip(rows, variables):
+            layer = keras_embeddings.layer_of(v)  # a plain Keras Embedding the optimizer did not see in time
+            if layer is not None and vp.route is Route.PS and not self._hs_scope \
+                    and not keras_embeddings.config_keeps(resolver, vp):
+                keras_embeddings.warn_kept(layer, keras_embeddings.why_not_movable(layer) or (
+                    "hybridsync first saw it inside the traced step; build the model (call it on a batch) before "
+                    "training and give DistributedOptimizer model=model, or in model.fit pass "
+                    "hvd.callbacks.BroadcastGlobalVariablesCallback(0)"))
         for vp in rows:
             if vp.auto and candidates_for(describe(self), vp.optimizer_source) == (estimate.PS,):
                 # Nothing to choose, and a Keras optimizer applying no rows would still move

@@ -43,6 +43,7 @@ class Settings:
     scope: object = None  # hybridsync.sync.process_set_scope.scope_for(process_set)
     scale_local_gradients: bool = True
     config_arg: object = None  # the config as given (a path or a dict is saved with the model)
+    model: object = None  # the Keras model whose plain Embedding layers may move to the PS shards
 
     def compressor(self):
         return Compression.fp16 if self.compression == "fp16" else Compression.none
@@ -92,8 +93,10 @@ def settings(*, name=None, device_dense="", device_sparse="", compression=Compre
              scale_local_gradients=True, config=None, adaptive=None, backend=None, model=None,
              named_parameters=None) -> Settings:
     """Checks a DistributedOptimizer's arguments (every rank alike, before any collective)."""
-    if named_parameters is not None or model is not None:
-        raise ValueError("named_parameters and model are PyTorch arguments: a Keras optimizer knows its variables")
+    if named_parameters is not None:
+        raise ValueError("named_parameters is a PyTorch argument: a Keras optimizer knows its variables")
+    if model is not None and not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"model must be a Keras model (or layer), got {type(model).__module__}.{type(model).__qualname__}")
     if backend not in (None, "mpi"):
         raise ValueError(f"the TensorFlow frontend all-reduces over MPI (backend='mpi'); got backend={backend!r}")
     if name is not None and not isinstance(name, str):
@@ -116,7 +119,7 @@ def settings(*, name=None, device_dense="", device_sparse="", compression=Compre
                     device_dense=device_dense, device_sparse=device_sparse, sparse_as_dense=bool(sparse_as_dense),
                     backward_passes_per_step=int(backward_passes_per_step),
                     average_aggregated_gradients=bool(average_aggregated_gradients), process_set=process_set,
-                    scope=scope, scale_local_gradients=bool(scale_local_gradients), config_arg=config)
+                    scope=scope, scale_local_gradients=bool(scale_local_gradients), config_arg=config, model=model)
 
 
 def distributed(optimizer, **kwargs):
@@ -150,7 +153,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     scale_local_gradients: register_local_var()'s variables get their gradient / size.
 
     hybridsync's: config (YAML path or dict: routes per variable, the parameter server),
-    adaptive (docs/adaptive.md), backend ('mpi')."""
+    adaptive (docs/adaptive.md), backend ('mpi'), model (the Keras model: its built
+    keras.layers.Embedding tables move to the PS shards now, as PyTorch's model= swaps its
+    embeddings; without it they move when Keras's fit builds the optimizer)."""
     return distributed(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
                        compression=compression, sparse_as_dense=sparse_as_dense,
                        backward_passes_per_step=backward_passes_per_step, op=op,

@@ -3,9 +3,11 @@
 The Keras twin of test_composition.py. One functional Keras model holds a sharded
 `hybridsync.tensorflow.Embedding` (fixed table), a `hybridsync.tensorflow.DynamicEmbedding`
 (admission, LRU eviction, TTL expiry, bags with duplicate ids), a second sharded table with
-`staleness: 2` and an SGD server rule in the YAML config (its rows mostly in a disk tier), a plain `keras.layers.Embedding` routed
-`allreduce-as-dense` and Dense layers, under one `DistributedOptimizer(keras.optimizers.Adagrad)`
-with `adaptive={"scaling_rule": "auto"}`, trained in a `tf.function` GradientTape loop. Job 1
+`staleness: 2` and an SGD server rule in the YAML config (its rows mostly in a disk tier), a plain
+`keras.layers.Embedding` routed `allreduce-as-dense`, a plain `keras.layers.Embedding` that
+`DistributedOptimizer(..., model=model)` moves onto the shards (Keras's default made the sharded
+layer) and Dense layers, under one `DistributedOptimizer(keras.optimizers.Adagrad)` with
+`adaptive={"scaling_rule": "auto"}`, trained in a `tf.function` GradientTape loop. Job 1
 trains it with `AdaptiveDataset` (accumulation allowed), commits and restores an
 `hvd.elastic.KerasState`, runs uneven data into `hvd.join()`, trains on adaptively, then saves
 `hybridsync.save_checkpoint` and `model.save()` (rank 0, Horovod's idiom). Job 2, at another world
@@ -50,7 +52,7 @@ CONFIG = {"variables": [
     {"match": "stale*", "staleness": 2, "optimizer": {"name": "sgd", "lr": STALE_LR}},
     {"match": "small*", "sync": "allreduce-as-dense"},
 ]}
-TABLES = ("fixed", "stale")  # the sharded fixed-size tables
+TABLES = ("fixed", "stale", "moved")  # the sharded fixed-size tables ("moved": a keras.layers.Embedding)
 # The stale table keeps only a few rows in memory, the rest in a disk tier (docs/storage.md): the
 # same numbers as all in memory, so the parity below covers it (as in test_composition.py).
 TIER_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "hybridsync-keras-composition-tiers")
@@ -109,6 +111,9 @@ def _model():
     parts = [dense, htf.Embedding(FIXED_ROWS, DIM, name="fixed", initializer=uniform)(fixed),
              keras.layers.Embedding(SMALL_ROWS, DIM, name="small",
                                     embeddings_initializer=keras.initializers.RandomUniform(-1, 1))(small),
+             # A plain Keras table (on the fixed table's ids) that the optimizer moves to the shards.
+             keras.layers.Embedding(FIXED_ROWS, DIM, name="moved",
+                                    embeddings_initializer=keras.initializers.RandomUniform(-1, 1))(fixed),
              htf.DynamicEmbedding(DIM, name="dyn", **DYN)(bag)]
     os.makedirs(TIER_DIR, exist_ok=True)
     stale_table = htf.Embedding(STALE_ROWS, DIM, name="stale", initializer=uniform, storage=STALE_STORAGE)
@@ -120,8 +125,12 @@ def _wrap(model):
     import keras
 
     import hybridsync.tensorflow.keras as hvd
+    from hybridsync.tensorflow.keras_embeddings import ShardedKerasEmbedding
 
-    opt = hvd.DistributedOptimizer(keras.optimizers.Adagrad(LR), config=CONFIG, adaptive={"scaling_rule": "auto"})
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adagrad(LR), config=CONFIG, adaptive={"scaling_rule": "auto"},
+                                   model=model)
+    assert isinstance(model.get_layer("moved"), ShardedKerasEmbedding)
+    assert type(model.get_layer("small")) is keras.layers.Embedding  # its config rule keeps it (allreduce-as-dense)
     model.compile(optimizer=opt)  # (so that model.save() keeps the optimizer)
     return opt
 
@@ -242,7 +251,8 @@ def _plain_model():
     dense, fixed, stale, small = _inputs(keras)
     bags = keras.Input((DIM,), name="bag_rows")
     parts = [dense, keras.layers.Embedding(FIXED_ROWS, DIM, name="fixed")(fixed),
-             keras.layers.Embedding(SMALL_ROWS, DIM, name="small")(small), bags]
+             keras.layers.Embedding(SMALL_ROWS, DIM, name="small")(small),
+             keras.layers.Embedding(FIXED_ROWS, DIM, name="moved")(fixed), bags]
     out, shift = _head(keras, parts, keras.layers.Embedding(STALE_ROWS, DIM, name="stale")(stale))
     return keras.Model([dense, fixed, stale, small, bags], [out, shift])
 
@@ -299,13 +309,13 @@ def _check_parity(initial: dict, steps: list, snap: dict) -> None:
             want[f"param.{v.path}"] = v.numpy()
     want["param.dyn/ps_anchor"] = np.zeros(1, np.float32)
     for v in adagrad.variables:
-        if v.path == "adagrad/fixed_embeddings_accumulator":
-            want["table.fixed.slot.sum"] = v.numpy()
+        if v.path in ("adagrad/fixed_embeddings_accumulator", "adagrad/moved_embeddings_accumulator"):
+            want[f"table.{v.path.split('/')[1].split('_')[0]}.slot.sum"] = v.numpy()
         elif v.path == "adagrad/iteration":
             want["opt.adagrad/iteration"] = np.asarray(len(steps))
         else:
             want[f"opt.{v.path}"] = v.numpy()
-    want["table.fixed.step"] = np.asarray(len(steps))
+    want["table.fixed.step"] = want["table.moved.step"] = np.asarray(len(steps))
     # A bounded table's rule applies each rank's push on its own: its step counts pushes.
     want["table.stale.step"] = np.asarray(sum(step["ranks"] for step in steps))
     want["dyn.step"] = np.asarray(table.step)
@@ -419,6 +429,7 @@ def rank_job2(tmp):
 
     import hybridsync
     import hybridsync.tensorflow.keras as hvd
+    from hybridsync.tensorflow.keras_embeddings import ShardedKerasEmbedding
 
     want = dict(np.load(os.path.join(tmp, "job1.npz")))
     with open(os.path.join(tmp, "job1.json")) as fh:
@@ -430,6 +441,8 @@ def rank_job2(tmp):
     # table's counters are not: load_checkpoint below brings them).
     model = hvd.load_model(os.path.join(tmp, "model.keras"))
     opt = model.optimizer
+    # The moved table was saved as a Keras Embedding and loads as one; the loaded optimizer moves it again.
+    assert isinstance(model.get_layer("moved"), ShardedKerasEmbedding)
     got = _snapshot(model, opt)
     in_file = [k for k in want if k.startswith("param.") or k.endswith(".rows") or k.startswith("dyn.row.")]
     _assert_same(got, want, "hvd.load_model", keys=in_file)

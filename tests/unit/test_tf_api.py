@@ -64,7 +64,9 @@ def test_mixed_precision_policy_the_ps_cannot_hold_is_an_error():
 
 
 def test_pytorch_only_arguments_are_errors():
-    with pytest.raises(ValueError, match="named_parameters and model are PyTorch arguments"):
+    with pytest.raises(ValueError, match="named_parameters is a PyTorch argument"):
+        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), named_parameters=[])
+    with pytest.raises(TypeError, match="model must be a Keras model"):  # (model= moves its Keras Embeddings)
         htf.DistributedOptimizer(keras.optimizers.SGD(0.1), model=object())
     with pytest.raises(ValueError, match="backward_passes_per_step must be >= 1"):
         htf.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)

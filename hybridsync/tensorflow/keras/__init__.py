@@ -114,8 +114,9 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
         return model
     if hasattr(optimizer, "_hs_settings"):
         optimizer._hs_settings.compression = optimizer._hs_compression = codec_name(compression)
+        optimizer._hs_adopt_model(model)  # (its plain Keras Embeddings move to the PS shards, if not yet)
     else:
-        DistributedOptimizer(optimizer, compression=compression)
+        DistributedOptimizer(optimizer, compression=compression, model=model)
     return model
 
 

@@ -2,7 +2,9 @@
 
 - BroadcastGlobalVariablesCallback: every rank starts from root_rank's weights (at train begin,
   and again after the first batch for variables that batch created) and optimizer state (after
-  the first batch, when the optimizer has made it), except the local variables given.
+  the first batch, when the optimizer has made it), except the local variables given. At train
+  begin it hands the model to a hybridsync DistributedOptimizer, whose plain Keras Embeddings then
+  move to the PS shards (from root_rank 0's rows) before Keras traces the step.
 - MetricAverageCallback: each epoch's metrics (loss included) averaged over the ranks, so every
   rank logs, checkpoints and stops early on the same numbers. Put it before callbacks that read
   metrics.
@@ -52,6 +54,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._sent.update(_ref(v) for v in wanted)
 
     def on_train_begin(self, logs=None):
+        adopt = getattr(self.model.optimizer, "_hs_adopt_model", None)
+        if adopt is not None:  # a hybridsync DistributedOptimizer: plain Keras Embeddings move to the PS shards
+            adopt(self.model)
         if not self.broadcast_done:
             self._broadcast(self.model.variables)  # (a model built at its first batch has none yet)
 
