@@ -243,9 +243,9 @@ class Adaptive:
             eff_there = self.efficiency_of(noise_scale)
             return eff_there(best.global_batch) / eff_there(now)
 
+        at_best = self.tables(best.global_batch, steady)
         tables = {name: {"duplicates": t["duplicates"], "efficiency_current": t["efficiency"],
-                         "efficiency_best": self.tables(best.global_batch, steady)[name]["efficiency"]}
-                  for name, t in self.tables(now, steady).items()}
+                         "efficiency_best": at_best[name]["efficiency"]} for name, t in self.tables(now, steady).items()}
         decision = self.decider.judge(best, current, self.throughput, efficiency_ratio, phi,
                                       steady["noise_scale_bounds"], self.steps, tables)
         self.choice = decision or current

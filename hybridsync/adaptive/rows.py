@@ -1,25 +1,27 @@
-"""How a parameter-server table's rows are hit as the batch grows, and the batch its rows' updates
-average: what the statistical efficiency of a table rests on (goodput.efficiency).
+"""How a parameter-server table's rows are hit as the batch grows: the batch each of its row
+updates averages, which sets the table's learning-rate factor (Adaptive.table_lr_factors).
 
 A dense variable's step averages every sample of the batch M. A table's step updates each row
-the batch hits once, with the sum of that row's hits: what a row's update averages is its hits,
+the batch hits once, with the sum of that row's hits: a row update averages its hits,
 d(M) = hits(M) / U(M) with U(M) the distinct rows the batch updates. Hits grow with M; U(M)
-grows as M itself where ids are rare (each new sample brings new rows: d stays ~1, a bigger batch
-averages nothing more into any row, it updates more rows) and not at all where every row is hit
-by every batch (d grows as M: the table averages like a dense layer). So against the base batch
-M0 the table averages, per row, as a dense variable would at its *effective batch*
+grows as M itself where ids are rare (each new sample brings new rows: d stays ~1, and a bigger
+batch averages nothing more into any row, it updates more rows) and not at all where every
+batch hits every row (d grows as M, as a dense layer's average does). Against the base batch M0,
+a row update at M averages
 
-    M_t(M) = M0 * d(M) / d(M0) = M * U(M0) / U(M)         (M0 <= M_t <= M)
+    d(M) / d(M0) = (M / M0) * U(M0) / U(M)        (between 1 and M / M0)
 
-and its efficiency is the noise-scale formula at M_t (docs/adaptive.md, "Embedding tables").
+times as many hits: the row scale a normalising server rule's LR factor is taken at (CowClip's
+rule; docs/adaptive.md, "Embedding tables", also on why the statistical efficiency does not use
+it: the row-update frequency is already in the table's noise scale).
 
 U(M) is measured, not assumed: each push round's shards report the distinct rows they updated
 (U at the round's global batch n b) and the rows they received, each rank's distinct rows summed
 (n times the mean U at the per-rank batch b). So every round gives U at two batch sizes; each size
 keeps the mean of its newest rounds, and U between sizes is read off the line through them in
 log-log (beyond them, the nearest segment's slope, kept in [0, 1]: U never falls as M grows, nor
-grows faster than M). The counts do not depend on the model's state, only on the id
-distribution, so they need no forgetting beyond the newest rounds' window.
+grows faster than M). The counts depend on the id distribution only, not on the model's state,
+so they need no forgetting beyond the newest rounds' window, and hold at any world size.
 """
 from __future__ import annotations
 
