@@ -102,6 +102,41 @@ def test_a_tables_efficiency_is_the_noise_scale_formula_on_its_own_statistics(ro
     assert big / wrong < 0.94, (hits_gain, big / wrong)
 
 
+def _train_table_only(rows: int, beta: float, fixed_s: float, per_sample_s: float, steps: int, seed: int) -> list:
+    """The global batch after each step, from a base of 256 at 2 ranks, of a model whose only
+    parameters are a uniform table; each step's time a + c M (2% jitter)."""
+    rng = np.random.default_rng(seed)
+    a = Adaptive(AdaptiveConfig(local_batch_size=128, min_gain=1.01), "Adagrad", world_size=2)
+    loader = AdaptiveBatches(1 << 30, 256, 0, 1, interval=20, warmup=10)  # (one process drives the decision)
+    loader.set_autoscale(1 << 15, (8, 1 << 14), 1)
+    trace = []
+    for _ in range(steps):
+        b = a.local_batch
+        local_sq, combined_sq = _table_step(rng, rows, b, 2, 4, beta)
+        a.stats.observe_step([("t", local_sq, b, combined_sq, 2 * b, a.global_batch() / 256)])
+        count_rounds(a.rows, "t", rows, b, 2)
+        t = (fixed_s + per_sample_s * a.global_batch()) * (1.0 + 0.02 * rng.standard_normal())
+        a.throughput.record(2, b, 0.7 * t, 0.3 * t, 1)
+        a.step_done()
+        loader.rechoose(a, a.set_batch, None)
+        trace.append(a.global_batch())
+    return trace
+
+
+def test_a_table_only_model_goes_where_its_noise_scale_says_and_no_further():
+    """A model whose only parameters are a uniform table of 2,000 rows (beta 1: noise scale
+    3,999): with step time a + c M the batch climbs to M* = sqrt(a B / c) (6,324) within 25%,
+    never turning back; where a bigger batch buys no throughput (no per-step cost) it gains
+    nothing, and the batch ends where it started (after one probe)."""
+    trace = _train_table_only(2000, 1.0, 0.02, 2e-6, 300, seed=0)
+    changes = [m for i, m in enumerate(trace) if i == 0 or m != trace[i - 1]]
+    assert changes == sorted(changes), changes
+    assert trace[-1] == pytest.approx(math.sqrt(0.02 * 3999 / 2e-6), rel=0.25), changes
+    flat = _train_table_only(2000, 1.0, 0.0, 2e-6, 120, seed=1)
+    # (one probe, measured worse, and back to the base -- give or take the size grid's step)
+    assert flat[-1] < 1.05 * 256 and max(flat) <= 2 * 256, [m for i, m in enumerate(flat) if i == 0 or m != flat[i - 1]]
+
+
 def _adam_loss(rng, rows, batch, samples, factor, lr=0.05, dim=4, noise=1.0, b1=0.5, b2=0.9):
     """Lazy Adam (only rows hit move, as the server's rule) on a uniform table whose hits pull
     each row to 1 through noise: the mean squared distance left after `samples` samples."""
