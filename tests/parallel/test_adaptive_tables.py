@@ -93,6 +93,10 @@ def rank_tables():
     assert last["hot"] == pytest.approx(factor, rel=0.02), factors[-1]  # every row in every batch: the dense factor
     assert tables["rare"]["duplicates"] == pytest.approx(1.0, abs=0.05) and tables["hot"]["duplicates"] == pytest.approx(size, rel=0.1)
     assert {short(n) for n in decider.log[-1].get("tables", {})} == {"rare", "hot"}, decider.log  # d, efficiency
+    if rank == 0:
+        from hybridsync.adaptive.report import describe
+
+        print("\n".join(describe(adaptive.summary())), flush=True)
     print(f"rank {rank} np {size}: batch {batch}, LR factors dense {factor:.3f} rare {last['rare']:.3f} "
           f"hot {last['hot']:.3f}; decisions {[(e['kind'], e['from'], e['to']) for e in decider.log]}", flush=True)
 
