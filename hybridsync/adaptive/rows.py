@@ -43,6 +43,10 @@ class RowCounts:
         """One push round of table `name`: `ranks` ranks each pushed the distinct rows of
         `per_rank_batch` samples (`per_rank_rows` of them on average), `rows` distinct over all
         (a batch of `batch` samples). A round that updated nothing says nothing."""
+        # (plain floats: the counts come out of the statistics gather's NumPy array, and a state
+        # holding NumPy scalars would not load from a checkpoint that unpickles nothing else)
+        per_rank_batch, per_rank_rows, batch, rows = map(float, (per_rank_batch, per_rank_rows, batch, rows))
+        ranks = int(ranks)
         if not (ranks >= 2 and rows > 0 and per_rank_rows > 0 and batch > per_rank_batch > 0):
             return
         if not (rows <= per_rank_rows * ranks * (1 + 1e-9) and per_rank_rows <= rows * (1 + 1e-9)):
