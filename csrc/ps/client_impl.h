@@ -83,16 +83,17 @@ struct Routed {
   RowType type = RowType::kFloat32;  // how a pull's rows come (16 bits: decoded on arrival)
 };
 
-// A worker's view of the statistics replies carry: partial sums per (table, round) until every
-// shard of the table has reported.
+// A worker's view of the statistics replies carry: each shard's part per (table, round) until
+// every shard of the table has reported, then their sum -- in the shards' rank order, so that every
+// rank adds the same numbers alike, bit for bit, whatever order the replies came in (the adaptive
+// batch's decisions are taken from them on every rank).
 struct StatsCollector {
   struct Partial {
-    RoundStats sum;
-    int shards = 0;
+    std::map<int, RoundStats> parts;  // shard's rank -> its part
   };
-  std::map<int, std::map<int64_t, Partial>> partial;  // table -> round -> sums so far
+  std::map<int, std::map<int64_t, Partial>> partial;  // table -> round -> parts so far
   std::map<int, RoundStats> done;                     // table -> newest complete round
-  void add(int table, int shards, const RoundStats& part);
+  void add(int table, int shards, int source, const RoundStats& part);
 };
 
 struct detail::ClientState {

@@ -107,7 +107,7 @@ void send_requests(detail::ClientState& c, RequestKind kind, int64_t seq, const 
 }
 
 // Reads the statistics a reply carries for the tables a server holds.
-void read_pull_stats(detail::ClientState& c, Reader& r) {
+void read_pull_stats(detail::ClientState& c, int source, Reader& r) {
   const int64_t n = r.i64();
   for (int64_t k = 0; k < n; ++k) {
     const int table = static_cast<int>(r.i64());
@@ -118,7 +118,7 @@ void read_pull_stats(detail::ClientState& c, Reader& r) {
     part.combined_sq = r.f64();
     part.rows = r.i64();
     part.pushed = r.i64();
-    if (part.round >= 0) c.stats.add(table, c.table_at(table).spec.num_shards, part);
+    if (part.round >= 0) c.stats.add(table, c.table_at(table).spec.num_shards, source, part);
   }
 }
 
@@ -168,7 +168,7 @@ std::vector<PullResult> pull_round(detail::ClientState& c, RequestKind kind, con
     if (bounded) {
       c.read_bounded_reply(r, routed, &lag, &held);
     } else {
-      read_pull_stats(c, r);
+      read_pull_stats(c, d, r);
     }
     for (size_t b = 0; b < routed.size(); ++b) {
       const Routing& rt = routed[b].routing;
@@ -327,7 +327,7 @@ std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, flo
     return {};
   }
   std::map<int, RowUpdates> updates;
-  c.collect_replies(kind, seq, "push", [&](int, Reader& r) {
+  c.collect_replies(kind, seq, "push", [&](int source, Reader& r) {
     const int64_t n = r.i64();
     for (int64_t k = 0; k < n; ++k) {
       const int table = static_cast<int>(r.i64());
@@ -340,7 +340,7 @@ std::vector<RowUpdates> Client::push(const std::vector<TableBatch>& batches, flo
       part.rows = r.i64();
       part.pushed = r.i64();
       const Table& t = c.table_at(table);
-      c.stats.add(table, t.spec.num_shards, part);
+      c.stats.add(table, t.spec.num_shards, source, part);
       const std::vector<int64_t> ids = r.i64s(r.count(count, sizeof(int64_t)));
       const float* rows = r.f32s(count, t.spec.dim);
       RowUpdates& u = updates[table];

@@ -105,18 +105,23 @@ std::vector<Entry> read_entries(Reader& r, bool with_grads, float* scale, const 
   return entries;
 }
 
-void StatsCollector::add(int table, int shards, const RoundStats& part) {
+void StatsCollector::add(int table, int shards, int source, const RoundStats& part) {
   auto& rounds = partial[table];
   Partial& p = rounds[part.round];
-  p.sum.round = part.round;
-  p.sum.local_sq += part.local_sq;
-  p.sum.combined_sq += part.combined_sq;
-  p.sum.ranks = std::max(p.sum.ranks, part.ranks);
-  p.sum.rows += part.rows;
-  p.sum.pushed += part.pushed;
-  if (++p.shards < shards) return;
+  p.parts[source] = part;
+  if (static_cast<int>(p.parts.size()) < shards) return;
+  RoundStats sum;
+  sum.round = part.round;
+  for (const auto& entry : p.parts) {  // (in rank order: see StatsCollector)
+    const RoundStats& s = entry.second;
+    sum.local_sq += s.local_sq;
+    sum.combined_sq += s.combined_sq;
+    sum.ranks = std::max(sum.ranks, s.ranks);
+    sum.rows += s.rows;
+    sum.pushed += s.pushed;
+  }
   RoundStats& newest = done[table];
-  if (part.round > newest.round) newest = p.sum;
+  if (part.round > newest.round) newest = sum;
   rounds.erase(rounds.begin(), rounds.upper_bound(part.round));  // older rounds can no longer complete
 }
 

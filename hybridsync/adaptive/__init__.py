@@ -5,6 +5,7 @@ gns.py         gradient statistics |G|^2 and tr(Sigma) from small- and large-bat
 scaling.py     learning-rate scaling rules (AdaScale gain, square root, linear)
 goodput.py     the throughput model fitted from step times, statistical efficiency, batch choice
 collect.py     what the sync core records each step (dense all-reduce in/out, PS round scalars)
+rows.py        each PS table's distinct rows across batch sizes: the batch its row updates average
 controller.py  one optimizer's adaptive state: stats, rule, scale-invariant progress, batch
 """
 from .gns import GradientStats, estimate

@@ -53,8 +53,9 @@ class StepRecorder:
         self.world, self.rank = world_size, rank
         self._dense_in: dict[str, float] = {}
         self._dense_out: dict[str, float] = {}
-        # (name, local_sq, combined_sq, sizes, ranks that pushed, late) of rounds completed
+        # (name, local_sq, combined_sq, sizes, ranks that pushed, late, distinct rows, rows pushed) of rounds completed
         self._ps: list = []
+        self._tables: set[str] = set()  # every PS table that reported (the gather lists them by name)
         self._skipped_last = False  # the previous step was left out of the statistics (non-finite)
         self._rounds: dict[str, int] = {}  # table -> newest round seen
         self._sizes_pushed = None  # (samples per rank, accumulation) of the previous push
@@ -101,13 +102,15 @@ class StepRecorder:
         """A table's newest round statistics (engine.round_stats): `current` when they are of
         this step's push (replicated placement), else of the previous one (sharded: they come
         back with the next pull)."""
+        self._tables.add(name)  # (every step asks every table, so every rank knows the same ones)
         if stats["round"] < 0 or stats["round"] == self._rounds.get(name):
             return
         self._rounds[name] = stats["round"]
         sizes = self.adaptive.sizes() if current else self._sizes_pushed
         if sizes is not None:  # (a rank that joined pushed nothing: the round counts the others)
             self._ps.append((name, stats["local_sq"], stats["combined_sq"], sizes,
-                             int(stats.get("ranks") or self.world), not current))
+                             int(stats.get("ranks") or self.world), not current,
+                             int(stats.get("rows", 0)), int(stats.get("pushed", 0))))
 
     # -- once per step ----------------------------------------------------------------------------
     def end_step(self, allreduce_sum) -> None:
@@ -125,11 +128,16 @@ class StepRecorder:
         # rank leaves out the same steps even where their numbers differ.
         finite = (all(map(math.isfinite, outputs)) and all_finite(now_ps), all_finite(late_ps))
         # (ranks with other dense variables this step: the all-reduce's shapes differ, and it raises)
-        mine = [*(self._dense_in[n] for n in names), *self.last_times, float(finite[0]), float(finite[1])]
+        # Each table's row counts of its round travel too, so that every rank models the same
+        # counts (the lowest stepping rank's), whatever round each rank's shards last reported.
+        mine = [*(self._dense_in[n] for n in names), *self.last_times, float(finite[0]), float(finite[1]),
+                *self._row_counts()]
         rows = gather_rows(allreduce_sum, self.rank, self.world, mine, "hybridsync.adaptive")
         n = len(names)
         gathered = [(row[:n], tuple(row[n:n + 4]), (bool(row[n + 4]), bool(row[n + 5])))
                     for _, row in sorted(rows.items())]
+        if per_rank:
+            self._take_row_counts([row[n + 6:] for _, row in sorted(rows.items())])
         stepped = len(gathered)
         if per_rank:
             now = list(now_ps)
@@ -166,13 +174,36 @@ class StepRecorder:
         counts the ranks that pushed in it (one that joined pushed nothing); with one, there is
         nothing to compare."""
         now, late = [], []
-        for name, local_sq, combined_sq, (b, k), n, was_late in self._ps:
+        for name, local_sq, combined_sq, (b, k), n, was_late, _, _ in self._ps:
             if n < 2:
                 continue
             base = self.adaptive.base_batch or b * k * n
             (late if was_late else now).append((name, local_sq / n / k ** 2 / unscale, b * k,
                                                 combined_sq / (n * k) ** 2 / unscale, b * k * n, b * k * n / base))
         return now, late
+
+    _ROW_FIELDS = 6  # per table: present, samples per rank, distinct rows per rank, samples, distinct rows, ranks
+
+    def _row_counts(self) -> list[float]:
+        """Each table's newest round recorded this step, as the statistics gather carries it:
+        (1, samples per rank, mean distinct rows per rank, global samples, distinct rows, ranks),
+        zeros for a table with no new round."""
+        newest = {}
+        for name, _, _, (b, k), n, _, distinct, pushed in self._ps:
+            if n >= 2 and distinct > 0:
+                newest[name] = [1.0, b * k, pushed / n, b * k * n, distinct, n]
+        return [x for name in sorted(self._tables) for x in newest.get(name, [0.0] * self._ROW_FIELDS)]
+
+    def _take_row_counts(self, blocks: list) -> None:
+        """Into the row model: each table's counts of the lowest rank that had a round of it
+        (blocks: each stepping rank's _row_counts, by rank)."""
+        for i, name in enumerate(sorted(self._tables)):
+            for block in blocks:
+                fields = block[i * self._ROW_FIELDS:(i + 1) * self._ROW_FIELDS]
+                if len(fields) == self._ROW_FIELDS and fields[0] == 1.0:
+                    _, small, per_rank_rows, big, distinct, ranks = fields
+                    self.adaptive.rows.observe(name, small, per_rank_rows, big, distinct, int(ranks))
+                    break
 
     def _take(self, now: list, now_ok: bool, late: list, late_ok: bool) -> None:
         """Into the statistics, a step's observations all or none (ok: finite on every rank). A

@@ -9,6 +9,7 @@ from . import scaling
 from .decision import BatchDecider
 from .gns import GradientStats
 from .goodput import BatchChoice, ThroughputModel, allowed, choose_batch, efficiency, nearest_allowed
+from .rows import RowCounts
 
 
 @dataclasses.dataclass
@@ -84,6 +85,7 @@ class Adaptive:
         self.rule = None if config.scaling_rule is None else scaling.rule_for(config.scaling_rule, optimizer_class_name)
         self.stats = GradientStats(config.smoothing)
         self.throughput = ThroughputModel()
+        self.rows = RowCounts()  # how the PS tables' rows are hit as the batch grows (rows.py)
         self.world = world_size
         self.local_batch = int(config.local_batch_size) if config.local_batch_size else 0
         self.accumulation = 1
@@ -161,6 +163,42 @@ class Adaptive:
         base = self.base_batch
         return lambda batch: efficiency(batch, base, noise_scale)
 
+    def tables(self, batch: int, statistics: dict) -> dict:
+        """Per PS table whose rows were counted, at global batch `batch`: rows pushed per distinct
+        row in its newest round ("duplicates", d), how its distinct rows grow with the batch
+        ("growth", alpha of U ~ M^alpha), how many times the base batch's hits each of its row
+        updates averages ("row_scale", rows.RowCounts.effective_batch / base), its own noise scale
+        and efficiency (the noise-scale formula on its own statistics: the row-update frequency is
+        in them, docs/adaptive.md "Embedding tables"), and its learning-rate factor."""
+        base = self.base_batch or batch
+        out = {}
+        for name in self.rows.tables():
+            v = statistics["by_variable"].get(name, {"sqr": math.nan, "var": math.nan})
+            phi = max(v["var"], 0.0) / v["sqr"] if v["sqr"] > 0 else math.inf
+            row_scale = self.rows.effective_batch(name, batch, base) / base
+            out[name] = {"duplicates": self.rows.duplicates(name), "growth": self.rows.growth(name, batch),
+                         "row_scale": row_scale, "noise_scale": phi, "efficiency": efficiency(batch, base, phi),
+                         "lr_factor": self._table_factor(batch / base, row_scale)}
+        return out
+
+    def table_lr_factors(self) -> dict:
+        """{table: the factor its learning rate is multiplied by this step} for the tables whose
+        rows were counted, where their server rule normalises its update (Adagrad, Adam): the
+        rule applied at the scale of what the table's row updates average, not of the batch
+        (docs/adaptive.md, "Embedding tables": a row hit once per batch at any batch averages
+        nothing more, and a factor above 1 would only lengthen its steps -- CowClip's rule)."""
+        if self.rule is None or not self.base_batch or not self.local_batch:
+            return {}
+        batch, base = self.global_batch(), self.base_batch
+        return {name: self._table_factor(batch / base, self.rows.effective_batch(name, batch, base) / base)
+                for name in self.rows.tables()}
+
+    def _table_factor(self, scale: float, row_scale: float) -> float:
+        if self.rule is None or scale == 1.0:
+            return 1.0
+        summary = self.stats.summary()
+        return scaling.RULES[self.rule](row_scale, summary["sqr"], summary["var"], self.base_batch or 1)
+
     def decision_due(self, warmup: int, interval: int) -> bool:
         return self.decider.due(self.steps, warmup, interval)
 
@@ -205,15 +243,23 @@ class Adaptive:
             eff_there = self.efficiency_of(noise_scale)
             return eff_there(best.global_batch) / eff_there(now)
 
+        at_best = self.tables(best.global_batch, steady)
+        tables = {name: {"duplicates": t["duplicates"], "efficiency_current": t["efficiency"],
+                         "efficiency_best": at_best[name]["efficiency"]} for name, t in self.tables(now, steady).items()}
         decision = self.decider.judge(best, current, self.throughput, efficiency_ratio, phi,
-                                      steady["noise_scale_bounds"], self.steps)
+                                      steady["noise_scale_bounds"], self.steps, tables)
         self.choice = decision or current
         return decision
 
     def adopt(self, decision: BatchChoice | None) -> None:
         """The agreed decision (the same on every rank), before the batch changes to it."""
         current = BatchChoice(self.local_batch, self.accumulation, self.world, math.nan, math.nan)
-        self.decider.adopt(decision, current, self.steps, self.stats.steady()["noise_scale"])
+        steady = self.stats.steady()
+        tables = None
+        if decision is not None and self.rows.tables():
+            tables = {name: {"duplicates": t["duplicates"], "efficiency": t["efficiency"]}
+                      for name, t in self.tables(decision.global_batch, steady).items()}
+        self.decider.adopt(decision, current, self.steps, steady["noise_scale"], tables)
 
     def _choose_unmeasured(self, max_batch: int, local_bounds: tuple[int, int], max_accumulation: int):
         """choose() with no statistics of this run: only what needs none. Statistics a
@@ -235,23 +281,26 @@ class Adaptive:
     def summary(self) -> dict:
         """What explain() and the timeline show."""
         s = self.stats.summary()
+        batch, base = self.global_batch(), self.base_batch or 1
         return {"noise_scale": s["noise_scale"], "sqr": s["sqr"], "var": s["var"], "local_batch": self.local_batch,
                 "accumulation": self.accumulation, "global_batch": self.global_batch(), "base_batch": self.base_batch,
                 "scale": self.scale(), "gain": self.last_gain, "lr_factor": self.last_factor, "rule": self.rule,
                 "progress": self.progress, "steps": self.steps, "nonfinite_steps": s["nonfinite_steps"],
-                "efficiency": efficiency(self.global_batch(), self.base_batch or 1, s["noise_scale"])}
+                "efficiency": efficiency(batch, base, s["noise_scale"]),
+                "tables": self.tables(batch, s)}
 
     def state_dict(self) -> dict:
         local_batch, accumulation = self.partial_step_of or self.sizes()  # the batch chosen, not a remainder
         return {"stats": self.stats.state_dict(), "throughput": self.throughput.state_dict(),
                 "local_batch": local_batch, "accumulation": accumulation, "base_batch": self.base_batch,
                 "progress": self.progress, "steps": self.steps, "world": self.world,
-                "decider": self.decider.state_dict()}
+                "decider": self.decider.state_dict(), "rows": self.rows.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.stats.load_state_dict(state.get("stats", {}))
         self._loaded_observations = self.stats.observations
         self.throughput.load_state_dict(state.get("throughput", {}))
+        self.rows.load_state_dict(state.get("rows", {}))  # (the id distribution's: valid at any world size)
         self.base_batch = int(state.get("base_batch") or self.base_batch)
         self.progress = float(state.get("progress", 0.0))
         self.steps = int(state.get("steps", 0))

@@ -73,10 +73,12 @@ class BatchDecider:
 
     # -- whether to change ------------------------------------------------------------------------
     def judge(self, best: BatchChoice, current: BatchChoice, throughput: ThroughputModel, efficiency_ratio,
-              noise_scale: float, noise_bounds: tuple[float, float], step: int = 0) -> BatchChoice | None:
+              noise_scale: float, noise_bounds: tuple[float, float], step: int = 0,
+              tables: dict | None = None) -> BatchChoice | None:
         """The change to `best` as a decision (kind, gain, threshold), or None to keep `current`.
         efficiency_ratio(phi): best's efficiency over current's were the noise scale phi;
-        noise_bounds: the noise scale one standard error below and above."""
+        noise_bounds: the noise scale one standard error below and above; tables: each PS
+        table's row counts and efficiency at both sizes, kept with the judgement."""
         if (best.local_batch, best.accumulation) == (current.local_batch, current.accumulation):
             return None
         world = current.world
@@ -102,7 +104,7 @@ class BatchDecider:
         self.judgements.append({"step": step, "current": current.global_batch, "best": best.global_batch,
                                 "kind": kind, "gain": gain, "threshold": math.exp(margin), "taken": taken,
                                 "noise_scale": noise_scale, "error_current": err_current, "error_best": err_best,
-                                "error_statistics": err_stats})
+                                "error_statistics": err_stats, **({"tables": tables} if tables else {})})
         del self.judgements[:-MAX_LOG]
         if not taken:
             return None
@@ -114,8 +116,10 @@ class BatchDecider:
         return 1 if current.global_batch > local * accumulation * current.world else -1
 
     # -- what a decision changes ------------------------------------------------------------------------
-    def adopt(self, decision: BatchChoice | None, current: BatchChoice, step: int, noise_scale: float) -> None:
-        """After the exchange, on every rank alike: the agreed decision (None: the batch stays)."""
+    def adopt(self, decision: BatchChoice | None, current: BatchChoice, step: int, noise_scale: float,
+              tables: dict | None = None) -> None:
+        """After the exchange, on every rank alike: the agreed decision (None: the batch stays);
+        tables: each PS table's row counts and efficiency at the new size, for the log."""
         self.pending = False
         if self.probe is not None and (decision is None or decision.kind != "return"):
             self._keep_probe(current)  # the probe held (or was outgrown): it is where the batch went
@@ -136,7 +140,8 @@ class BatchDecider:
             self._leave(was, going, phi)
         self.last_change_step = step
         self.log.append({"step": step, "kind": decision.kind, "from": was, "to": decision.global_batch,
-                         "gain": decision.gain, "threshold": decision.threshold, "noise_scale": phi})
+                         "gain": decision.gain, "threshold": decision.threshold, "noise_scale": phi,
+                         **({"tables": tables} if tables else {})})
         del self.log[:-MAX_LOG]
 
     def _keep_probe(self, current: BatchChoice) -> None:

@@ -23,8 +23,8 @@ sizes, corrects the guess. (Taking compute as proportional to the batch instead 
 explore: a job whose steps are mostly per-step overhead would stay at its first batch.)
 
 Statistical efficiency of a global batch M against the base M0 is the AdaScale gain per unit of
-scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale (efficiency.py refines
-it for embedding tables).
+scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale -- for embedding tables
+too: a table's row-update frequency is in its noise scale (docs/adaptive.md, "Embedding tables").
 """
 from __future__ import annotations
 

@@ -11,6 +11,11 @@ def _num(x, fmt: str = ".4g") -> str:
 def describe(s: dict) -> list[str]:
     """Lines for an Adaptive.summary()."""
     accumulation = f" x {s['accumulation']} accumulation steps" if s.get("accumulation", 1) > 1 else ""
+    tables = [f"  table {name}: d {_num(t['duplicates'], '.2f')} rows pushed per row updated, distinct rows ~ "
+              f"batch^{_num(t['growth'], '.2f')}, so a row update averages {_num(t['row_scale'], '.3g')}x the base "
+              f"batch's hits; noise scale {_num(t['noise_scale'])}, efficiency {_num(t['efficiency'], '.1%')}; "
+              f"LR x {_num(t['lr_factor'], '.3f')} (an Adagrad or Adam server rule; SGD takes the batch's)"
+              for name, t in sorted(s.get("tables", {}).items())]
     return [
         "adaptive batch size and learning rate (hybridsync.adaptive)",
         f"  noise scale {_num(s['noise_scale'])} samples  (|G|^2 {_num(s['sqr'])}, tr(Sigma) {_num(s['var'])} per sample)",
@@ -21,4 +26,5 @@ def describe(s: dict) -> list[str]:
         f"base steps in {s['steps']} steps",
         f"  non-finite steps left out of the statistics: {s.get('nonfinite_steps', 0)} (inf / NaN gradients, "
         "e.g. an overflowed loss-scaled step)",
+        *tables,
     ]

@@ -107,6 +107,9 @@ class SyncContext:
     grad_scale: float = 1.0
     stats: object = None
     lr_factor: float = 1.0  # the scaling rule's factor, for server rules whose LR the config fixed
+    # A PS table's own factor (adaptive.Adaptive.table_lr_factors), where its server rule
+    # normalises its update (Adagrad, Adam): the rule applied to what its row updates average.
+    table_lr_factors: dict = dataclasses.field(default_factory=dict)
 
     def allreduce_scales(self) -> tuple[float, float]:
         """(prescale, postscale) of an all-reduce: with Average, the division is split across

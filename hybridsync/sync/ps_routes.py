@@ -36,10 +36,16 @@ class _PSRoute(Synchronizer):
             var.access.rows()  # (the staged rows; a replica's gradient goes with zero_grad())
     def _lr(self, var: Variable) -> float:
         """The learning rate this step: the wrapped optimizer's (LR schedules reach the server),
-        unless the config fixed the server optimizer."""
+        unless the config fixed the server optimizer; scaled by the table's own factor where it
+        has one (rows hit once per batch at any batch: their steps are not lengthened)."""
+        factor = self.ctx.lr_factor
+        own = self.ctx.table_lr_factors.get(var.name)
+        if own is not None and (var.plan.optimizer or {}).get("name") == "sgd":
+            own = None  # (SGD's row gradient shrinks with the batch: the batch's factor only restores it)
         if var.plan.optimizer_source == "config":  # scaled like the wrapped optimizer's would be
-            return float(var.plan.optimizer["lr"]) * self.ctx.lr_factor
-        return float(var.access.lr())
+            return float(var.plan.optimizer["lr"]) * (factor if own is None else own)
+        lr = float(var.access.lr())  # (the wrapped optimizer's, already times the batch's factor)
+        return lr if own is None or own == factor or not factor > 0 else lr / factor * own
 
     def _record_rounds(self, current: bool) -> None:
         """Gradient statistics: each table's newest push round, as its shards computed it."""

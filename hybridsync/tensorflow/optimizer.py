@@ -147,6 +147,7 @@ class _DistributedKerasOptimizer(HorovodMethods):
         factor = ad.lr_factor()
         ad.last_factor = factor
         self._hs_sync.ctx.lr_factor = factor
+        self._hs_sync.ctx.table_lr_factors = ad.table_lr_factors()
         return factor
 
     def _hs_end_adaptive(self) -> None:

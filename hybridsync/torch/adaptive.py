@@ -109,6 +109,7 @@ class AdaptiveStep:
         factor = self.controller.lr_factor()
         self.controller.last_factor = factor
         self.ctx.lr_factor = factor
+        self.ctx.table_lr_factors = self.controller.table_lr_factors()
         if factor != 1.0 and self._saved_lrs is None:
             self._saved_lrs = [group["lr"] for group in self.opt.param_groups]
             for group in self.opt.param_groups:
