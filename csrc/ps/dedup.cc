@@ -3,6 +3,8 @@
 
 #include <cstring>
 
+#include "row_kernels.h"
+
 namespace hybridsync {
 
 void check_ids(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows) {
@@ -57,7 +59,9 @@ void RowAggregator::sum(int64_t dim, const std::vector<GradientRows>& sources, f
   for (const GradientRows& s : sources) add(s);
   const int64_t n = size();
   combined_sq_ = 0.0;
-  for (int64_t i = 0; i < n * dim_; ++i) combined_sq_ += static_cast<double>(sums_[i]) * sums_[i];
+  if (statistics_) {
+    for (int64_t i = 0; i < n; ++i) combined_sq_ += squared_norm(sums_.data() + i * dim_, dim_);
+  }
   if (scale != 1.0f) {
     for (int64_t i = 0; i < n * dim_; ++i) sums_[i] *= scale;
   }
@@ -68,14 +72,12 @@ void RowAggregator::add(const GradientRows& source) {
     auto [slot, fresh] = index_.insert(source.rows[k]);
     float* dst = sums_.data() + slot * dim_;
     const float* g = source.grads + k * dim_;
-    double sq = 0.0;
-    for (int64_t j = 0; j < dim_; ++j) sq += static_cast<double>(g[j]) * g[j];
-    local_sq_ += sq;
+    if (statistics_) local_sq_ += squared_norm(g, dim_);
     if (fresh) {
       rows_.push_back(source.rows[k]);
       std::memcpy(dst, g, dim_ * sizeof(float));
     } else {
-      for (int64_t j = 0; j < dim_; ++j) dst[j] += g[j];
+      add_row(dst, g, dim_);
     }
   }
 }

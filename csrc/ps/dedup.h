@@ -50,8 +50,11 @@ class RowAggregator {
   const int64_t* rows() const { return rows_.data(); }
   // Gradient statistics of the last step, before `scale`: the sum over sources of each
   // source's squared norm, and the squared norm of their sum (what the noise scale needs).
+  // Computed only while statistics are on (the adaptive batch size reads them); 0 otherwise.
   double local_sq() const { return local_sq_; }
   double combined_sq() const { return combined_sq_; }
+  void set_statistics(bool on) { statistics_ = on; }
+  bool statistics() const { return statistics_; }
 
  private:
   // Adds one source's rows into the sums.
@@ -60,6 +63,7 @@ class RowAggregator {
   std::vector<int64_t> rows_;
   std::vector<float> sums_;
   int64_t dim_ = 1;
+  bool statistics_ = false;
   double local_sq_ = 0.0, combined_sq_ = 0.0;
 };
 

@@ -69,6 +69,39 @@ TEST(row_aggregator_sums_duplicates_across_workers_then_applies_once_per_row) {
   CHECK_NEAR(*s.row(0), -1.5, 1e-6);
 }
 
+TEST(row_aggregator_statistics_match_double_sums_and_are_skipped_when_off) {
+  // Two sources over dims with and without a tail past the norms' float lanes; the reference
+  // sums every square in double.
+  for (int64_t dim : {1, 16, 37, 128}) {
+    const std::vector<int64_t> a = {4, 1, 4, 7}, b = {1, 9};
+    std::vector<float> ga(a.size() * dim), gb(b.size() * dim);
+    for (size_t i = 0; i < ga.size(); ++i) ga[i] = 0.37f * static_cast<float>((i * 7919) % 101) - 18.0f;
+    for (size_t i = 0; i < gb.size(); ++i) gb[i] = 1e-3f * static_cast<float>((i * 104729) % 89) - 0.04f;
+    double local = 0.0;
+    for (float g : ga) local += static_cast<double>(g) * g;
+    for (float g : gb) local += static_cast<double>(g) * g;
+    std::vector<double> summed(10 * dim, 0.0);  // by row id
+    for (size_t i = 0; i < a.size(); ++i) {
+      for (int64_t j = 0; j < dim; ++j) summed[a[i] * dim + j] += ga[i * dim + j];
+    }
+    for (size_t i = 0; i < b.size(); ++i) {
+      for (int64_t j = 0; j < dim; ++j) summed[b[i] * dim + j] += gb[i * dim + j];
+    }
+    double combined = 0.0;
+    for (double v : summed) combined += v * v;
+    const std::vector<GradientRows> sources = {GradientRows{a.data(), 4, ga.data()}, GradientRows{b.data(), 2, gb.data()}};
+    RowAggregator sums;
+    sums.sum(dim, sources, 0.5f);
+    CHECK(sums.size() == 4);
+    CHECK_NEAR(sums.local_sq(), 0.0, 0.0);  // off by default: nothing reads them
+    CHECK_NEAR(sums.combined_sq(), 0.0, 0.0);
+    sums.set_statistics(true);
+    sums.sum(dim, sources, 0.5f);
+    CHECK_NEAR(sums.local_sq(), local, 1e-6 * local);  // before the scale
+    CHECK_NEAR(sums.combined_sq(), combined, 1e-6 * combined);
+  }
+}
+
 TEST(routing_groups_unique_ids_by_destination_with_their_local_rows) {
   Partitioner p(12, 3, PartitionKind::kCyclic);
   const std::vector<int64_t> ids = {4, 3, 4, 8, 0, 11};

@@ -1,0 +1,31 @@
+// Loops over float rows that the hot paths share (gradient sums, squared norms), written so the
+// compiler vectorizes them.
+#pragma once
+
+#include <cstdint>
+
+namespace hybridsync {
+
+// dst[j] += src[j] for j < dim.
+inline void add_row(float* __restrict dst, const float* __restrict src, int64_t dim) {
+  for (int64_t j = 0; j < dim; ++j) dst[j] += src[j];
+}
+
+// |x|^2 of a row, in double. The squares are summed in float over kLanes independent lanes (a
+// vector's worth of adds in flight, not one chain of dependent double adds) and the lanes folded
+// into double once per row: a row's few dozen to few hundred squares lose nothing a noise-scale
+// estimate can see, and the total over thousands of rows is kept in double.
+inline double squared_norm(const float* __restrict x, int64_t dim) {
+  constexpr int kLanes = 16;
+  float lane[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= dim; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) lane[k] += x[j + k] * x[j + k];
+  }
+  double total = 0.0;
+  for (; j < dim; ++j) total += static_cast<double>(x[j]) * x[j];
+  for (int k = 0; k < kLanes; ++k) total += lane[k];
+  return total;
+}
+
+}  // namespace hybridsync
