@@ -20,26 +20,31 @@ void check_ids(const std::string& table, const int64_t* ids, int64_t n, int64_t 
 Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows) {
   check_ids(table, ids, n, num_rows);
   Dedup out;
-  out.inverse.resize(static_cast<size_t>(n));
+  out.inverse.reserve(static_cast<size_t>(n));  // (filled as it goes: no zero-fill first)
   thread_local IdIndex index;  // per thread: pulls may run on several threads' behalf
   index.reset(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     auto [slot, inserted] = index.insert(ids[i]);
     if (inserted) out.unique.push_back(ids[i]);
-    out.inverse[i] = slot;
+    out.inverse.push_back(slot);
   }
   return out;
 }
 
-std::vector<float> sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim) {
-  std::vector<float> sums(dedup.unique.size() * static_cast<size_t>(dim), 0.0f);
+void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, GradientBuffer* out) {
+  out->resize(dedup.unique.size() * static_cast<size_t>(dim));
+  float* sums = out->data();
   const int64_t n = static_cast<int64_t>(dedup.inverse.size());
+  int64_t seen = 0;  // unique ids are numbered in first-seen order: u == seen is u's first row
   for (int64_t i = 0; i < n; ++i) {
-    float* dst = sums.data() + dedup.inverse[i] * dim;
-    const float* g = grads + i * dim;
-    for (int64_t j = 0; j < dim; ++j) dst[j] += g[j];
+    const int64_t u = dedup.inverse[i];
+    if (u == seen) {
+      std::memcpy(sums + u * dim, grads + i * dim, sizeof(float) * dim);
+      ++seen;
+    } else {
+      add_row(sums + u * dim, grads + i * dim, dim);
+    }
   }
-  return sums;
 }
 
 void RowAggregator::step(Shard& shard, const std::vector<GradientRows>& sources, float scale) {

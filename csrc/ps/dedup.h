@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shard.h"
@@ -23,9 +26,34 @@ struct Dedup {
 // Validates 0 <= id < num_rows (PSIndexError naming `table` and the id) and deduplicates.
 Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows);
 
+// The allocator of buffers that are written in full before they are read: resize() leaves new
+// elements unwritten, so a fresh buffer costs no zero-fill pass over memory.
+template <class T>
+struct Unzeroed : std::allocator<T> {
+  using value_type = T;
+  template <class U>
+  struct rebind {
+    using other = Unzeroed<U>;
+  };
+  Unzeroed() = default;
+  template <class U>
+  Unzeroed(const Unzeroed<U>&) noexcept {}
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;  // default-initialised: a float is left as it is
+  }
+};
+using GradientBuffer = std::vector<float, Unzeroed<float>>;
+
 // A worker's gradients (n x dim, one row per input id) added up per unique id of `dedup`, so
-// each row crosses the wire once: row u of the result sums the rows i with inverse[i] == u.
-std::vector<float> sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim);
+// each row crosses the wire once: row u of *out (resized to unique x dim; reuse one buffer
+// request after request) sums the rows i with inverse[i] == u. Each row's first gradient is
+// copied, the others added: nothing is zero-filled first.
+void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, GradientBuffer* out);
 
 // Gradient rows from one source (a worker's request, or a caller): rows[i] gets grads[i*dim...].
 struct GradientRows {
