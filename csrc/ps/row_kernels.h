@@ -6,6 +6,21 @@
 
 namespace hybridsync {
 
+// Rows whose cache lines are requested this far ahead of their turn: a step's rows are scattered
+// over a table much larger than the caches, so each one is a memory miss otherwise waited for.
+constexpr int64_t kPrefetchAhead = 8;
+
+// Requests the cache lines of `floats` floats at p (for writing: the line comes exclusive).
+inline void prefetch_row(const float* p, int64_t floats, bool write) {
+  for (int64_t j = 0; j < floats; j += 64 / static_cast<int64_t>(sizeof(float))) {
+    if (write) {
+      __builtin_prefetch(p + j, 1);
+    } else {
+      __builtin_prefetch(p + j, 0);
+    }
+  }
+}
+
 // dst[j] += src[j] for j < dim.
 inline void add_row(float* __restrict dst, const float* __restrict src, int64_t dim) {
   for (int64_t j = 0; j < dim; ++j) dst[j] += src[j];
