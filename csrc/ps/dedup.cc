@@ -31,13 +31,15 @@ Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64
   return out;
 }
 
-void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, GradientBuffer* out) {
-  out->resize(dedup.unique.size() * static_cast<size_t>(dim));
-  float* sums = out->data();
-  const int64_t n = static_cast<int64_t>(dedup.inverse.size());
+namespace {
+
+// The loops over rows, each built for the machine (HYBRIDSYNC_CLONED; see row_kernels.h).
+
+HYBRIDSYNC_CLONED void add_up_duplicates(const int64_t* inverse, int64_t n, const float* grads, int64_t dim,
+                                         float* sums) {
   int64_t seen = 0;  // unique ids are numbered in first-seen order: u == seen is u's first row
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t u = dedup.inverse[i];
+    const int64_t u = inverse[i];
     if (u == seen) {
       std::memcpy(sums + u * dim, grads + i * dim, sizeof(float) * dim);
       ++seen;
@@ -45,6 +47,45 @@ void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, Gradien
       add_row(sums + u * dim, grads + i * dim, dim);
     }
   }
+}
+
+// One source's rows into the sums (a row's first gradient copied, the others added), new rows
+// appended to `rows`; the sum of the source rows' squared norms when `statistics`, else 0.
+HYBRIDSYNC_CLONED double add_source(const GradientRows& source, int64_t dim, bool statistics, IdIndex& index,
+                                    std::vector<int64_t>& rows, float* sums) {
+  double sq = 0.0;
+  for (int64_t k = 0; k < source.n; ++k) {
+    auto [slot, fresh] = index.insert(source.rows[k]);
+    float* dst = sums + slot * dim;
+    const float* g = source.grads + k * dim;
+    if (statistics) sq += squared_norm(g, dim);
+    if (fresh) {
+      rows.push_back(source.rows[k]);
+      std::memcpy(dst, g, dim * sizeof(float));
+    } else {
+      add_row(dst, g, dim);
+    }
+  }
+  return sq;
+}
+
+// The squared norm of n summed rows when `statistics` (else 0), then the rows times `scale`.
+HYBRIDSYNC_CLONED double finish_sums(float* sums, int64_t n, int64_t dim, float scale, bool statistics) {
+  double sq = 0.0;
+  if (statistics) {
+    for (int64_t i = 0; i < n; ++i) sq += squared_norm(sums + i * dim, dim);
+  }
+  if (scale != 1.0f) {
+    for (int64_t i = 0; i < n * dim; ++i) sums[i] *= scale;
+  }
+  return sq;
+}
+
+}  // namespace
+
+void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, GradientBuffer* out) {
+  out->resize(dedup.unique.size() * static_cast<size_t>(dim));
+  add_up_duplicates(dedup.inverse.data(), static_cast<int64_t>(dedup.inverse.size()), grads, dim, out->data());
 }
 
 void RowAggregator::step(Shard& shard, const std::vector<GradientRows>& sources, float scale) {
@@ -61,30 +102,8 @@ void RowAggregator::sum(int64_t dim, const std::vector<GradientRows>& sources, f
   sums_.resize(expected * static_cast<size_t>(dim_));
   index_.reset(expected);
   local_sq_ = 0.0;
-  for (const GradientRows& s : sources) add(s);
-  const int64_t n = size();
-  combined_sq_ = 0.0;
-  if (statistics_) {
-    for (int64_t i = 0; i < n; ++i) combined_sq_ += squared_norm(sums_.data() + i * dim_, dim_);
-  }
-  if (scale != 1.0f) {
-    for (int64_t i = 0; i < n * dim_; ++i) sums_[i] *= scale;
-  }
-}
-
-void RowAggregator::add(const GradientRows& source) {
-  for (int64_t k = 0; k < source.n; ++k) {
-    auto [slot, fresh] = index_.insert(source.rows[k]);
-    float* dst = sums_.data() + slot * dim_;
-    const float* g = source.grads + k * dim_;
-    if (statistics_) local_sq_ += squared_norm(g, dim_);
-    if (fresh) {
-      rows_.push_back(source.rows[k]);
-      std::memcpy(dst, g, dim_ * sizeof(float));
-    } else {
-      add_row(dst, g, dim_);
-    }
-  }
+  for (const GradientRows& s : sources) local_sq_ += add_source(s, dim_, statistics_, index_, rows_, sums_.data());
+  combined_sq_ = finish_sums(sums_.data(), size(), dim_, scale, statistics_);
 }
 
 }  // namespace hybridsync

@@ -85,11 +85,9 @@ class RowAggregator {
   bool statistics() const { return statistics_; }
 
  private:
-  // Adds one source's rows into the sums.
-  void add(const GradientRows& source);
   IdIndex index_;
   std::vector<int64_t> rows_;
-  std::vector<float> sums_;
+  GradientBuffer sums_;  // (written in full before read: growing it zero-fills nothing)
   int64_t dim_ = 1;
   bool statistics_ = false;
   double local_sq_ = 0.0, combined_sq_ = 0.0;

@@ -1,8 +1,24 @@
-// Loops over float rows that the hot paths share (gradient sums, squared norms), written so the
-// compiler vectorizes them.
+// Loops over float rows that the hot paths share (gradient sums, squared norms, prefetching),
+// written so the compiler vectorizes them, and how the hot loops are built for the machine.
 #pragma once
 
 #include <cstdint>
+
+// HYBRIDSYNC_CLONED on a function builds it once per instruction set -- AVX-512, AVX2 and the
+// baseline x86-64 -- and the dynamic loader picks the best one the CPU has, once (an ifunc): the
+// library itself stays baseline x86-64 and runs on any x86-64 machine, while the loops over rows
+// run 8 or 16 floats wide where they can. Only functions that loop over many rows carry it (a
+// clone is not inlined into its callers). Elementwise float math gives the same floats at any
+// width, and the core is built with -ffp-contract=off, so no clone fuses a multiply and an add
+// into one FMA (rounded once instead of twice): every clone computes the same floats.
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute) && !defined(HYBRIDSYNC_NO_CLONES)
+#if __has_attribute(target_clones)
+#define HYBRIDSYNC_CLONED __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+#endif
+#ifndef HYBRIDSYNC_CLONED
+#define HYBRIDSYNC_CLONED
+#endif
 
 namespace hybridsync {
 

@@ -26,6 +26,19 @@ inline void adagrad_row(float* __restrict row, float* __restrict acc, const floa
   }
 }
 
+HYBRIDSYNC_CLONED void adagrad_rows(const RowBatch& batch, float clr, float eps, bool eps_in_sqrt) {
+  float* const acc = batch.slots[0];
+  if (eps_in_sqrt) {  // (decided once per batch: each loop inlines one form)
+    for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
+      adagrad_row(row, acc + at, grad, batch.dim, clr, eps, true);
+    });
+  } else {
+    for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
+      adagrad_row(row, acc + at, grad, batch.dim, clr, eps, false);
+    });
+  }
+}
+
 class AdagradRule : public UpdateRule {
  public:
   explicit AdagradRule(const std::map<std::string, double>& given)
@@ -55,19 +68,7 @@ class AdagradRule : public UpdateRule {
   void apply(float* row, float* const* slots, const float* grad, int64_t dim) const override {
     adagrad_row(row, slots[0], grad, dim, clr_, eps_, eps_in_sqrt_);
   }
-  void apply_rows(const RowBatch& batch) const override {
-    const float clr = clr_, eps = eps_;
-    float* const acc = batch.slots[0];
-    if (eps_in_sqrt_) {  // (decided once per batch: each loop inlines one form)
-      for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
-        adagrad_row(row, acc + at, grad, batch.dim, clr, eps, true);
-      });
-    } else {
-      for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
-        adagrad_row(row, acc + at, grad, batch.dim, clr, eps, false);
-      });
-    }
-  }
+  void apply_rows(const RowBatch& batch) const override { adagrad_rows(batch, clr_, eps_, eps_in_sqrt_); }
 
  private:
   float clr_ = 0.0f, eps_ = 0.0f;

@@ -21,6 +21,14 @@ inline void adam_row(float* __restrict row, float* __restrict m, float* __restri
   }
 }
 
+HYBRIDSYNC_CLONED void adam_rows(const RowBatch& batch, float step_size, float b1, float b2, float eps) {
+  float* const m = batch.slots[0];
+  float* const v = batch.slots[1];
+  for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
+    adam_row(row, m + at, v + at, grad, batch.dim, step_size, b1, b2, eps);
+  });
+}
+
 class AdamRule : public UpdateRule {
  public:
   explicit AdamRule(const std::map<std::string, double>& given)
@@ -50,14 +58,7 @@ class AdamRule : public UpdateRule {
   void apply(float* row, float* const* slots, const float* grad, int64_t dim) const override {
     adam_row(row, slots[0], slots[1], grad, dim, step_size_, b1_, b2_, eps_);
   }
-  void apply_rows(const RowBatch& batch) const override {
-    const float step_size = step_size_, b1 = b1_, b2 = b2_, eps = eps_;
-    float* const m = batch.slots[0];
-    float* const v = batch.slots[1];
-    for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
-      adam_row(row, m + at, v + at, grad, batch.dim, step_size, b1, b2, eps);
-    });
-  }
+  void apply_rows(const RowBatch& batch) const override { adam_rows(batch, step_size_, b1_, b2_, eps_); }
 
  private:
   float step_size_ = 0.0f, b1_ = 0.0f, b2_ = 0.0f, eps_ = 0.0f;

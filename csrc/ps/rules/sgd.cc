@@ -11,6 +11,10 @@ inline void sgd_row(float* __restrict row, const float* __restrict grad, int64_t
   for (int64_t j = 0; j < dim; ++j) row[j] -= lr * grad[j];
 }
 
+HYBRIDSYNC_CLONED void sgd_rows(const RowBatch& batch, float lr) {
+  for_each_row(batch, [&](float* row, int64_t, const float* grad) { sgd_row(row, grad, batch.dim, lr); });
+}
+
 class SGDRule : public UpdateRule {
  public:
   explicit SGDRule(const std::map<std::string, double>& given)
@@ -27,10 +31,7 @@ class SGDRule : public UpdateRule {
   void apply(float* row, float* const*, const float* grad, int64_t dim) const override {
     sgd_row(row, grad, dim, lr_);
   }
-  void apply_rows(const RowBatch& batch) const override {
-    const float lr = lr_;
-    for_each_row(batch, [&](float* row, int64_t, const float* grad) { sgd_row(row, grad, batch.dim, lr); });
-  }
+  void apply_rows(const RowBatch& batch) const override { sgd_rows(batch, lr_); }
 
  private:
   float lr_ = 0.0f;
