@@ -22,9 +22,21 @@
 
 namespace hybridsync {
 
-// Rows whose cache lines are requested this far ahead of their turn: a step's rows are scattered
-// over a table much larger than the caches, so each one is a memory miss otherwise waited for.
-constexpr int64_t kPrefetchAhead = 8;
+// How far ahead of its turn a row's cache lines are requested: a step's rows are scattered over
+// a table much larger than the caches, so each one is a memory miss otherwise waited for. The
+// distance is in bytes (of rows, and slots where a loop touches them), not rows: a fixed count of
+// rows looked 1 KiB ahead for 32-float rows but 4 KiB for 128-float ones, while what the
+// prefetches must cover -- a memory latency's worth of the loop's work -- grows with the bytes a
+// row costs. kPrefetchBytes keeps 128-float rows where they were (8 rows ahead) and sends 32-float
+// rows 32 ahead; at least kPrefetchMinRows, so rows with big slots still overlap a few misses.
+constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kPrefetchMinRows = 4;
+
+// The distance in rows for a loop that touches `bytes_per_row` bytes per row.
+inline int64_t prefetch_rows_ahead(int64_t bytes_per_row) {
+  const int64_t rows = kPrefetchBytes / (bytes_per_row > 0 ? bytes_per_row : 1);
+  return rows > kPrefetchMinRows ? rows : kPrefetchMinRows;
+}
 
 // Requests the cache lines of `floats` floats at p (for writing: the line comes exclusive).
 inline void prefetch_row(const float* p, int64_t floats, bool write) {

@@ -183,8 +183,9 @@ void Shard::gather(const int64_t* local, int64_t n, float* out, int slot) const 
     for (int64_t i = 0; i < n; ++i) get_row(local[i], out + i * dim_);
     return;
   }
+  const int64_t distance = prefetch_rows_ahead(static_cast<int64_t>(sizeof(float)) * dim_);
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kPrefetchAhead < n) prefetch_row(row_of(slot, local[i + kPrefetchAhead]), dim_, false);
+    if (i + distance < n) prefetch_row(row_of(slot, local[i + distance]), dim_, false);
     std::memcpy(out + i * dim_, row_of(slot, local[i]), sizeof(float) * dim_);
   }
 }

@@ -14,9 +14,10 @@ namespace hybridsync {
 template <class Update>
 inline void for_each_row(const RowBatch& batch, Update&& update) {
   const int64_t dim = batch.dim;
+  const int64_t distance = prefetch_rows_ahead(static_cast<int64_t>(sizeof(float)) * dim * (1 + batch.num_slots));
   for (int64_t i = 0; i < batch.n; ++i) {
-    if (i + kPrefetchAhead < batch.n) {
-      const int64_t ahead = batch.index[i + kPrefetchAhead];
+    if (i + distance < batch.n) {
+      const int64_t ahead = batch.index[i + distance];
       prefetch_row(batch.rows + ahead * batch.row_stride, dim, true);
       for (int k = 0; k < batch.num_slots; ++k) prefetch_row(batch.slots[k] + ahead * dim, dim, true);
     }
