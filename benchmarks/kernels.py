@@ -9,6 +9,9 @@ touch, next to STREAM copy and triad measured in the same run on the same pinned
     python benchmarks/kernels.py --quick         # small tables, few rounds (writes kernels-quick.*)
     python benchmarks/kernels.py --cachegrind    # also: instructions and cache misses per row of
                                                  # each kernel, simulated (valgrind; load-independent)
+    python benchmarks/kernels.py --cachegrind-only --tables 1000000x32,250000x128
+                                                 # the counts alone, no timed run (any load):
+                                                 # writes results/kernels-cachegrind.{json,md}
 
 Goals (issue 39): pull and push at >= 0.5x triad for 32-float rows and >= 0.7x for 128-float rows
 (Zipf ids, row bytes). Writes benchmarks/results/kernels.{json,md,png} and updates docs/performance.md
@@ -108,8 +111,10 @@ def markdown(run: dict, rows: list[dict], meta: dict) -> str:
 
 # -- cachegrind: per-row instruction and cache-miss counts, simulated ------------------------------
 
-CACHEGRIND_KERNELS = [("pull", None), ("pull+dedup", None), ("push", "sgd"), ("push", "adagrad"), ("push", "adam"),
-                      ("dyn", None)]
+# (kernel, rule, bench flags): "push sgd +stats" is the push of an adaptive job, whose shards also
+# compute the noise scale's squared norms.
+CACHEGRIND_KERNELS = [("pull", None, []), ("pull+dedup", None, []), ("push", "sgd", []), ("push", "adagrad", []),
+                      ("push", "adam", []), ("push", "sgd", ["--statistics"]), ("dyn", None, [])]
 
 
 def per_function(text: str) -> dict[str, dict[str, int]]:
@@ -134,7 +139,7 @@ def short_name(function: str) -> str:
 
 
 def cachegrind_totals(binary: Path, kernel: str, rule: str | None, table: str, dist: str, repeats: int,
-                      rounds: int, batch: int, llc: int) -> tuple[dict, dict, float]:
+                      rounds: int, batch: int, llc: int, flags: list) -> tuple[dict, dict, float]:
     """Whole-program and per-function event counts of one kernel alone, `repeats` passes; and
     its rows per request."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,6 +150,7 @@ def cachegrind_totals(binary: Path, kernel: str, rule: str | None, table: str, d
                "--json", str(js)]
         if rule:
             cmd += ["--rules", rule]
+        cmd += flags
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"kernels.py: {' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
@@ -168,13 +174,13 @@ def cachegrind(binary: Path, args, llc: int) -> list[dict]:
     rows = []
     for table in tables.split(","):
         dim = int(table.split("x")[1])
-        for kernel, rule in CACHEGRIND_KERNELS:
-            name = kernel if not rule else f"push {rule}"
+        for kernel, rule, flags in CACHEGRIND_KERNELS:
+            name = (kernel if not rule else f"push {rule}") + (" +stats" if "--statistics" in flags else "")
             print(f"cachegrind: {name} on {table} (zipf) ...", flush=True)
             one, one_fn, unique = cachegrind_totals(binary, kernel, rule, table, "zipf", 1, args.cg_rounds,
-                                                    args.cg_batch, llc)
+                                                    args.cg_batch, llc, flags)
             three, three_fn, _ = cachegrind_totals(binary, kernel, rule, table, "zipf", 3, args.cg_rounds,
-                                                   args.cg_batch, llc)
+                                                   args.cg_batch, llc, flags)
             per_row = 2 * args.cg_rounds * unique * (2 if kernel == "dyn" else 1)  # dyn: lookup and pull
             diff = {e: (three[e] - one[e]) / per_row for e in three}
             functions = []  # where the instructions and misses of the kernel's passes go
@@ -240,6 +246,19 @@ def plot(rows: list[dict], run: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def last_level_cache_bytes() -> int:
+    """This machine's largest cache, as the benchmark reads it (the simulated last level)."""
+    largest = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+        largest = max(largest, int(size.rstrip("KM")) * scale)
+    return largest or 32 << 20
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small tables, few rounds: a smoke run (kernels-quick.*)")
@@ -251,11 +270,24 @@ def main():
     p.add_argument("--no-dynamic", action="store_true", help="leave out the dynamic table's lookup")
     p.add_argument("--cachegrind", action="store_true",
                    help="also count instructions and cache misses per row under valgrind (slow, load-independent)")
+    p.add_argument("--cachegrind-only", action="store_true",
+                   help="only the cachegrind counts (no timed run: any load will do); writes "
+                        "results/<name>.{json,md} (default name kernels-cachegrind)")
     p.add_argument("--cg-rounds", type=int, default=8, help="cachegrind: requests per pass")
     p.add_argument("--cg-batch", type=int, default=16384, help="cachegrind: ids per request")
     p.add_argument("--name", default=None, help="results/<name>.{json,md,png} (default kernels; --quick: kernels-quick)")
     p.add_argument("--no-docs", action="store_true", help="leave docs/performance.md as it is")
     args = p.parse_args()
+    if args.cachegrind_only:
+        args.name = args.name or "kernels-cachegrind"
+        binary = build()
+        cg = cachegrind(binary, args, last_level_cache_bytes())
+        table = cachegrind_markdown(cg, args).lstrip("\n")
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(cg, indent=2))
+        (RESULTS / f"{args.name}.md").write_text(table + "\n")
+        print("\n" + table + f"\n\nwrote {RESULTS / args.name}.json, .md")
+        return
     args.name = args.name or ("kernels-quick" if args.quick else "kernels")
     binary = build()
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "loadavg": load_average(),

@@ -575,6 +575,10 @@ PYBIND11_MODULE(_ps, m) {
         return d;
       }, py::arg("table"), "The newest complete push round's gradient statistics of the table (round -1: none), "
                            "with its distinct rows and the rows it received (each rank's distinct rows, summed).")
+      .def("set_gradient_statistics", [](PyEngine& e, int t, bool on) {
+             nogil([&] { e.client().set_gradient_statistics(t, on); });
+           }, py::arg("table"), py::arg("on"),
+           "Local (every rank alike): whether the table's shards compute round_stats' squared norms.")
       .def("set_staleness", [](PyEngine& e, int t, int k) { nogil([&] { e.client().set_staleness(t, k); }); },
            py::arg("table"), py::arg("k"), "Local (every rank alike): the table's bounded staleness (0: synchronous).")
       .def("staleness", [](PyEngine& e, int t) {

@@ -5,8 +5,9 @@
 //   push <rule>   a push end to end, as one rank's push reaches one shard: "client", the
 //                 pushing rank's deduplicate() and sum_duplicates() (gradients of duplicate ids
 //                 scatter-added, one row per distinct id); then the shard's RowAggregator::step
-//                 in its two halves, "sum" (the sources' rows summed per row, with the squared
-//                 norms the noise scale reads) and "apply" (the rule -- sgd / adagrad / adam --
+//                 in its two halves, "sum" (the sources' rows summed per row; with --statistics
+//                 also the squared norms the adaptive batch size's noise scale reads, which a
+//                 shard computes only when asked) and "apply" (the rule -- sgd / adagrad / adam --
 //                 on each distinct row); each half also timed alone
 //   dyn lookup    IdMap::find_many on a dynamic shard's raw ids (the hash path alone)
 //   dyn pull      DynamicStore::read: the lookup, then the rows copied out
@@ -67,6 +68,7 @@ struct Options {
   std::vector<std::string> dists{"zipf", "uniform"};
   std::vector<std::string> rules{"sgd", "adagrad", "adam"};
   bool dynamic = true;
+  bool statistics = false;            // pushes also compute the noise scale's squared norms
   int64_t stream_bytes = 0;           // per array; 0: 4 x the last-level cache, at least 64 MiB
   std::string only;                   // one kernel (pull, pull+dedup, push, dyn) and no STREAM: for cachegrind
   std::string json;
@@ -86,7 +88,7 @@ double median(std::vector<double> v) {
                "ps_kernels_bench: %s\n"
                "options: --cpu N  --tables ROWSxDIM[,ROWSxDIM...]  --batch N  --rounds N  --repeats N\n"
                "         --dists zipf,uniform  --rules sgd,adagrad,adam  --zipf A  --no-dynamic\n"
-               "         --stream-mib N  --json PATH  --quick\n"
+               "         --stream-mib N  --json PATH  --quick  --statistics\n"
                "         --only pull|pull+dedup|push|dyn   (that kernel alone, no STREAM: for cachegrind)\n"
                "         --draw-passes N   (draw requests for N passes whatever --repeats: runs that differ\n"
                "                           only in --repeats then do the same setup)\n",
@@ -147,6 +149,8 @@ Options parse(int argc, char** argv) {
       o.rules = split(value(), ',');
     } else if (flag == "--no-dynamic") {
       o.dynamic = false;
+    } else if (flag == "--statistics") {
+      o.statistics = true;
     } else if (flag == "--stream-mib") {
       o.stream_bytes = positive(flag, value()) << 20;
     } else if (flag == "--only") {
@@ -378,6 +382,8 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
     auto shard = resident_shard(rows, dim, rule);
     const int64_t slots = shard->num_slots();
     RowAggregator aggregator;
+    GradientBuffer sums;  // the pushing rank's summed rows, reused request after request
+    aggregator.set_statistics(o.statistics);
     std::vector<double> step, client, server_sum, apply;
     for (int r = 0; r < o.repeats; ++r) {
       double deduplicating = 0, summing = 0, applying = 0;
@@ -387,7 +393,7 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
         // The pushing rank: its batch's duplicate ids' gradients summed, one row per distinct id.
         const auto c0 = Clock::now();
         const Dedup d = deduplicate("bench", ids.data(), static_cast<int64_t>(ids.size()), rows);
-        const std::vector<float> sums = sum_duplicates(d, grads.data(), dim);
+        sum_duplicates(d, grads.data(), dim, &sums);
         // The shard: its sources' rows summed (one source here), then the rule on each row.
         const auto s0 = Clock::now();
         aggregator.sum(dim, {{d.unique.data(), static_cast<int64_t>(d.unique.size()), sums.data()}}, 1.0f);

@@ -694,6 +694,11 @@ RoundStats Client::round_stats(int table) const {
   return it == impl_->stats.done.end() ? RoundStats{} : it->second;
 }
 
+void Client::set_gradient_statistics(int table, bool on) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->table_at(table).sums.set_statistics(on);
+}
+
 TrafficStats Client::traffic() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   const Transport& tr = *impl_->transport;

@@ -77,7 +77,7 @@ struct Routed {
   int64_t dim;
   Routing routing;
   const float* rows = nullptr;
-  std::vector<float> summed;  // gradients of duplicate ids added up (only when there are some)
+  GradientBuffer summed;  // gradients of duplicate ids added up (only when there are some)
   float* out = nullptr;       // a pull's rows in input order (TableBatch::out)
   int64_t clock = 0, bound = -1;  // a bounded pull: this rank's pushes of the table so far, and k
   RowType type = RowType::kFloat32;  // how a pull's rows come (16 bits: decoded on arrival)

@@ -3,6 +3,8 @@
 
 #include <cstring>
 
+#include "row_kernels.h"
+
 namespace hybridsync {
 
 void check_ids(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows) {
@@ -18,26 +20,72 @@ void check_ids(const std::string& table, const int64_t* ids, int64_t n, int64_t 
 Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows) {
   check_ids(table, ids, n, num_rows);
   Dedup out;
-  out.inverse.resize(static_cast<size_t>(n));
+  out.inverse.reserve(static_cast<size_t>(n));  // (filled as it goes: no zero-fill first)
   thread_local IdIndex index;  // per thread: pulls may run on several threads' behalf
   index.reset(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     auto [slot, inserted] = index.insert(ids[i]);
     if (inserted) out.unique.push_back(ids[i]);
-    out.inverse[i] = slot;
+    out.inverse.push_back(slot);
   }
   return out;
 }
 
-std::vector<float> sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim) {
-  std::vector<float> sums(dedup.unique.size() * static_cast<size_t>(dim), 0.0f);
-  const int64_t n = static_cast<int64_t>(dedup.inverse.size());
+namespace {
+
+// The loops over rows, each built for the machine (HYBRIDSYNC_CLONED; see row_kernels.h).
+
+HYBRIDSYNC_CLONED void add_up_duplicates(const int64_t* inverse, int64_t n, const float* grads, int64_t dim,
+                                         float* sums) {
+  int64_t seen = 0;  // unique ids are numbered in first-seen order: u == seen is u's first row
   for (int64_t i = 0; i < n; ++i) {
-    float* dst = sums.data() + dedup.inverse[i] * dim;
-    const float* g = grads + i * dim;
-    for (int64_t j = 0; j < dim; ++j) dst[j] += g[j];
+    const int64_t u = inverse[i];
+    if (u == seen) {
+      std::memcpy(sums + u * dim, grads + i * dim, sizeof(float) * dim);
+      ++seen;
+    } else {
+      add_row(sums + u * dim, grads + i * dim, dim);
+    }
   }
-  return sums;
+}
+
+// One source's rows into the sums (a row's first gradient copied, the others added), new rows
+// appended to `rows`; the sum of the source rows' squared norms when `statistics`, else 0.
+HYBRIDSYNC_CLONED double add_source(const GradientRows& source, int64_t dim, bool statistics, IdIndex& index,
+                                    std::vector<int64_t>& rows, float* sums) {
+  double sq = 0.0;
+  for (int64_t k = 0; k < source.n; ++k) {
+    auto [slot, fresh] = index.insert(source.rows[k]);
+    float* dst = sums + slot * dim;
+    const float* g = source.grads + k * dim;
+    if (statistics) sq += squared_norm(g, dim);
+    if (fresh) {
+      rows.push_back(source.rows[k]);
+      std::memcpy(dst, g, dim * sizeof(float));
+    } else {
+      add_row(dst, g, dim);
+    }
+  }
+  return sq;
+}
+
+// The squared norm of n summed rows when `statistics` (else 0), then the rows times `scale`.
+HYBRIDSYNC_CLONED double finish_sums(float* sums, int64_t n, int64_t dim, float scale, bool statistics) {
+  double sq = 0.0;
+  if (statistics) {
+    for (int64_t i = 0; i < n; ++i) sq += squared_norm(sums + i * dim, dim);
+  }
+  if (scale != 1.0f) {
+    for (int64_t i = 0; i < n * dim; ++i) sums[i] *= scale;
+  }
+  return sq;
+}
+
+}  // namespace
+
+void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, GradientBuffer* out) {
+  out->resize(dedup.unique.size() * static_cast<size_t>(dim));
+  add_up_duplicates(dedup.inverse.data(), static_cast<int64_t>(dedup.inverse.size()), grads, dim, out->data());
 }
 
 void RowAggregator::step(Shard& shard, const std::vector<GradientRows>& sources, float scale) {
@@ -54,30 +102,8 @@ void RowAggregator::sum(int64_t dim, const std::vector<GradientRows>& sources, f
   sums_.resize(expected * static_cast<size_t>(dim_));
   index_.reset(expected);
   local_sq_ = 0.0;
-  for (const GradientRows& s : sources) add(s);
-  const int64_t n = size();
-  combined_sq_ = 0.0;
-  for (int64_t i = 0; i < n * dim_; ++i) combined_sq_ += static_cast<double>(sums_[i]) * sums_[i];
-  if (scale != 1.0f) {
-    for (int64_t i = 0; i < n * dim_; ++i) sums_[i] *= scale;
-  }
-}
-
-void RowAggregator::add(const GradientRows& source) {
-  for (int64_t k = 0; k < source.n; ++k) {
-    auto [slot, fresh] = index_.insert(source.rows[k]);
-    float* dst = sums_.data() + slot * dim_;
-    const float* g = source.grads + k * dim_;
-    double sq = 0.0;
-    for (int64_t j = 0; j < dim_; ++j) sq += static_cast<double>(g[j]) * g[j];
-    local_sq_ += sq;
-    if (fresh) {
-      rows_.push_back(source.rows[k]);
-      std::memcpy(dst, g, dim_ * sizeof(float));
-    } else {
-      for (int64_t j = 0; j < dim_; ++j) dst[j] += g[j];
-    }
-  }
+  for (const GradientRows& s : sources) local_sq_ += add_source(s, dim_, statistics_, index_, rows_, sums_.data());
+  combined_sq_ = finish_sums(sums_.data(), size(), dim_, scale, statistics_);
 }
 
 }  // namespace hybridsync

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shard.h"
@@ -23,9 +26,34 @@ struct Dedup {
 // Validates 0 <= id < num_rows (PSIndexError naming `table` and the id) and deduplicates.
 Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows);
 
+// The allocator of buffers that are written in full before they are read: resize() leaves new
+// elements unwritten, so a fresh buffer costs no zero-fill pass over memory.
+template <class T>
+struct Unzeroed : std::allocator<T> {
+  using value_type = T;
+  template <class U>
+  struct rebind {
+    using other = Unzeroed<U>;
+  };
+  Unzeroed() = default;
+  template <class U>
+  Unzeroed(const Unzeroed<U>&) noexcept {}
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;  // default-initialised: a float is left as it is
+  }
+};
+using GradientBuffer = std::vector<float, Unzeroed<float>>;
+
 // A worker's gradients (n x dim, one row per input id) added up per unique id of `dedup`, so
-// each row crosses the wire once: row u of the result sums the rows i with inverse[i] == u.
-std::vector<float> sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim);
+// each row crosses the wire once: row u of *out (resized to unique x dim; reuse one buffer
+// request after request) sums the rows i with inverse[i] == u. Each row's first gradient is
+// copied, the others added: nothing is zero-filled first.
+void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, GradientBuffer* out);
 
 // Gradient rows from one source (a worker's request, or a caller): rows[i] gets grads[i*dim...].
 struct GradientRows {
@@ -50,16 +78,18 @@ class RowAggregator {
   const int64_t* rows() const { return rows_.data(); }
   // Gradient statistics of the last step, before `scale`: the sum over sources of each
   // source's squared norm, and the squared norm of their sum (what the noise scale needs).
+  // Computed only while statistics are on (the adaptive batch size reads them); 0 otherwise.
   double local_sq() const { return local_sq_; }
   double combined_sq() const { return combined_sq_; }
+  void set_statistics(bool on) { statistics_ = on; }
+  bool statistics() const { return statistics_; }
 
  private:
-  // Adds one source's rows into the sums.
-  void add(const GradientRows& source);
   IdIndex index_;
   std::vector<int64_t> rows_;
-  std::vector<float> sums_;
+  GradientBuffer sums_;  // (written in full before read: growing it zero-fills nothing)
   int64_t dim_ = 1;
+  bool statistics_ = false;
   double local_sq_ = 0.0, combined_sq_ = 0.0;
 };
 

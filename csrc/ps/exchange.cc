@@ -83,7 +83,7 @@ std::vector<Routed> route_batches(const detail::ClientState& c, const std::vecto
       if (with_grads && static_cast<int64_t>(dd.unique.size()) == b.n) {
         r.rows = b.grads;  // no duplicates: unique u is input u
       } else if (with_grads) {
-        r.summed = sum_duplicates(dd, b.grads, dim);
+        sum_duplicates(dd, b.grads, dim, &r.summed);
         r.rows = r.summed.data();
       }
       routed.push_back(std::move(r));

@@ -7,6 +7,8 @@
 
 #include "shard.h"
 
+#include "row_kernels.h"
+
 namespace hybridsync {
 
 template <class T>
@@ -123,24 +125,6 @@ void Shard::set_rule(std::unique_ptr<UpdateRule> rule) {
   }
 }
 
-namespace {
-
-// Rows whose cache lines are requested this far ahead of their turn: a step's rows are scattered
-// over a table much larger than the caches, so each one is a memory miss otherwise waited for.
-constexpr int64_t kPrefetchAhead = 8;
-
-inline void prefetch(const float* p, int64_t floats, int write) {
-  for (int64_t j = 0; j < floats; j += 64 / static_cast<int64_t>(sizeof(float))) {
-    if (write) {
-      __builtin_prefetch(p + j, 1);
-    } else {
-      __builtin_prefetch(p + j, 0);
-    }
-  }
-}
-
-}  // namespace
-
 void Shard::get_row(int64_t l, float* out) const {
   if (type_ == RowType::kFloat32) {
     std::memcpy(out, row(l), sizeof(float) * dim_);
@@ -199,8 +183,9 @@ void Shard::gather(const int64_t* local, int64_t n, float* out, int slot) const 
     for (int64_t i = 0; i < n; ++i) get_row(local[i], out + i * dim_);
     return;
   }
+  const int64_t distance = prefetch_rows_ahead(static_cast<int64_t>(sizeof(float)) * dim_);
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kPrefetchAhead < n) prefetch(row_of(slot, local[i + kPrefetchAhead]), dim_, 0);
+    if (i + distance < n) prefetch_row(row_of(slot, local[i + distance]), dim_, false);
     std::memcpy(out + i * dim_, row_of(slot, local[i]), sizeof(float) * dim_);
   }
 }
@@ -223,8 +208,8 @@ void Shard::scatter(const int64_t* local, int64_t n, const float* values, int sl
 }
 
 void Shard::apply(const int64_t* local, int64_t n, const float* grads, const int64_t* ids) {
-  std::vector<float*> slot_rows(slots_.size());
   if (type_ != RowType::kFloat32) {
+    std::vector<float*> slot_rows(slots_.size());
     // The rule runs on the row in float32; the result is rounded back into 16 bits.
     std::vector<float> work(static_cast<size_t>(dim_));
     const uint64_t key = rounding_.stochastic ? rounding_round_key(rounding_.seed, rule_->step()) : 0;
@@ -243,16 +228,19 @@ void Shard::apply(const int64_t* local, int64_t n, const float* grads, const int
     }
     return;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kPrefetchAhead < n) {
-      const int64_t ahead = local[i + kPrefetchAhead];
-      prefetch(row(ahead), dim_, 1);
-      for (auto& slot : slots_) prefetch(slot.data() + ahead * dim_, dim_, 1);
-    }
-    const int64_t offset = local[i] * dim_;
-    for (size_t k = 0; k < slots_.size(); ++k) slot_rows[k] = slots_[k].data() + offset;
-    rule_->apply(row(local[i]), slot_rows.data(), grads + i * dim_, dim_);
-  }
+  // One call for the whole batch: the rule's own loop (rows in place: row l at base_ + (l * stride_ + offset_) * dim_).
+  std::vector<float*> slot_arrays(slots_.size());
+  for (size_t k = 0; k < slots_.size(); ++k) slot_arrays[k] = slots_[k].data();
+  RowBatch batch;
+  batch.index = local;
+  batch.n = n;
+  batch.rows = base_ + offset_ * dim_;
+  batch.row_stride = stride_ * dim_;
+  batch.slots = slot_arrays.data();
+  batch.num_slots = static_cast<int>(slots_.size());
+  batch.grads = grads;
+  batch.dim = dim_;
+  rule_->apply_rows(batch);
 }
 
 int64_t Shard::row_bytes() const {

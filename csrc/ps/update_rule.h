@@ -13,8 +13,22 @@
 
 namespace hybridsync {
 
+// A batch of one shard's rows to update: row i is rows + index[i] * row_stride (dim floats),
+// its optimizer slot k's values are slots[k] + index[i] * dim, its summed gradient grads + i * dim.
+// Rows are distinct.
+struct RowBatch {
+  const int64_t* index = nullptr;
+  int64_t n = 0;
+  float* rows = nullptr;
+  int64_t row_stride = 0;
+  float* const* slots = nullptr;
+  int num_slots = 0;
+  const float* grads = nullptr;
+  int64_t dim = 0;
+};
+
 // Per-row state lives in the shard's slots, scalars here. begin_step() runs once per push
-// round, so apply(), the per-row loop, reads constants.
+// round, so apply() and apply_rows(), the per-row loops, read constants.
 class UpdateRule {
  public:
   explicit UpdateRule(std::map<std::string, double> hparams) : hp_(std::move(hparams)) {}
@@ -28,6 +42,10 @@ class UpdateRule {
   virtual void begin_step() { ++step_; }
   // Updates one row in place from its summed gradient; slots[k] points at slot k's row.
   virtual void apply(float* row, float* const* slots, const float* grad, int64_t dim) const = 0;
+  // Updates every row of a batch, each to the same floats apply() gives it. This default calls
+  // apply() per row; the built-in rules run one loop of their own (no call per row, their
+  // constants in registers), prefetching rows ahead as it goes.
+  virtual void apply_rows(const RowBatch& batch) const;
   // Throws PSError naming the first out-of-range hyper-parameter.
   virtual void validate() const = 0;
   const std::map<std::string, double>& hyperparameters() const { return hp_; }

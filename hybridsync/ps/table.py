@@ -41,6 +41,7 @@ class TableCore:
         self.handle = self.engine.add_table(name, int(num_rows), self.dim, int(shards or 0), partition,
                                             rule_name, hparams, dynamic, self.storage)
         self.pulled_rows = 0  # unique rows pulled since the last push (byte accounting)
+        self.gradient_statistics = False  # the shards compute round_stats()' squared norms
         if (self.storage or {}).get("path"):
             _tiered.add(self)
 
@@ -102,8 +103,16 @@ class TableCore:
             self.engine.set_table_step(self.handle, int(step))
 
     def round_stats(self) -> dict:
-        """Local: the gradient statistics of this table's newest push round (hybridsync.adaptive)."""
+        """Local: the gradient statistics of this table's newest push round (hybridsync.adaptive);
+        its squared norms are 0 unless set_gradient_statistics(True)."""
         return self.engine.round_stats(self.handle)
+
+    def set_gradient_statistics(self, on: bool) -> None:
+        """Local, on every rank alike before the pushes that should count: whether the shards
+        compute the squared norms of round_stats() (a pass over every pushed row; off by default,
+        the adaptive batch size turns it on)."""
+        self.engine.set_gradient_statistics(self.handle, bool(on))
+        self.gradient_statistics = bool(on)
 
     def read_rows(self, ids, slot: int = -1) -> np.ndarray:
         """One-sided: rows (slot < 0) or slot values of `ids`, shaped ids.shape + (dim,)."""
@@ -148,7 +157,7 @@ def shares_core(cls):
     """Class decorator: the TableCore's attributes and methods, on a kind of table."""
     for name in ("engine", "handle", "name", "dim", "storage", "requested_shards", "pulled_rows", "num_shards", "rename",
                  "set_staleness", "staleness", "set_rule", "optimizer", "slot_names", "step", "set_step",
-                 "round_stats", "read_rows", "lookup", "tier_stats"):
+                 "round_stats", "gradient_statistics", "set_gradient_statistics", "read_rows", "lookup", "tier_stats"):
         attribute = FromCore()
         attribute.__set_name__(cls, name)
         setattr(cls, name, attribute)

@@ -47,6 +47,16 @@ class _PSRoute(Synchronizer):
         lr = float(var.access.lr())  # (the wrapped optimizer's, already times the batch's factor)
         return lr if own is None or own == factor or not factor > 0 else lr / factor * own
 
+    def _collect_statistics(self, var: Variable) -> None:
+        """The table's shards compute the squared norms of its rounds only when the step's
+        statistics are recorded (adaptive batch size on): they cost a pass over every pushed row.
+        Every rank's optimizer has the same adaptive setting, so every shard alike. Set where a
+        route readies its tables and checked before every push (sync: auto makes new tables as
+        it moves and reshards variables)."""
+        want = self.ctx.stats is not None
+        if var.table is not None and var.table.gradient_statistics != want:
+            var.table.set_gradient_statistics(want)
+
     def _record_rounds(self, current: bool) -> None:
         """Gradient statistics: each table's newest push round, as its shards computed it."""
         stats = self.ctx.stats
@@ -83,6 +93,7 @@ class ShardedPS(_PSRoute):
             var.table.rename(var.name)
             var.table.set_rule(var.plan.optimizer)
             var.table.set_staleness(var.plan.staleness)  # (a world of one has nothing to wait for: no effect)
+            self._collect_statistics(var)
         if self.variables:
             ps.engine().barrier("hybridsync.tables_ready")
 
@@ -90,6 +101,7 @@ class ShardedPS(_PSRoute):
         self._record_rounds(current=False)  # the previous push's, back with this step's pull
         tables, ids, grads, lrs = [], [], [], []
         for var in self.variables:
+            self._collect_statistics(var)
             got = var.access.rows()
             if got is None and var.plan.staleness:
                 got = _no_rows(var.dim)  # a bounded table's push is a step of this rank's clock: every step
@@ -136,6 +148,7 @@ class ReplicatedPS(_PSRoute):
                 var.access.set_replica(values)
             rows = var.plan.shape[0]
             var.table = PSTable(var.name, rows, var.dim, var.plan.shards, var.plan.partition, var.plan.optimizer)
+            self._collect_statistics(var)
             self._attach(var, view)
 
     def _attach(self, var: Variable, view) -> None:
@@ -166,6 +179,7 @@ class ReplicatedPS(_PSRoute):
         self._follow_replicas()
         ids, grads, lrs = [], [], []
         for var in self.variables:
+            self._collect_statistics(var)
             got = var.access.rows()
             i, v = got if got is not None else _no_rows(var.dim)
             ids.append(i)

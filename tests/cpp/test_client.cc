@@ -110,6 +110,7 @@ TEST(a_push_is_applied_before_the_next_pull_and_sums_duplicates) {
   InprocHub hub(1);
   auto c = one_rank(hub);
   const int t = c->add_table(spec());
+  c->set_gradient_statistics(t, true);  // (the adaptive batch size's squared norms)
   const std::vector<int64_t> ids = {2, 2, 5};
   const std::vector<float> grads = {1, 1, 2, 2, 4, 4};
   c->push({TableBatch{t, ids.data(), 3, grads.data(), 0.5}}, 1.0f);
@@ -126,6 +127,27 @@ TEST(a_push_is_applied_before_the_next_pull_and_sums_duplicates) {
   CHECK_NEAR(s.local_sq, 2 + 8 + 32, 1e-9);
   CHECK_NEAR(s.combined_sq, 18 + 32, 1e-9);
   CHECK(s.rows == 2 && s.pushed == 3);  // distinct rows updated; rows received (the duplicate too)
+}
+
+TEST(the_squared_norms_of_a_round_are_computed_only_while_statistics_are_on) {
+  InprocHub hub(1);
+  auto c = one_rank(hub);
+  const int t = c->add_table(spec());
+  const std::vector<int64_t> ids = {2, 5};
+  const std::vector<float> grads = {1, 1, 2, 2};
+  c->push({TableBatch{t, ids.data(), 2, grads.data(), 0.5}}, 1.0f);  // off: the default
+  RoundStats s = c->round_stats(t);
+  CHECK(s.round >= 0 && s.rows == 2);  // the round is counted, its norms are not computed
+  CHECK_NEAR(s.local_sq, 0.0, 0.0);
+  CHECK_NEAR(s.combined_sq, 0.0, 0.0);
+  c->set_gradient_statistics(t, true);
+  c->push({TableBatch{t, ids.data(), 2, grads.data(), 0.5}}, 1.0f);
+  s = c->round_stats(t);
+  CHECK_NEAR(s.local_sq, 2 + 8, 1e-9);
+  CHECK_NEAR(s.combined_sq, 2 + 8, 1e-9);
+  c->set_gradient_statistics(t, false);
+  c->push({TableBatch{t, ids.data(), 2, grads.data(), 0.5}}, 1.0f);
+  CHECK_NEAR(c->round_stats(t).local_sq, 0.0, 0.0);
 }
 
 TEST(a_pull_in_input_order_writes_every_ids_row_into_out) {

@@ -1,10 +1,13 @@
 // The partitioner, deduplication, row aggregation and the client's routing of ids to shards.
 #include <numeric>
+#include <random>
+#include <unordered_map>
 #include <vector>
 
 #include "check.h"
 #include "ps/partitioner.h"
 #include "ps/dedup.h"
+#include "ps/id_index.h"
 #include "ps/routing.h"
 
 using namespace hybridsync;
@@ -33,6 +36,32 @@ TEST(partitioners_round_trip_and_cover_every_row_once) {
   CHECK_THROWS(Partitioner(10, 0, PartitionKind::kCyclic), PSError, "num_shards must be >= 1");
 }
 
+TEST(an_id_index_reused_over_many_resets_numbers_ids_as_a_fresh_map_would) {
+  // reset() clears only the positions the previous use filled: no id of an earlier use may be
+  // found again, whatever the sizes (smaller, larger, more ids than expected so the table grows)
+  // and ids (-1, the empty marker, included).
+  std::mt19937_64 rng(7);
+  IdIndex index;
+  for (int use = 0; use < 300; ++use) {
+    const size_t expected = 1 + rng() % 2000;
+    const int64_t n = static_cast<int64_t>(rng() % (3 * expected));  // up to 3x: grows past the sizing
+    const int64_t span = 1 + static_cast<int64_t>(rng() % 5000);
+    index.reset(expected);
+    std::unordered_map<int64_t, int64_t> reference;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t id = rng() % 7 == 0 ? -1 : static_cast<int64_t>(rng() % span) * 1000003;
+      const auto [slot, inserted] = index.insert(id);
+      const auto [it, fresh] = reference.emplace(id, static_cast<int64_t>(reference.size()));
+      if (slot != it->second || inserted != fresh) {
+        CHECK(slot == it->second);
+        CHECK(inserted == fresh);
+        return;
+      }
+    }
+    CHECK(index.size() == reference.size());
+  }
+}
+
 TEST(deduplicate_keeps_first_seen_order_and_names_bad_ids) {
   const std::vector<int64_t> ids = {5, 2, 5, 9, 2};
   Dedup d = deduplicate("emb", ids.data(), 5, 10);
@@ -48,7 +77,14 @@ TEST(a_worker_sums_the_gradients_of_duplicate_ids_before_sending) {
   const std::vector<int64_t> ids = {7, 3, 7, 7};
   const std::vector<float> grads = {1, 10, 2, 20, 4, 40, 8, 80};  // dim 2
   const Dedup d = deduplicate("emb", ids.data(), 4, 10);
-  CHECK((sum_duplicates(d, grads.data(), 2) == std::vector<float>{13, 130, 2, 20}));
+  GradientBuffer sums;
+  sum_duplicates(d, grads.data(), 2, &sums);
+  CHECK((std::vector<float>(sums.begin(), sums.end()) == std::vector<float>{13, 130, 2, 20}));
+  // The buffer reused for another batch: its old values are overwritten, never added to.
+  const std::vector<int64_t> again = {3, 5, 3};
+  const std::vector<float> more = {0.5f, 1, 2, 3, 4, 5};
+  sum_duplicates(deduplicate("emb", again.data(), 3, 10), more.data(), 2, &sums);
+  CHECK((std::vector<float>(sums.begin(), sums.end()) == std::vector<float>{4.5f, 6, 2, 3}));
 }
 
 TEST(row_aggregator_sums_duplicates_across_workers_then_applies_once_per_row) {
@@ -67,6 +103,39 @@ TEST(row_aggregator_sums_duplicates_across_workers_then_applies_once_per_row) {
   CHECK(sums.size() == 1);
   CHECK_NEAR(*s.row(2), -8.5, 1e-6);
   CHECK_NEAR(*s.row(0), -1.5, 1e-6);
+}
+
+TEST(row_aggregator_statistics_match_double_sums_and_are_skipped_when_off) {
+  // Two sources over dims with and without a tail past the norms' float lanes; the reference
+  // sums every square in double.
+  for (int64_t dim : {1, 16, 37, 128}) {
+    const std::vector<int64_t> a = {4, 1, 4, 7}, b = {1, 9};
+    std::vector<float> ga(a.size() * dim), gb(b.size() * dim);
+    for (size_t i = 0; i < ga.size(); ++i) ga[i] = 0.37f * static_cast<float>((i * 7919) % 101) - 18.0f;
+    for (size_t i = 0; i < gb.size(); ++i) gb[i] = 1e-3f * static_cast<float>((i * 104729) % 89) - 0.04f;
+    double local = 0.0;
+    for (float g : ga) local += static_cast<double>(g) * g;
+    for (float g : gb) local += static_cast<double>(g) * g;
+    std::vector<double> summed(10 * dim, 0.0);  // by row id
+    for (size_t i = 0; i < a.size(); ++i) {
+      for (int64_t j = 0; j < dim; ++j) summed[a[i] * dim + j] += ga[i * dim + j];
+    }
+    for (size_t i = 0; i < b.size(); ++i) {
+      for (int64_t j = 0; j < dim; ++j) summed[b[i] * dim + j] += gb[i * dim + j];
+    }
+    double combined = 0.0;
+    for (double v : summed) combined += v * v;
+    const std::vector<GradientRows> sources = {GradientRows{a.data(), 4, ga.data()}, GradientRows{b.data(), 2, gb.data()}};
+    RowAggregator sums;
+    sums.sum(dim, sources, 0.5f);
+    CHECK(sums.size() == 4);
+    CHECK_NEAR(sums.local_sq(), 0.0, 0.0);  // off by default: nothing reads them
+    CHECK_NEAR(sums.combined_sq(), 0.0, 0.0);
+    sums.set_statistics(true);
+    sums.sum(dim, sources, 0.5f);
+    CHECK_NEAR(sums.local_sq(), local, 1e-6 * local);  // before the scale
+    CHECK_NEAR(sums.combined_sq(), combined, 1e-6 * combined);
+  }
 }
 
 TEST(routing_groups_unique_ids_by_destination_with_their_local_rows) {

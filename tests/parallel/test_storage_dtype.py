@@ -66,6 +66,9 @@ def rank_fixed_half_rows():
                                storage={"dtype": dtype, "rounding": rounding, "seed": 99})
                 for t in (plain, half):
                     t.initialize(("normal", 0.0, 0.5), 7)
+                # initialize() is local and read_rows() one-sided: without a barrier this rank may
+                # read another's shard before that rank has filled it (zeros, under load).
+                half.engine.barrier(f"initialized {tag}")
                 assert half.engine.spec(half.handle)["storage"]["dtype"] == dtype
                 ref = HalfReference(dtype, name, hp, rounding, seed=99)
                 ref.add(ids, plain.read_rows(ids))

@@ -302,6 +302,10 @@ class Client {
   DynamicStats dynamic_stats(int table) const;
   // The newest complete push round's gradient statistics of `table` this rank has seen.
   RoundStats round_stats(int table) const;
+  // Whether this rank's shard of `table` computes the squared norms of RoundStats (local_sq,
+  // combined_sq; 0 while off, the default: they cost a pass over every pushed row). Every rank
+  // sets the same before the table's first push that should count (the adaptive batch size does).
+  void set_gradient_statistics(int table, bool on);
   // Bounded staleness: pulls of a table with k > 0 may miss at most the other ranks' last k
   // pushes (a rank that would miss more waits), its pushes are applied by the shards as they
   // come; this rank's own pushes are always in its pulls. Every rank sets the same k at the same

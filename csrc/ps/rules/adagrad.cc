@@ -5,9 +5,39 @@
 
 #include "hparams.h"
 #include "registry.h"
+#include "row_loop.h"
 
 namespace hybridsync {
 namespace {
+
+// One row's update: apply() and apply_rows() both run it, so they give the same floats.
+inline void adagrad_row(float* __restrict row, float* __restrict acc, const float* __restrict grad, int64_t dim,
+                        float clr, float eps, bool eps_in_sqrt) {
+  if (eps_in_sqrt) {
+    for (int64_t j = 0; j < dim; ++j) {
+      acc[j] += grad[j] * grad[j];
+      row[j] -= clr * grad[j] / std::sqrt(acc[j] + eps);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < dim; ++j) {
+    acc[j] += grad[j] * grad[j];
+    row[j] -= clr * (grad[j] / (std::sqrt(acc[j]) + eps));
+  }
+}
+
+HYBRIDSYNC_CLONED void adagrad_rows(const RowBatch& batch, float clr, float eps, bool eps_in_sqrt) {
+  float* const acc = batch.slots[0];
+  if (eps_in_sqrt) {  // (decided once per batch: each loop inlines one form)
+    for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
+      adagrad_row(row, acc + at, grad, batch.dim, clr, eps, true);
+    });
+  } else {
+    for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
+      adagrad_row(row, acc + at, grad, batch.dim, clr, eps, false);
+    });
+  }
+}
 
 class AdagradRule : public UpdateRule {
  public:
@@ -36,19 +66,9 @@ class AdagradRule : public UpdateRule {
     eps_in_sqrt_ = hp_.at("eps_in_sqrt") != 0.0;
   }
   void apply(float* row, float* const* slots, const float* grad, int64_t dim) const override {
-    float* acc = slots[0];
-    if (eps_in_sqrt_) {
-      for (int64_t j = 0; j < dim; ++j) {
-        acc[j] += grad[j] * grad[j];
-        row[j] -= clr_ * grad[j] / std::sqrt(acc[j] + eps_);
-      }
-      return;
-    }
-    for (int64_t j = 0; j < dim; ++j) {
-      acc[j] += grad[j] * grad[j];
-      row[j] -= clr_ * (grad[j] / (std::sqrt(acc[j]) + eps_));
-    }
+    adagrad_row(row, slots[0], grad, dim, clr_, eps_, eps_in_sqrt_);
   }
+  void apply_rows(const RowBatch& batch) const override { adagrad_rows(batch, clr_, eps_, eps_in_sqrt_); }
 
  private:
   float clr_ = 0.0f, eps_ = 0.0f;

@@ -6,9 +6,28 @@
 
 #include "hparams.h"
 #include "registry.h"
+#include "row_loop.h"
 
 namespace hybridsync {
 namespace {
+
+// One row's update: apply() and apply_rows() both run it, so they give the same floats.
+inline void adam_row(float* __restrict row, float* __restrict m, float* __restrict v, const float* __restrict grad,
+                     int64_t dim, float step_size, float b1, float b2, float eps) {
+  for (int64_t j = 0; j < dim; ++j) {
+    m[j] += (grad[j] - m[j]) * (1.0f - b1);
+    v[j] += (grad[j] * grad[j] - v[j]) * (1.0f - b2);
+    row[j] -= step_size * (m[j] / (std::sqrt(v[j]) + eps));
+  }
+}
+
+HYBRIDSYNC_CLONED void adam_rows(const RowBatch& batch, float step_size, float b1, float b2, float eps) {
+  float* const m = batch.slots[0];
+  float* const v = batch.slots[1];
+  for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
+    adam_row(row, m + at, v + at, grad, batch.dim, step_size, b1, b2, eps);
+  });
+}
 
 class AdamRule : public UpdateRule {
  public:
@@ -37,14 +56,9 @@ class AdamRule : public UpdateRule {
     eps_ = static_cast<float>(hp_.at("eps"));
   }
   void apply(float* row, float* const* slots, const float* grad, int64_t dim) const override {
-    float* m = slots[0];
-    float* v = slots[1];
-    for (int64_t j = 0; j < dim; ++j) {
-      m[j] += (grad[j] - m[j]) * (1.0f - b1_);
-      v[j] += (grad[j] * grad[j] - v[j]) * (1.0f - b2_);
-      row[j] -= step_size_ * (m[j] / (std::sqrt(v[j]) + eps_));
-    }
+    adam_row(row, slots[0], slots[1], grad, dim, step_size_, b1_, b2_, eps_);
   }
+  void apply_rows(const RowBatch& batch) const override { adam_rows(batch, step_size_, b1_, b2_, eps_); }
 
  private:
   float step_size_ = 0.0f, b1_ = 0.0f, b2_ = 0.0f, eps_ = 0.0f;

@@ -1,9 +1,19 @@
 // Plain SGD: row -= lr * grad.
 #include "hparams.h"
 #include "registry.h"
+#include "row_loop.h"
 
 namespace hybridsync {
 namespace {
+
+// One row's update: apply() and apply_rows() both run it, so they give the same floats.
+inline void sgd_row(float* __restrict row, const float* __restrict grad, int64_t dim, float lr) {
+  for (int64_t j = 0; j < dim; ++j) row[j] -= lr * grad[j];
+}
+
+HYBRIDSYNC_CLONED void sgd_rows(const RowBatch& batch, float lr) {
+  for_each_row(batch, [&](float* row, int64_t, const float* grad) { sgd_row(row, grad, batch.dim, lr); });
+}
 
 class SGDRule : public UpdateRule {
  public:
@@ -19,8 +29,9 @@ class SGDRule : public UpdateRule {
     lr_ = static_cast<float>(hp_.at("lr"));
   }
   void apply(float* row, float* const*, const float* grad, int64_t dim) const override {
-    for (int64_t j = 0; j < dim; ++j) row[j] -= lr_ * grad[j];
+    sgd_row(row, grad, dim, lr_);
   }
+  void apply_rows(const RowBatch& batch) const override { sgd_rows(batch, lr_); }
 
  private:
   float lr_ = 0.0f;

@@ -1,0 +1,74 @@
+// Loops over float rows that the hot paths share (gradient sums, squared norms, prefetching),
+// written so the compiler vectorizes them, and how the hot loops are built for the machine.
+#pragma once
+
+#include <cstdint>
+
+// HYBRIDSYNC_CLONED on a function builds it once per instruction set -- AVX-512, AVX2 and the
+// baseline x86-64 -- and the dynamic loader picks the best one the CPU has, once (an ifunc): the
+// library itself stays baseline x86-64 and runs on any x86-64 machine, while the loops over rows
+// run 8 or 16 floats wide where they can. Only functions that loop over many rows carry it (a
+// clone is not inlined into its callers). Elementwise float math gives the same floats at any
+// width, and the core is built with -ffp-contract=off, so no clone fuses a multiply and an add
+// into one FMA (rounded once instead of twice): every clone computes the same floats.
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute) && !defined(HYBRIDSYNC_NO_CLONES)
+#if __has_attribute(target_clones)
+#define HYBRIDSYNC_CLONED __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+#endif
+#ifndef HYBRIDSYNC_CLONED
+#define HYBRIDSYNC_CLONED
+#endif
+
+namespace hybridsync {
+
+// How far ahead of its turn a row's cache lines are requested: a step's rows are scattered over
+// a table much larger than the caches, so each one is a memory miss otherwise waited for. The
+// distance is in bytes (of rows, and slots where a loop touches them), not rows: a fixed count of
+// rows looked 1 KiB ahead for 32-float rows but 4 KiB for 128-float ones, while what the
+// prefetches must cover -- a memory latency's worth of the loop's work -- grows with the bytes a
+// row costs. kPrefetchBytes keeps 128-float rows where they were (8 rows ahead) and sends 32-float
+// rows 32 ahead; at least kPrefetchMinRows, so rows with big slots still overlap a few misses.
+constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kPrefetchMinRows = 4;
+
+// The distance in rows for a loop that touches `bytes_per_row` bytes per row.
+inline int64_t prefetch_rows_ahead(int64_t bytes_per_row) {
+  const int64_t rows = kPrefetchBytes / (bytes_per_row > 0 ? bytes_per_row : 1);
+  return rows > kPrefetchMinRows ? rows : kPrefetchMinRows;
+}
+
+// Requests the cache lines of `floats` floats at p (for writing: the line comes exclusive).
+inline void prefetch_row(const float* p, int64_t floats, bool write) {
+  for (int64_t j = 0; j < floats; j += 64 / static_cast<int64_t>(sizeof(float))) {
+    if (write) {
+      __builtin_prefetch(p + j, 1);
+    } else {
+      __builtin_prefetch(p + j, 0);
+    }
+  }
+}
+
+// dst[j] += src[j] for j < dim.
+inline void add_row(float* __restrict dst, const float* __restrict src, int64_t dim) {
+  for (int64_t j = 0; j < dim; ++j) dst[j] += src[j];
+}
+
+// |x|^2 of a row, in double. The squares are summed in float over kLanes independent lanes (a
+// vector's worth of adds in flight, not one chain of dependent double adds) and the lanes folded
+// into double once per row: a row's few dozen to few hundred squares lose nothing a noise-scale
+// estimate can see, and the total over thousands of rows is kept in double.
+inline double squared_norm(const float* __restrict x, int64_t dim) {
+  constexpr int kLanes = 16;
+  float lane[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= dim; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) lane[k] += x[j + k] * x[j + k];
+  }
+  double total = 0.0;
+  for (; j < dim; ++j) total += static_cast<double>(x[j]) * x[j];
+  for (int k = 0; k < kLanes; ++k) total += lane[k];
+  return total;
+}
+
+}  // namespace hybridsync
