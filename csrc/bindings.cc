@@ -295,11 +295,11 @@ class PyEngine {
   }
 
   // One-sided: the whole table (slot < 0) or optimizer slot, streamed from the shards.
-  py::array_t<float> read_table(int table, int slot) {
+  py::array_t<float> read_table(int table, int slot, bool hand_over) {
     const TableSpec spec = this->spec(table);
     py::array_t<float> out({static_cast<py::ssize_t>(spec.num_rows), static_cast<py::ssize_t>(spec.dim)});
     float* dst = out.mutable_data();
-    nogil([&] { client_->read_table(table, slot, dst); });
+    nogil([&] { client_->read_table(table, slot, dst, hand_over); });
     return out;
   }
 
@@ -549,8 +549,9 @@ PYBIND11_MODULE(_ps, m) {
       .def("init_uniform", [](PyEngine& e, int t, uint64_t seed, float low, float high) {
              nogil([&] { e.client().init_uniform(t, seed, low, high); });
            }, py::arg("table"), py::arg("seed"), py::arg("low"), py::arg("high"))
-      .def("read_table", &PyEngine::read_table, py::arg("table"), py::arg("slot") = -1,
-           "One-sided: the whole table (or a slot) from its shards, on this rank only.")
+      .def("read_table", &PyEngine::read_table, py::arg("table"), py::arg("slot") = -1, py::arg("hand_over") = false,
+           "One-sided: the whole table (or a slot) from its shards, on this rank only. hand_over: collective "
+           "before the table is dropped; the shards free what every rank has read.")
       .def("read_rows", &PyEngine::read_rows, py::arg("table"), py::arg("ids"), py::arg("slot") = -1,
            "One-sided: rows (or slot values) of ids from whichever shards hold them.")
       .def("write_table", &PyEngine::write_table, py::arg("table"), py::arg("values"), py::arg("slot") = -1,

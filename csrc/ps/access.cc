@@ -110,12 +110,15 @@ void exchange_chunks(detail::ClientState& c, std::vector<Chunk>& chunks, Request
 
 // Chunks over a whole table, shard after shard in turns (so all shards work at once and, when
 // loading, the rows handed over form a growing prefix of each shard's local order).
+// hand_over: a read by every rank, each once, before the table is dropped (see RowsBy).
 static std::vector<Chunk> table_chunks(detail::ClientState& c, const Table& t, int table, int slot, RequestKind kind,
-                                       const float* values, float* out, PageReleaser* release) {
+                                       const float* values, float* out, PageReleaser* release,
+                                       bool hand_over = false) {
   const int64_t dim = t.spec.dim;
   const int64_t step = chunk_rows(*c.transport, dim, kind);
   std::vector<Chunk> chunks;
   const int shards = t.spec.num_shards;
+  const int64_t readers = c.size();
   for (int64_t begin = 0;; begin += step) {
     bool any = false;
     for (int s = 0; s < shards; ++s) {
@@ -126,8 +129,9 @@ static std::vector<Chunk> table_chunks(detail::ClientState& c, const Table& t, i
       const Partitioner part = t.part;
       Chunk chunk{s, nullptr, nullptr};
       chunk.make = [=](int64_t id) {
-        Writer w = access_request(kind, id, table, slot, RowsBy::kRange, count);
+        Writer w = access_request(kind, id, table, slot, hand_over ? RowsBy::kRangeHandOver : RowsBy::kRange, count);
         w.i64(begin);
+        if (hand_over) w.i64(readers);
         if (kind == RequestKind::kWrite) {
           float* dst = w.f32_slot(static_cast<size_t>(count * dim));
           for (int64_t l = 0; l < count; ++l) {
@@ -196,13 +200,13 @@ static std::vector<Chunk> row_chunks(detail::ClientState& c, const Table& t, int
   return chunks;
 }
 
-void Client::read_table(int table, int slot, float* out) {
+void Client::read_table(int table, int slot, float* out, bool hand_over) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   detail::ClientState& c = *impl_;
   c.check_usable();
   const Table& t = c.table_at(table);
   check_fixed(t, "read_table");
-  std::vector<Chunk> chunks = table_chunks(c, t, table, slot, RequestKind::kRead, nullptr, out, nullptr);
+  std::vector<Chunk> chunks = table_chunks(c, t, table, slot, RequestKind::kRead, nullptr, out, nullptr, hand_over);
   exchange_chunks(c, chunks, RequestKind::kRead, "read");
 }
 

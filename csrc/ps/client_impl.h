@@ -43,6 +43,7 @@ struct Table {
   BoundedState bounded;          // staleness k > 0: clocks and lag counters (bounded.cc)
   std::unique_ptr<DynamicStore> dynamic;  // a dynamic table's id map (its rows: `shard`, an arena)
   std::unique_ptr<TieredRows> tiered;     // a fixed table with a disk tier (its memory: `shard`, an arena)
+  std::map<std::pair<int, int64_t>, int64_t> handed_over;  // server side: (slot, first row) -> readers served
 };
 
 // The row type a table's spec names (rows on the wire are in it, shard or not).
@@ -154,6 +155,7 @@ struct detail::ClientState {
   void finish_add_table(std::vector<Request>& requests, std::vector<ErrorNote> errors);
   void finish_join();
   void serve_step(int source, const Request& request, Reader& r);
+  void hand_over(Table& t, int slot, int64_t begin, int64_t n, int64_t readers);
   // A dynamic shard read or written one-sided (dynamic_access.cc).
   void serve_dynamic(int source, const Request& request, Reader& r);
   void reply(int dest, Writer& w);

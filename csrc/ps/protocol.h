@@ -74,8 +74,10 @@ inline const char* operation_name(RequestKind kind) {
 
 inline bool is_collective(RequestKind kind) { return static_cast<int64_t>(kind) < 20; }
 
-// How a read or write names its rows: a range of a shard's local rows, or a list of them.
-enum class RowsBy : int64_t { kRange = 0, kList = 1 };
+// How a read or write names its rows: a range of a shard's local rows, or a list of them. A
+// hand-over range is a range read by each of `readers` ranks once, before the table is dropped:
+// once every reader has it, the shard gives the range's memory back (Client::read_table).
+enum class RowsBy : int64_t { kRange = 0, kList = 1, kRangeHandOver = 2 };
 
 class Writer {
  public:

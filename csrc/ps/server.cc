@@ -57,6 +57,7 @@ ErrorNote error_of(const Request& q, int source) {
 struct RowsAsked {
   RowsBy by = RowsBy::kList;
   int64_t begin = 0, n = 0;
+  int64_t readers = 0;  // a hand-over range: the ranks that each read it once
   std::vector<int64_t> list;
 };
 
@@ -64,9 +65,10 @@ RowsAsked read_rows_asked(Reader& r) {
   RowsAsked asked;
   asked.by = static_cast<RowsBy>(r.i64());
   asked.n = r.i64();
-  if (asked.by == RowsBy::kRange) {
+  if (asked.by == RowsBy::kRange || asked.by == RowsBy::kRangeHandOver) {
     asked.begin = r.i64();
-    if (asked.n < 0 || asked.begin < 0) Reader::fail();
+    if (asked.by == RowsBy::kRangeHandOver) asked.readers = r.i64();
+    if (asked.n < 0 || asked.begin < 0 || (asked.by == RowsBy::kRangeHandOver && asked.readers < 1)) Reader::fail();
   } else if (asked.by == RowsBy::kList) {
     asked.list = r.i64s(r.count(asked.n, sizeof(int64_t)));
   } else {
@@ -609,6 +611,7 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
   const int table = static_cast<int>(r.i64());
   const int slot = static_cast<int>(r.i64());
   RowsAsked asked = read_rows_asked(r);
+  const RowsAsked handed = {asked.by, asked.begin, asked.n, asked.readers, {}};
   std::vector<int64_t> rows;
   Writer w;
   std::string error;
@@ -642,7 +645,9 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
       Writer failed;
       write_reply_head(failed, request.kind, request.seq, {ErrorNote{source, false, e.what(), ""}});
       w = std::move(failed);
+      error = e.what();
     }
+    if (error.empty() && handed.by == RowsBy::kRangeHandOver) hand_over(*t, slot, handed.begin, handed.n, handed.readers);
     tracer.record("serve reads", start, n);
   } else {
     if (error.empty() && n) {
@@ -661,6 +666,15 @@ void detail::ClientState::serve_one_sided(int source, const Request& request) {
     tracer.record("serve writes", start, n);
   }
   reply(source, w);
+}
+
+// A hand-over read of `n` rows from `begin` was served: once all `readers` have had them, the
+// shard's memory for them goes back to the system (the table is dropped after the read).
+void detail::ClientState::hand_over(Table& t, int slot, int64_t begin, int64_t n, int64_t readers) {
+  int64_t& served = t.handed_over[{slot, begin}];
+  if (++served < readers) return;
+  t.handed_over.erase({slot, begin});
+  if (!t.tiered && !t.dynamic) t.shard->release(slot, begin, n);  // (a tier's arena is reused, not freed)
 }
 
 void detail::ClientState::serve_step(int source, const Request& request, Reader& r) {

@@ -1,4 +1,5 @@
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -241,6 +242,28 @@ void Shard::apply(const int64_t* local, int64_t n, const float* grads, const int
   batch.grads = grads;
   batch.dim = dim_;
   rule_->apply_rows(batch);
+}
+
+void Shard::release(int slot, int64_t begin, int64_t n) {
+  if (begin < 0 || n <= 0 || begin > rows_ - n) return;
+  char* first = nullptr;
+  int64_t bytes = 0;
+  if (slot >= 0 && slot < num_slots()) {
+    first = reinterpret_cast<char*>(slots_[slot].data() + begin * dim_);
+    bytes = n * dim_ * static_cast<int64_t>(sizeof(float));
+  } else if (slot < 0 && !half_.empty()) {
+    first = reinterpret_cast<char*>(half_.data() + begin * dim_);
+    bytes = n * dim_ * static_cast<int64_t>(sizeof(uint16_t));
+  } else if (slot < 0 && !owned_.empty() && base_ == owned_.data()) {
+    first = reinterpret_cast<char*>(owned_.data() + begin * dim_);
+    bytes = n * dim_ * static_cast<int64_t>(sizeof(float));
+  }
+  if (first == nullptr) return;
+  // Only pages wholly inside the range: a neighbour's rows share the edge pages.
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t from = (reinterpret_cast<uintptr_t>(first) + page - 1) & ~(page - 1);
+  const uintptr_t to = (reinterpret_cast<uintptr_t>(first) + static_cast<uintptr_t>(bytes)) & ~(page - 1);
+  if (to > from) madvise(reinterpret_cast<void*>(from), to - from, MADV_DONTNEED);  // advisory: a failure only costs memory
 }
 
 int64_t Shard::row_bytes() const {

@@ -118,6 +118,10 @@ class Shard {
   float* slot(int k) { return slots_[k].data(); }
   const float* slot(int k) const { return slots_[k].data(); }
   int num_slots() const { return static_cast<int>(slots_.size()); }
+  // Gives the memory of owned rows [begin, begin + n) (slot < 0) or of those rows' optimizer
+  // slot back to the system: they read as zeros afterwards. For a table about to be dropped
+  // whose rows went elsewhere (a hand-over read); rows aliasing a caller's buffer stay.
+  void release(int slot, int64_t begin, int64_t n);
   // Bytes held by owned rows (0 when attached), and by the optimizer state.
   int64_t row_bytes() const;
   int64_t state_bytes() const;

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..process_memory import give_back_free_heap
 from ..ps.table import PSTable
 from ..sync.base import Variable
 from ..types import Placement, Route
@@ -90,17 +91,24 @@ class Switch:
     def _leave_ps(self, var: Variable, route: Route) -> None:
         """Collective: var's rows and server state go to the frontend's own variable and optimizer."""
         table, plan = var.table, var.plan
-        state = table.state()
-        slots = {name: view.read() for name, view in state["slots"].items()}
-        rows = table.read() if plan.placement is Placement.SHARDED else None
-        if table.attached is not None:  # the shard aliased the replica: it keeps a copy of its own
-            table.attach(None)
+        storage = table.storage
+        give_back_free_heap()  # the replica grows into the memory earlier steps freed
+        if plan.placement is Placement.SHARDED:  # the shards free their rows as the replicas fill
+            rows, slots, step = table.hand_over()
+        else:  # every rank's shard held the whole table: the replica has the rows already
+            state = table.state()
+            rows, slots, step = None, {name: view.read() for name, view in state["slots"].items()}, state["step"]
+            if table.attached is not None:  # the shard aliased the replica: it keeps a copy of its own
+                table.attach(None)
         self.frontend.to_replica(var, rows)
-        self.frontend.set_optimizer_state(var, slots, state["step"])
-        table.drop()  # its rows and server state now live in the frontend's variable and optimizer
+        self.frontend.set_optimizer_state(var, slots, step)
+        if plan.placement is not Placement.SHARDED:
+            table.drop()  # its rows and server state now live in the frontend's variable and optimizer
+        del rows, slots
+        give_back_free_heap()  # what the hand-over's messages used
         var.table = None
         var.ps_home = {"placement": plan.placement, "shards": plan.shards, "partition": plan.partition,
-                       "optimizer": plan.optimizer, "optimizer_source": plan.optimizer_source, "storage": table.storage}
+                       "optimizer": plan.optimizer, "optimizer_source": plan.optimizer_source, "storage": storage}
         plan.route, plan.placement, plan.shards = route, Placement.NONE, 0
         plan.optimizer, plan.optimizer_source, plan.compression = None, "-", "none"
         plan.bytes_per_step = None

@@ -211,6 +211,17 @@ class PSTable:
         chunks to this rank alone (the shards' owners answer while they compute)."""
         return self.engine.read_table(self.handle, slot)
 
+    def hand_over(self) -> tuple[np.ndarray, dict, int]:
+        """Collective (every rank at the same point), then the table is dropped: (the whole table,
+        {slot name: the whole slot}, step) on every rank. Each shard gives a chunk's memory back
+        once every rank has read it, so no rank holds its shard and the whole table at once (a
+        table leaving the parameter server for a replica costs the replica, not replica + shard)."""
+        step = self.step
+        slots = {name: self.engine.read_table(self.handle, k, True) for k, name in enumerate(self.slot_names)}
+        rows = self.engine.read_table(self.handle, -1, True)
+        self.drop()
+        return rows, slots, step
+
     def write(self, values, slot: int = -1) -> None:
         """One-sided: the whole table (slot < 0) or slot, from this rank to every shard, in chunks."""
         self.engine.write_table(self.handle, np.ascontiguousarray(values, dtype=np.float32), slot)

@@ -212,3 +212,27 @@ TEST(a_shards_rows_are_zeros_that_take_memory_only_once_written) {
   Shard small = make_shard("sgd", {{"lr", 1.0}}, 3, 2);  // (calloc'd, not mapped)
   CHECK_NEAR(small.row(2)[1] + small.row(0)[0], 0, 0.0);
 }
+
+TEST(a_released_range_gives_its_pages_back_and_attached_rows_stay) {
+  // 8 MiB of float32 rows written everywhere, then rows [16384, 49152) released: 4 MiB.
+  Shard s = make_shard("adagrad", {{"lr", 1.0}}, 65536, 32);
+  const int64_t bytes = s.rows() * s.dim() * static_cast<int64_t>(sizeof(float));
+  std::vector<float> ones(static_cast<size_t>(s.dim()), 1.0f);
+  for (int64_t l = 0; l < s.rows(); ++l) s.set_row(l, ones.data());
+  const int64_t page = sysconf(_SC_PAGESIZE), before = resident_pages(s.row(0), bytes);
+  CHECK(before == bytes / page);
+  s.release(-1, 16384, 32768);
+  CHECK(resident_pages(s.row(0), bytes) == before - (int64_t{4} << 20) / page);
+  CHECK_NEAR(s.row(16384)[0] + s.row(49151)[31], 0, 0.0);  // released rows read as zeros
+  CHECK_NEAR(s.row(16383)[31] + s.row(49152)[0], 2, 0.0);  // their neighbours keep theirs
+  s.release(0, 0, 65536);  // the optimizer slot, whole
+  CHECK(resident_pages(s.slot(0), bytes) == 0);
+  s.release(-1, 65000, 1000);  // past the end: nothing
+  CHECK_NEAR(s.row(65535)[0], 1, 0.0);
+  // Rows aliasing a caller's buffer are the caller's: never released.
+  std::vector<float> table(64, 5.0f);
+  Shard a = make_shard("sgd", {{"lr", 1.0}}, 32, 2);
+  a.attach(table.data(), 1, 0);
+  a.release(-1, 0, 32);
+  CHECK_NEAR(table[0] + table[63], 10, 0.0);
+}

@@ -267,6 +267,61 @@ def rank_memory():
           f"ratio={held / table_bytes:.3f} state_bytes={ps.engine().state_bytes()}", flush=True)
 
 
+def rank_hand_over():
+    """A table leaving the parameter server (PSTable.hand_over, what a switch to a replica
+    does): every rank gets the whole table and slots, and each shard gave its rows' memory back
+    as they were read -- the pages now read as zeros -- before the table is dropped."""
+    import numpy as np
+    import pytest
+
+    from hybridsync import ps
+    from hybridsync.ps.table import PSTable
+
+    engine = ps.engine()
+    rows, dim = 100_000, 16  # 6.4 MB: the shards' rows are mapped pages, 1 MiB chunks
+    table = PSTable("leaving", rows, dim, 0, "block", {"name": "adagrad", "lr": 0.1})
+    values = np.random.default_rng(7).standard_normal((rows, dim)).astype(np.float32) + 3.0
+    table.load_from_root(values, 0)
+    ids = np.arange(0, rows, 7)
+    table.core.engine.push([table.handle], [ids], [np.ones((len(ids), dim), np.float32)], 1.0, True)
+    want_rows, want_acc = table.read(), table.read(0)
+    engine.barrier()
+    got_rows, got_slots, step = table.hand_over()
+    np.testing.assert_array_equal(got_rows, want_rows)
+    assert len(got_slots) == 1, got_slots.keys()  # adagrad's accumulator
+    np.testing.assert_array_equal(next(iter(got_slots.values())), want_acc)
+    assert step == 1, step
+    with pytest.raises(Exception, match="leaving"):  # dropped: any use names it
+        table.read()
+    print(f"rank {engine.rank}: handed over {rows} rows, slots {sorted(got_slots)}", flush=True)
+
+
+def rank_hand_over_releases_pages():
+    """The engine-level half: after a hand-over read by every rank, the shard's rows and slot
+    read as zeros (their pages went back), while every rank holds the right values."""
+    import numpy as np
+
+    from hybridsync import ps
+
+    engine = ps.engine()
+    rows, dim = 100_000, 16
+    t = engine.add_table("released", rows, dim, 0, "block", "adagrad", {"lr": 0.1})
+    values = np.random.default_rng(3).standard_normal((rows, dim)).astype(np.float32) + 3.0
+    engine.load_from_root(t, values if engine.rank == 0 else None, 0)
+    engine.push([t], [np.arange(rows)], [np.ones((rows, dim), np.float32)], 1.0, True)
+    want_rows, want_acc = engine.read_table(t, -1), engine.read_table(t, 0)
+    engine.barrier()
+    np.testing.assert_array_equal(engine.read_table(t, 0, True), want_acc)
+    np.testing.assert_array_equal(engine.read_table(t, -1, True), want_rows)
+    engine.barrier()  # every rank has read every chunk: every shard has given them back
+    mine, acc = engine.local_values(t, -1), engine.local_values(t, 0)
+    zero_rows = float(np.mean(~mine.any(axis=1)))
+    zero_acc = float(np.mean(~acc.any(axis=1)))
+    # (only rows on a chunk's edge pages may stay: a few per MiB)
+    assert zero_rows > 0.99 and zero_acc > 0.99, (zero_rows, zero_acc)
+    print(f"rank {engine.rank}: {zero_rows:.4f} of the shard's rows given back", flush=True)
+
+
 def rank_idle_cpu():
     """No PS thread spins while the engine is idle, nor while a rank waits long for a late peer
     (OpenMPI's blocking calls would burn the core a co-located rank needs)."""
@@ -351,6 +406,12 @@ def test_sharded_placement_holds_half_the_rows_per_rank_at_two_ranks():
     out = run_ranks(__file__, "rank_memory", 2)
     ratios = [float(x) for x in re.findall(r"ratio=([0-9.]+)", out)]
     assert len(ratios) == 2 and all(r <= 0.6 for r in ratios), out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_table_handed_over_reaches_every_rank_and_its_shards_give_their_memory_back(np_):
+    run_ranks(__file__, "rank_hand_over", np_)
+    run_ranks(__file__, "rank_hand_over_releases_pages", np_)
 
 
 def test_idle_and_waiting_ranks_do_not_spin_a_core():

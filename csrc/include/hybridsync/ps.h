@@ -239,7 +239,10 @@ class Client {
   void read_rows(int table, int slot, const int64_t* ids, int64_t n, float* out);
   // The whole table (slot < 0) or slot, into out (num_rows x dim), streamed from the shards in
   // chunks: this rank holds the result and one chunk per shard, the shards nothing extra.
-  void read_table(int table, int slot, float* out);
+  // hand_over: every rank reads the table (or slot) this way once, at the same point, and then
+  // drops it; each shard gives a chunk's memory back as soon as every rank has read it, so a
+  // rank never holds its shard and the whole table at once. Reads of it afterwards see zeros.
+  void read_table(int table, int slot, float* out, bool hand_over = false);
   // Writes rows (slot < 0) or slot values of `n` ids (any shard), in chunks.
   void write_rows(int table, int slot, const int64_t* ids, int64_t n, const float* rows);
   // Writes the whole table (num_rows x dim) to its shards, in chunks.
