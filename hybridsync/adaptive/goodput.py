@@ -91,6 +91,25 @@ class ThroughputModel:
         del rows[:-PER_SIZE]
         self._cache.pop(int(world), None)
 
+    def reach(self, world: int, explore: float) -> tuple[float, float]:
+        """(lowest, highest) local batch a choice may go to at this world size: how far the
+        lines can be trusted outside the sizes measured. Downwards `explore` times below the
+        smallest. Upwards `explore` times beyond the largest, and as far again as the sizes with a
+        median span (largest / smallest of them), up to `explore` times more: one size says
+        nothing of the slope, so the first probe is a doubling (explore 2) on the optimistic guess;
+        a line through two or more sizes extrapolates, its error growing with the distance from
+        them relative to their spread, so from then on a probe may go up to explore^2 = 4 times the
+        largest, to the optimum the line predicts (512 and 1024 measured: up to 4096), not one
+        doubling per decision. (A line through sizes whose medians are still noisy can come out
+        flat and make every bigger batch look free: the cap keeps such a probe's overshoot, and
+        its cost until it is measured and left, to explore^2.) (0, 0) when nothing is measured."""
+        by_size = self._samples.get(int(world), {})
+        if not by_size:
+            return 0.0, 0.0
+        with_median = [b for b, rows in by_size.items() if len(rows) >= MIN_SAMPLES]
+        span = max(with_median) / min(with_median) if with_median else 1.0
+        return min(by_size) / explore, max(by_size) * explore * min(span, explore)
+
     def largest_measured(self, world: int) -> int:
         """The largest local batch whose step times were measured at this world size (0: none)."""
         return max(self._samples.get(int(world), {}), default=0)
