@@ -33,10 +33,11 @@ class AdaptiveConfig:
         the noise scale has moved `revisit` times in its favour since.
     revisit: see hysteresis.
     explore: how far outside the local batch sizes measured so far (at this world size) a
-        choice may go, up or down: the step-time lines are extrapolations there, so the batch
-        grows (or shrinks) by at most this factor per decision, as a probe: measured, then
-        kept, or left (a return, which bars the size until the noise scale grows `revisit`
-        times).
+        choice may go: the step-time lines are extrapolations there, so the batch shrinks by at
+        most this factor per decision, and grows by at most this factor while one size is
+        measured, then by as much as the measured sizes span, up to explore^2
+        (ThroughputModel.reach) -- each time as a probe: measured, then kept, or left (a
+        return, which bars the size until the noise scale grows `revisit` times).
     measure_steps: after a change, the batch is decided on again after this many steps (its
         step times' median), not after a whole loader interval.
     """
