@@ -291,9 +291,14 @@ def _batch_path(r: dict) -> list:
     return path
 
 
+REROUNDED = 0.01  # a change smaller than this (relative) is a batch re-rounded to a new world size
+
+
 def reversals(path: list) -> int:
-    """How often a batch trace turned back (grew after shrinking or shrank after growing)."""
-    moves = [1 if b > a else -1 for a, b in zip(path, path[1:]) if b != a]
+    """How often a batch trace turned back (grew after shrinking or shrank after growing). A
+    restart at another world size takes the allowed global batch nearest the saved one (4096 at
+    2 ranks: 4095 at 3); such a change of under REROUNDED is no decision and no move."""
+    moves = [1 if b > a else -1 for a, b in zip(path, path[1:]) if abs(b - a) >= REROUNDED * a]
     return sum(1 for x, y in zip(moves, moves[1:]) if x != y)
 
 
