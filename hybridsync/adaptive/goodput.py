@@ -110,14 +110,6 @@ class ThroughputModel:
         span = max(with_median) / min(with_median) if with_median else 1.0
         return min(by_size) / explore, max(by_size) * explore * min(span, explore)
 
-    def largest_measured(self, world: int) -> int:
-        """The largest local batch whose step times were measured at this world size (0: none)."""
-        return max(self._samples.get(int(world), {}), default=0)
-
-    def smallest_measured(self, world: int) -> int:
-        """The smallest local batch whose step times were measured at this world size (0: none)."""
-        return min(self._samples.get(int(world), {}), default=0)
-
     def fitted(self, world: int) -> bool:
         return bool(self._samples.get(int(world)))
 
