@@ -19,8 +19,9 @@ With one batch size seen so far, the lines cannot be told apart from a constant:
 is taken as fixed cost, the guess most favourable to a bigger batch (optimism where nothing is
 known), so the choice tries one -- at most AdaptiveConfig.explore times the largest measured --
 whenever the statistical efficiency lost there could be paid for, and the next fit, from two
-sizes, corrects the guess and extrapolates further (reach()). (Taking compute as proportional to the batch instead would never
-explore: a job whose steps are mostly per-step overhead would stay at its first batch.)
+sizes, corrects the guess and extrapolates further (reach()). (Taking compute as proportional to
+the batch instead would never explore: a job whose steps are mostly per-step overhead would stay
+at its first batch.)
 
 Statistical efficiency of a global batch M against the base M0 is the AdaScale gain per unit of
 scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale -- for embedding tables
