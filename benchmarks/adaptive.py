@@ -6,6 +6,7 @@ to 3 ranks.
     python benchmarks/adaptive.py --scenarios steady --repeats 5    # 2 ranks only
     python benchmarks/adaptive.py --models dlrm --scenarios steady  # one model
     python benchmarks/adaptive.py --rerender                        # table and plot from the JSON
+    python benchmarks/adaptive.py --models dlrm --configs large adaptive --name adaptive-dlrm   # a subset, saved apart
     mpirun -np 2 python benchmarks/adaptive.py --worker --model dlrm --config adaptive   # one run
 
 Each run trains for at most --budget seconds of training time on a fixed in-memory training set
@@ -137,12 +138,13 @@ def worker(args) -> None:
         """Rank 0's training time: every rank stops at the same step, whatever its own clock says."""
         return hvd.broadcast(torch.tensor([seconds], dtype=torch.float64), root_rank=0, name="trained_s").item()
 
-    trained_s, seen, next_eval, batches = 0.0, 0, spec["eval_every"], []
+    trained_s, seen, next_eval, batches, clock = 0.0, 0, spec["eval_every"], [], []  # clock: training time after each step
     curve, worlds = [(0.0, 0, held_out())], []
     if args.phase == "second":  # an elastic restart: the first phase's state, at this world size
         extra = hybridsync.load_checkpoint(args.ckpt, model, opt)
         trained_s, seen, next_eval = extra["trained_s"], extra["seen"], extra["next_eval"]
         curve, batches, worlds = [tuple(c) for c in extra["curve"]], extra["batches"], extra["worlds"]
+        clock = extra["clock"]
         loader.batches.epoch = extra["epoch"] + 1
     stop_at = args.switch if args.phase == "first" else None
     last_target = min(spec["targets"])
@@ -155,6 +157,7 @@ def worker(args) -> None:
             opt.step()
             seen += len(b[0]) * size
             batches.append(opt.adaptive.global_batch())
+            clock.append(round(trained_s + time.perf_counter() - start, 4))
             if seen >= next_eval:  # every rank at the same step: the samples seen are the same
                 trained_s = agreed(trained_s + time.perf_counter() - start)
                 next_eval += spec["eval_every"]
@@ -169,18 +172,36 @@ def worker(args) -> None:
     if args.phase == "first":
         hybridsync.save_checkpoint(args.ckpt, model, opt, extra={
             "trained_s": trained_s, "seen": seen, "next_eval": next_eval, "curve": curve, "batches": batches,
-            "worlds": worlds, "epoch": loader.epoch})
+            "clock": clock, "worlds": worlds, "epoch": loader.epoch})
     if rank == 0:
         stats = opt.gradient_stats()
         result = {"model": args.model, "config": args.config, "ranks": size, "curve": curve,
                   "final_batch": opt.adaptive.global_batch(), "batches": sorted(set(batches)),
                   "batches_in_order": _batch_path({"batches": batches}),
                   "changes": loader.changes, "decisions": opt.adaptive.decider.log,
+                  "phases": _phases(batches, clock),
+                  "step_times": {str(b): [round(v, 5) for v in row[:3]]  # (median s per micro-step, sync s, rel. error)
+                                 for b, row in opt.adaptive.throughput.sizes(size).items()}
+                  if opt.adaptive.throughput.fitted(size) else {},
+                  "step_samples": opt.adaptive.throughput.state_dict()["samples"],  # (local batch, micro s, sync s, k)
                   "judgements": opt.adaptive.decider.judgements,
                   "noise_scale": stats["noise_scale"], "by_variable": stats["by_variable"],
                   "efficiency_of_final": opt.adaptive.summary()["efficiency"], "steps": opt.adaptive.steps,
                   "progress": opt.progress, "worlds": worlds, "phase": args.phase}
         print(MARK + " " + json.dumps(result), flush=True)
+
+
+def _phases(batches: list, clock: list) -> list:
+    """[global batch, steps, training seconds] of each stretch at one batch size, in order: where a
+    run's time went."""
+    phases, before = [], 0.0
+    for batch, at in zip(batches, clock):
+        if not phases or phases[-1][0] != batch:
+            phases.append([batch, 0, 0.0])
+        phases[-1][1] += 1
+        phases[-1][2] = round(phases[-1][2] + at - before, 3)
+        before = at
+    return phases
 
 
 # -- the driver ----------------------------------------------------------------------------------------
@@ -270,9 +291,14 @@ def _batch_path(r: dict) -> list:
     return path
 
 
+REROUNDED = 0.01  # a change smaller than this (relative) is a batch re-rounded to a new world size
+
+
 def reversals(path: list) -> int:
-    """How often a batch trace turned back (grew after shrinking or shrank after growing)."""
-    moves = [1 if b > a else -1 for a, b in zip(path, path[1:]) if b != a]
+    """How often a batch trace turned back (grew after shrinking or shrank after growing). A
+    restart at another world size takes the allowed global batch nearest the saved one (4096 at
+    2 ranks: 4095 at 3); such a change of under REROUNDED is no decision and no move."""
+    moves = [1 if b > a else -1 for a, b in zip(path, path[1:]) if abs(b - a) >= REROUNDED * a]
     return sum(1 for x, y in zip(moves, moves[1:]) if x != y)
 
 
@@ -318,15 +344,18 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", choices=["steady", "restart"], default=["steady", "restart"])
     parser.add_argument("--budget", type=float, default=25.0, help="training seconds at most per run")
     parser.add_argument("--repeats", type=int, default=5, help="runs per configuration (the table shows medians)")
-    parser.add_argument("--rerender", action="store_true", help="table and plot again from results/adaptive.json")
+    parser.add_argument("--rerender", action="store_true", help="table and plot again from results/<name>.json")
+    parser.add_argument("--name", default="adaptive",
+                        help="results/<name>.{json,md,png} (default adaptive; a subset run: another name)")
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    out = {ext: RESULTS / f"{args.name}.{ext}" for ext in ("json", "md", "png")}
     if args.rerender:
-        results = json.loads((RESULTS / "adaptive.json").read_text())
+        results = json.loads(out["json"].read_text())
         print(table(results))
-        (RESULTS / "adaptive.md").write_text(table(results) + "\n")
-        return plot(results, RESULTS / "adaptive.png")
+        out["md"].write_text(table(results) + "\n")
+        return plot(results, out["png"])
     runs: dict = {}
     for _ in range(args.repeats):  # repeats outermost: a drift in the machine's load hits every configuration
         for scenario in args.scenarios:
@@ -343,7 +372,7 @@ def main() -> None:
     results = [median_run([at_target(r, T) for r in v]) for (_, model, _), v in runs.items()
                for T in MODELS[model]["targets"]]
     RESULTS.mkdir(exist_ok=True)
-    saved = RESULTS / "adaptive.json"
+    saved = out["json"]
     if saved.exists():  # keep the saved results of the scenarios and models not run this time
         ran = {(r["scenario"], r["model"]) for r in results}
         results = [r for r in json.loads(saved.read_text()) if (r.get("scenario", "steady"), r["model"]) not in ran] + results
@@ -351,9 +380,9 @@ def main() -> None:
                                 [*MODELS[r["model"]]["fixed"], *ADAPTIVE].index(r["config"])))
     text = table(results)
     print(text)
-    (RESULTS / "adaptive.json").write_text(json.dumps(results, indent=1))
-    (RESULTS / "adaptive.md").write_text(text + "\n")
-    plot(results, RESULTS / "adaptive.png")
+    out["json"].write_text(json.dumps(results, indent=1))
+    out["md"].write_text(text + "\n")
+    plot(results, out["png"])
 
 
 if __name__ == "__main__":

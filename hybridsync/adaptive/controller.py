@@ -33,10 +33,11 @@ class AdaptiveConfig:
         the noise scale has moved `revisit` times in its favour since.
     revisit: see hysteresis.
     explore: how far outside the local batch sizes measured so far (at this world size) a
-        choice may go, up or down: the step-time lines are extrapolations there, so the batch
-        grows (or shrinks) by at most this factor per decision, as a probe: measured, then
-        kept, or left (a return, which bars the size until the noise scale grows `revisit`
-        times).
+        choice may go: the step-time lines are extrapolations there, so the batch shrinks by at
+        most this factor per decision, and grows by at most this factor while one size is
+        measured, then by as much as the measured sizes span, up to explore^2
+        (ThroughputModel.reach) -- each time as a probe: measured, then kept, or left (a
+        return, which bars the size until the noise scale grows `revisit` times).
     measure_steps: after a change, the batch is decided on again after this many steps (its
         step times' median), not after a whole loader interval.
     """
@@ -220,11 +221,13 @@ class Adaptive:
         if math.isnan(phi):  # no statistics yet (inf is fine: all noise)
             return None
         lo, hi = local_bounds
-        # Only within `explore` of the sizes measured here: outside them the lines are guesses.
-        # (Downwards too: a line through the origin fitted at big batches -- no per-step cost
-        # seen -- made the smallest batch look free, and word2vec jumped from 2979 to 534.)
-        explored = max(int(lo), min(int(hi), int(self.throughput.largest_measured(self.world) * self.config.explore)))
-        lowest = max(int(lo), min(explored, math.ceil(self.throughput.smallest_measured(self.world) / self.config.explore)))
+        # Only as far outside the sizes measured here as the lines can be trusted (reach): beyond
+        # them the lines are guesses. (Downwards too: a line through the origin fitted at big
+        # batches -- no per-step cost seen -- made the smallest batch look free, and word2vec
+        # jumped from 2979 to 534.)
+        below, beyond = self.throughput.reach(self.world, self.config.explore)
+        explored = max(int(lo), min(int(hi), int(beyond)))
+        lowest = max(int(lo), min(explored, math.ceil(below)))
         # A world of one measures the noise only across micro-steps: it keeps at least two.
         min_accumulation = 2 if self.world == 1 and max_accumulation >= 2 else 1
         eff = self.efficiency_of(phi)

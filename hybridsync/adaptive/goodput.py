@@ -19,8 +19,9 @@ With one batch size seen so far, the lines cannot be told apart from a constant:
 is taken as fixed cost, the guess most favourable to a bigger batch (optimism where nothing is
 known), so the choice tries one -- at most AdaptiveConfig.explore times the largest measured --
 whenever the statistical efficiency lost there could be paid for, and the next fit, from two
-sizes, corrects the guess. (Taking compute as proportional to the batch instead would never
-explore: a job whose steps are mostly per-step overhead would stay at its first batch.)
+sizes, corrects the guess and extrapolates further (reach()). (Taking compute as proportional to
+the batch instead would never explore: a job whose steps are mostly per-step overhead would stay
+at its first batch.)
 
 Statistical efficiency of a global batch M against the base M0 is the AdaScale gain per unit of
 scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale -- for embedding tables
@@ -91,13 +92,24 @@ class ThroughputModel:
         del rows[:-PER_SIZE]
         self._cache.pop(int(world), None)
 
-    def largest_measured(self, world: int) -> int:
-        """The largest local batch whose step times were measured at this world size (0: none)."""
-        return max(self._samples.get(int(world), {}), default=0)
-
-    def smallest_measured(self, world: int) -> int:
-        """The smallest local batch whose step times were measured at this world size (0: none)."""
-        return min(self._samples.get(int(world), {}), default=0)
+    def reach(self, world: int, explore: float) -> tuple[float, float]:
+        """(lowest, highest) local batch a choice may go to at this world size: how far the
+        lines can be trusted outside the sizes measured. Downwards `explore` times below the
+        smallest. Upwards `explore` times beyond the largest, and as far again as the sizes with a
+        median span (largest / smallest of them), up to `explore` times more: one size says
+        nothing of the slope, so the first probe is a doubling (explore 2) on the optimistic guess;
+        a line through two or more sizes extrapolates, its error growing with the distance from
+        them relative to their spread, so from then on a probe may go up to explore^2 = 4 times the
+        largest, to the optimum the line predicts (512 and 1024 measured: up to 4096), not one
+        doubling per decision. (A line through sizes whose medians are still noisy can come out
+        flat and make every bigger batch look free: the cap keeps such a probe's overshoot, and
+        its cost until it is measured and left, to explore^2.) (0, 0) when nothing is measured."""
+        by_size = self._samples.get(int(world), {})
+        if not by_size:
+            return 0.0, 0.0
+        with_median = [b for b, rows in by_size.items() if len(rows) >= MIN_SAMPLES]
+        span = max(with_median) / min(with_median) if with_median else 1.0
+        return min(by_size) / explore, max(by_size) * explore * min(span, explore)
 
     def fitted(self, world: int) -> bool:
         return bool(self._samples.get(int(world)))

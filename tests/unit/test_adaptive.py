@@ -423,7 +423,9 @@ def test_batches_split_one_permutation_and_follow_the_choice():
 
 def test_growth_is_bounded_by_what_was_measured():
     """With one batch size measured, the step-time lines are a guess: a choice goes at most
-    `explore` times beyond the largest local batch measured, then further once that is measured."""
+    `explore` times beyond the largest local batch measured. Once a second size is measured the
+    line extrapolates, as far beyond the largest as the measured sizes span, up to `explore`
+    times more (explore^2 in all), and no further while the sizes span that much."""
     a = Adaptive(AdaptiveConfig(local_batch_size=16, explore=2.0), "SGD", world_size=2)
     _times(a, 2, 16, 0.0001 * 16, 0.05)  # a large sync per step: the biggest batch looks best
     _observe(a, 1e6, 16, 32)  # all noise: no statistical cost
@@ -431,7 +433,10 @@ def test_growth_is_bounded_by_what_was_measured():
     assert first.local_batch == 32 and first.kind == "probe"
     a.set_batch(first.local_batch)
     _times(a, 2, 32, 0.0001 * 32, 0.05)
-    assert a.choose(4096, (8, 2048), 1).local_batch == 64
+    assert a.choose(4096, (8, 2048), 1).local_batch == 128  # 16 and 32 span 2: 2 x 2 beyond 32
+    a.set_batch(128)
+    _times(a, 2, 128, 0.0001 * 128, 0.05)
+    assert a.choose(4096, (8, 2048), 1).local_batch == 512  # 16 to 128 span 8: still 4 x at most
 
 
 def test_shrinking_is_bounded_by_what_was_measured_too():

@@ -79,6 +79,29 @@ def test_the_batch_climbs_to_the_closed_form_goodput_optimum_without_turning_bac
     assert trace[-1] == pytest.approx(problem.optimum(), rel=0.25), (trace, problem.optimum(), a.decider.log)
 
 
+def true_goodput(problem: KnownNoiseProblem, batch: float) -> float:
+    """Samples/s of base-batch-equivalent progress at global batch `batch`, up to a constant."""
+    return batch / ((problem.fixed_s + problem.per_sample_s * batch) * (problem.noise_scale + batch))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_climb_to_an_optimum_far_above_the_start_takes_a_few_probes_not_a_doubling_each(seed):
+    """The optimum (6,325) 25 times the start (256). One measured size says nothing of the
+    step time's slope, so the first probe doubles; from two sizes on the fitted line
+    extrapolates, so the next probes go up to 4x at once, to the optimum it predicts. Counted:
+    the first probe at the second decision (step 20: at the first the statistics are still too
+    uncertain), two probes judged measure_steps (5) steps apart (25, 30), and one more interval
+    (20 steps) for a last correction in the flat top: within 45 steps the batch is where the true
+    goodput is within 2% of its maximum (the flat top: about 0.7 to 1.35 M*), every change
+    upwards. One doubling per decision took 55-75 steps (256 -> 512 -> ... -> 4096 -> M*)."""
+    problem = KnownNoiseProblem(4000.0, 0.02, 2e-6, seed)
+    top = true_goodput(problem, problem.optimum())
+    trace, a = train(problem, 45, min_gain=1.01)
+    assert trace == sorted(trace), ("the batch turned back", trace)
+    assert true_goodput(problem, trace[-1]) >= 0.98 * top, (trace, problem.optimum(), a.decider.judgements)
+    assert len(trace) <= 5, trace  # 256, then at most 4 sizes: the probes and one correction
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_stable_problem_reverses_at_most_once_on_a_noisy_machine(seed):
     """Step times scattering 20% and one step in ten three times as slow, the default config:
