@@ -20,6 +20,8 @@ namespace {
 // A compaction waits for holes of at least this many bytes, and moves rows this many bytes at a time.
 constexpr int64_t kCompactAfterBytes = int64_t{4} << 20;
 constexpr int64_t kCompactChunkBytes = int64_t{4} << 20;
+// Reads of this many rows at once are bulk reads (see read_slots), not a step's prefetch.
+constexpr int64_t kBulkReadRows = 16384;
 
 // A file-name-safe form of a table name (its path in the model: dots, slashes, brackets).
 std::string safe_name(const std::string& table) {
@@ -140,6 +142,10 @@ void DiskTier::read_slots(const int64_t* entries, int64_t n, char* buf) const {
     std::memcpy(buf + i * slot_bytes_, map + slot_[static_cast<size_t>(entries[i])] * slot_bytes_,
                 static_cast<size_t>(slot_bytes_));
   }
+  // A bulk read (a checkpoint or a relayout streaming the file, a compaction) would map every
+  // page of the file into the process by its end: its pages are let go at once (the page cache
+  // keeps them; training's next reads map theirs again).
+  if (n >= kBulkReadRows) madvise(map_, static_cast<size_t>(map_bytes_), MADV_DONTNEED);
 }
 
 void DiskTier::read(const int64_t* entries, int64_t n, char* buf) const {

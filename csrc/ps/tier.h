@@ -12,9 +12,10 @@
 // and, in a page cache of large folios, a walk over the whole folio (measured: 36 us per 128-byte
 // write into a file written in large pieces, against 0.02 us per row appended). Reads copy
 // from a read-only shared mapping of the file: no system call per row (a pread each was 1-1.5
-// us, most of a step's tier cost); the pages read count in the process's RSS as page cache
-// does, and the kernel reclaims them as it does page cache. Where the file cannot be mapped,
-// reads fall back to one pread per row.
+// us, most of a step's tier cost); the pages read count in the process's RSS (page cache the
+// kernel reclaims under pressure) -- up to the file's size in training, while a bulk read (a
+// checkpoint streaming the file) lets its pages go. Where the file cannot be mapped, reads fall
+// back to one pread per row.
 //
 // Every operation either completes or changes nothing: a write that fails (a full disk) frees
 // what it allocated and throws PSError naming the file; a file deleted or truncated under the

@@ -244,3 +244,26 @@ TEST(a_disk_tier_file_cut_short_is_an_error_naming_it_on_either_read_path) {
     CHECK(message.find("truncated") != std::string::npos);
   }
 }
+
+TEST(a_bulk_read_of_a_disk_tier_reads_right_and_later_reads_still_do) {
+  const std::string dir = scratch_dir();
+  const int64_t bytes = 16, n = 20000;  // (a read of 16384 rows or more lets the mapped pages go)
+  DiskTier tier("bulk", dir, 0, bytes, nullptr);
+  std::map<int64_t, std::vector<char>> expected;
+  std::vector<int64_t> keys;
+  std::vector<char> payloads;
+  for (int64_t k = 0; k < n; ++k) {
+    keys.push_back(k * 3);
+    const std::vector<char> r = record_of(k * 3, 0, bytes);
+    payloads.insert(payloads.end(), r.begin(), r.end());
+    expected[k * 3] = r;
+  }
+  tier.add(keys.data(), n, payloads.data());
+  check_contents(tier, expected);  // (bulk: every row at once)
+  for (const int64_t key : {0, 3, 30000, 59997}) {
+    const int64_t e = tier.find(key);
+    std::vector<char> buf(bytes);
+    tier.read(&e, 1, buf.data());
+    CHECK(buf == expected[key]);
+  }
+}
