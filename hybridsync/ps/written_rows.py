@@ -4,10 +4,10 @@ rows and server-optimizer slots); every other row is a function of (seed, id) th
 row_init() names, and the loader resets the shard to it before writing the saved rows back.
 
 An elastic commit of such a table (Commit) keeps the same file on the rank's local disk, next to
-its tier file. Both ways stream in CHUNK_ROWS rows: a rank holds the ids of its written rows and one chunk,
-never its shard -- a table larger than memory saves and loads within its memory share. The file
-is a safetensors file with the same arrays as a full shard file ("ids", "rows", "slot.<name>"),
-only fewer rows.
+its tier file. Both ways stream in CHUNK_ROWS rows: a rank holds the ids of its written rows and
+one chunk, never its shard -- a table larger than memory saves and loads within its memory
+share. The file is a safetensors file with the same arrays as a full shard file ("ids", "rows",
+"slot.<name>"), only fewer rows.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class Commit:
     def __init__(self, table):
         directory = Path(table.storage["path"])
         self.path = directory / f".{_file_name(table.name)}.commit-{os.getpid()}-{next(Commit._made)}.safetensors"
-        self._removal = weakref.finalize(self, _remove, self.path)  # (also an unfinished file)
+        weakref.finalize(self, _remove, self.path)  # (an unfinished file too)
         self.rows = save(table, self.path)["rows"]
         self.init, self.slots = table.row_init(), table.slot_names
 
