@@ -22,12 +22,18 @@ using namespace hybridsync;
 
 namespace {
 
-std::string scratch_dir() {
-  char tmpl[] = "/tmp/hybridsync-tier-test-XXXXXX";
-  const char* made = mkdtemp(tmpl);
-  CHECK(made != nullptr);
-  return made ? made : "/tmp";
-}
+// A new directory, removed at the end of the test (declared before the tiers in it: they remove
+// their files first).
+struct ScratchDir {
+  std::string path;
+  ScratchDir() {
+    char tmpl[] = "/tmp/hybridsync-tier-test-XXXXXX";
+    const char* made = mkdtemp(tmpl);
+    CHECK(made != nullptr);
+    path = made ? made : "/tmp";
+  }
+  ~ScratchDir() { rmdir(path.c_str()); }
+};
 
 // A record that says whose it is and when it was written: key, version, then filler bytes.
 std::vector<char> record_of(int64_t key, int64_t version, int64_t bytes) {
@@ -67,7 +73,8 @@ void check_contents(DiskTier& tier, const std::map<int64_t, std::vector<char>>& 
 }  // namespace
 
 TEST(disk_tier_matches_a_map_under_random_adds_removes_and_compactions) {
-  const std::string dir = scratch_dir();
+  const ScratchDir scratch;
+  const std::string& dir = scratch.path;
   const int64_t bytes = 4096;  // (large slots: the automatic compaction's 4 MiB of holes come soon)
   DiskTier tier("t", dir, 0, bytes, nullptr);
   std::map<int64_t, std::vector<char>> expected;
@@ -114,7 +121,8 @@ TEST(disk_tier_matches_a_map_under_random_adds_removes_and_compactions) {
 }
 
 TEST(a_disk_tier_compaction_moves_rows_once_and_appends_stay_sequential) {
-  const std::string dir = scratch_dir();
+  const ScratchDir scratch;
+  const std::string& dir = scratch.path;
   const int64_t bytes = 64;
   DiskTier tier("t", dir, 0, bytes, nullptr);
   std::map<int64_t, std::vector<char>> expected;
@@ -154,7 +162,8 @@ TEST(a_disk_tier_compaction_moves_rows_once_and_appends_stay_sequential) {
 }
 
 TEST(a_full_disk_tier_compacts_to_make_room_or_fails_with_nothing_added) {
-  const std::string dir = scratch_dir();
+  const ScratchDir scratch;
+  const std::string& dir = scratch.path;
   const int64_t bytes = 128;
   DiskTier tier("full", dir, 0, bytes, nullptr);
   std::map<int64_t, std::vector<char>> expected;
@@ -217,7 +226,8 @@ TEST(a_full_disk_tier_compacts_to_make_room_or_fails_with_nothing_added) {
 }
 
 TEST(a_disk_tier_file_cut_short_is_an_error_naming_it_on_either_read_path) {
-  const std::string dir = scratch_dir();
+  const ScratchDir scratch;
+  const std::string& dir = scratch.path;
   const int64_t bytes = 256;
   for (const bool mapped : {true, false}) {
     DiskTier tier("cut", dir, 0, bytes, nullptr);
@@ -246,7 +256,8 @@ TEST(a_disk_tier_file_cut_short_is_an_error_naming_it_on_either_read_path) {
 }
 
 TEST(a_bulk_read_of_a_disk_tier_reads_right_and_later_reads_still_do) {
-  const std::string dir = scratch_dir();
+  const ScratchDir scratch;
+  const std::string& dir = scratch.path;
   const int64_t bytes = 16, n = 20000;  // (a read of 16384 rows or more lets the mapped pages go)
   DiskTier tier("bulk", dir, 0, bytes, nullptr);
   std::map<int64_t, std::vector<char>> expected;
