@@ -20,8 +20,9 @@ namespace {
 // A compaction waits for holes of at least this many bytes, and moves rows this many bytes at a time.
 constexpr int64_t kCompactAfterBytes = int64_t{4} << 20;
 constexpr int64_t kCompactChunkBytes = int64_t{4} << 20;
-// Reads of this many rows at once are bulk reads (see read_slots), not a step's prefetch.
-constexpr int64_t kBulkReadRows = 16384;
+// Rows read through the mapping before its pages are let go (read_slots): a slot touches one or
+// two pages, so the mapping holds at most ~256-512 MiB of a tier file resident.
+constexpr int64_t kMappedRowsBound = 65536;
 
 // A file-name-safe form of a table name (its path in the model: dots, slashes, brackets).
 std::string safe_name(const std::string& table) {
@@ -142,10 +143,15 @@ void DiskTier::read_slots(const int64_t* entries, int64_t n, char* buf) const {
     std::memcpy(buf + i * slot_bytes_, map + slot_[static_cast<size_t>(entries[i])] * slot_bytes_,
                 static_cast<size_t>(slot_bytes_));
   }
-  // A bulk read (a checkpoint or a relayout streaming the file, a compaction) would map every
-  // page of the file into the process by its end: its pages are let go at once (the page cache
-  // keeps them; training's next reads map theirs again).
-  if (n >= kBulkReadRows) madvise(map_, static_cast<size_t>(map_bytes_), MADV_DONTNEED);
+  // Pages read through the mapping count in the process's resident memory until let go (the
+  // page cache keeps them; the next reads map theirs again, a minor fault each). Training's reads
+  // would map the whole file in time, and a bulk read (a checkpoint or a relayout streaming the
+  // file, a compaction) at once: the mapping's pages are let go every kMappedRowsBound rows read.
+  mapped_rows_ += n;
+  if (mapped_rows_ >= kMappedRowsBound) {
+    madvise(map_, static_cast<size_t>(map_bytes_), MADV_DONTNEED);
+    mapped_rows_ = 0;
+  }
 }
 
 void DiskTier::read(const int64_t* entries, int64_t n, char* buf) const {

@@ -104,6 +104,7 @@ class DiskTier {
   bool use_mapping_ = true;
   mutable char* map_ = nullptr;  // (mutable: mapped on the first read that needs it)
   mutable int64_t map_bytes_ = 0;
+  mutable int64_t mapped_rows_ = 0;  // rows read through the mapping since its pages were let go
   std::string table_, path_;
   int fd_ = -1;
   int64_t slot_bytes_;
