@@ -24,7 +24,9 @@ fixed table larger than this machine's RAM, and 16-bit rows on the flagship work
     Zipf(1.05) ranks mod the rows, labels from a seeded teacher) trained with Adagrad at 2 ranks,
     batch 512 per rank. Measures samples/s over the timed steps, every rank's peak RSS
     (ru_maxrss; target <= 4 GiB), the disk the tier files actually use (untouched rows cost none:
-    their values are a function of (seed, id)) and the training loss's fall.
+    their values are a function of (seed, id)) and the training loss's fall. Then a checkpoint of
+    the table (only its written rows, streamed) and its load into a new model: time, size, the
+    peak RSS after both, and 1000 rows probed equal.
 (c) 16-bit rows against float32 on the flagship workload (benchmarks/run_one.py's DLRM: 8 tables
     x 250k rows x 32, batch 512 per rank, SGD, system hybridsync-sharded) at 2 ranks: float32,
     float16, bfloat16 (nearest) and bfloat16 with stochastic rounding, `--rounds` interleaved
@@ -237,10 +239,33 @@ def rank_big(args) -> None:
     model.emb.table.engine.barrier("big-done")
     elapsed = time.perf_counter() - start
     tier = model.emb.table.tier_stats()
+    trained_rss = _peak_rss()
+    # A checkpoint of the whole table (its written rows, streamed), and its load into a new model
+    # built alike: the time each takes, and what they add to the peak RSS.
+    checkpoint = f"{args.dir}/big-checkpoint"
+    t0 = time.perf_counter()
+    hybridsync.save_checkpoint(checkpoint, model, opt)
+    save_s = time.perf_counter() - t0
+    saved_rss = _peak_rss()
+    checkpoint_bytes = sum(f.stat().st_size for f in Path(checkpoint).resolve().iterdir())
+    probe = torch.tensor(np.random.default_rng(5).integers(0, args.big_rows, 1000))
+    with torch.no_grad():
+        before = model.emb(probe).numpy()
+    model.emb.table.drop()  # (its tier file goes; the new model's takes its place)
+    del model, opt
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.05), model=model)
+    t0 = time.perf_counter()
+    hybridsync.load_checkpoint(checkpoint, model, opt)
+    load_s = time.perf_counter() - t0
+    with torch.no_grad():
+        loaded_equal = bool(np.array_equal(model.emb(probe).numpy(), before))
     _write_rank_result(args, {
-        "rank": rank, "elapsed_s": elapsed, "peak_rss": _peak_rss(), "built_rss": built_rss, "tier": tier, "tier_file_disk_bytes": _disk_use(tier["path"]),
+        "rank": rank, "elapsed_s": elapsed, "peak_rss": trained_rss, "built_rss": built_rss, "tier": tier, "tier_file_disk_bytes": _disk_use(tier["path"]),
         "tier_file_apparent_bytes": os.path.getsize(tier["path"]) if os.path.exists(tier["path"]) else 0,
         "loss_first": float(np.mean(losses[:20])), "loss_last": float(np.mean(losses[-20:])),
+        "checkpoint_save_s": save_s, "checkpoint_load_s": load_s, "peak_rss_after_save": saved_rss,
+        "peak_rss_after_load": _peak_rss(), "checkpoint_bytes": checkpoint_bytes, "checkpoint_probe_equal": loaded_equal,
     })
     hybridsync.shutdown()
 
@@ -305,7 +330,7 @@ def part_big(args) -> dict:
     rows = args.big_rows or math.ceil(args.ram_factor * ram / (BIG_DIM * 4))
     slot_bytes = BIG_DIM * 4 * 2  # (row + Adagrad slot)
     touched = 2 * (args.big_warmup + args.big_steps) * BIG_BATCH * BIG_FEATURES  # (at most)
-    _need_disk(args.dir, int(1.1 * min(rows, touched) * slot_bytes), "b")
+    _need_disk(args.dir, int(2.2 * min(rows, touched) * slot_bytes), "b")  # (tier files, and a checkpoint of as much)
     ranks = _launch_ranks("b", args, ["--big-rows", str(rows), "--big-memory-rows", str(args.big_memory_rows),
                                       "--big-steps", str(args.big_steps), "--big-warmup", str(args.big_warmup),
                                       "--a", str(args.a)])
@@ -326,6 +351,11 @@ def part_big(args) -> dict:
         "bytes_read": sum(t["bytes_read"] for t in tier), "bytes_written": sum(t["bytes_written"] for t in tier),
         "loss_first": bench.median([r["loss_first"] for r in ranks]),
         "loss_last": bench.median([r["loss_last"] for r in ranks]),
+        "checkpoint_save_s": max(r["checkpoint_save_s"] for r in ranks),
+        "checkpoint_load_s": max(r["checkpoint_load_s"] for r in ranks),
+        "checkpoint_bytes": ranks[0]["checkpoint_bytes"],
+        "peak_rss_after_checkpoint_per_rank": [r["peak_rss_after_load"] for r in ranks],
+        "checkpoint_probe_equal": all(r["checkpoint_probe_equal"] for r in ranks),
     }
     return {"summary": summary, "ranks": ranks}
 
@@ -399,6 +429,12 @@ def _lines(parts: dict) -> list:
             f"{gib(s['tier_file_apparent_bytes'])}) for {s['rows_on_disk']:,} rows on disk: untouched rows cost none; "
             f"hit rate {s['hit_rate']:.1%}, read {gib(s['bytes_read'])}, written {gib(s['bytes_written'])}",
         ]
+        if "checkpoint_save_s" in s:
+            lines.append(
+                f"    checkpoint of the whole table (its written rows): {gib(s['checkpoint_bytes'])}, saved in "
+                f"{s['checkpoint_save_s']:.1f} s, loaded into a new model in {s['checkpoint_load_s']:.1f} s "
+                f"({'1000 rows probed: equal' if s['checkpoint_probe_equal'] else 'PROBED ROWS DIFFER'}); peak RSS per "
+                "rank after both " + ", ".join(gib(b) for b in s["peak_rss_after_checkpoint_per_rank"]))
     if "c" in parts:
         c = parts["c"]
         lines += [f"(c) flagship DLRM (8 x 250k x 32, batch 512 per rank, SGD), hybridsync-sharded at 2 ranks, "

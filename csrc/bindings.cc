@@ -495,6 +495,19 @@ PYBIND11_MODULE(_ps, m) {
       }, py::arg("table"), py::arg("memory"),
       "Local (a fixed table with a disk tier): global ids of this shard's rows holding other than their initial "
       "value, in memory or on disk.")
+      .def("row_init", [](PyEngine& e, int t) {
+        const RowInitSpec s = nogil([&] { return e.client().row_init(t); });
+        py::dict d;
+        d["kind"] = s.kind;
+        d["seed"] = s.seed;
+        d["a"] = s.a;
+        d["b"] = s.b;
+        return d;
+      }, py::arg("table"), "Local (a fixed table with a disk tier): how rows never written start: {kind, seed, a, b}.")
+      .def("reset_rows", [](PyEngine& e, int t, const std::string& kind, uint64_t seed, double a, double b) {
+        nogil([&] { e.client().reset_rows(t, RowInitSpec{kind, seed, a, b}); });
+      }, py::arg("table"), py::arg("kind"), py::arg("seed"), py::arg("a"), py::arg("b"),
+      "Local: this rank's shard back to the initial values of {kind, seed, a, b}, with fresh optimizer slots.")
       .def("local_rows", &PyEngine::local_rows, py::arg("table"), py::arg("ids"), py::arg("slot") = -1)
       .def("dynamic_state", &PyEngine::dynamic_state, py::arg("table"))
       .def("dynamic_restore", &PyEngine::dynamic_restore, py::arg("table"), py::arg("state"))

@@ -11,6 +11,7 @@ ml_dtypes.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -74,3 +75,70 @@ def read(path: Path) -> dict:
         if key in arrays:
             arrays[key] = RawBits(arrays[key], name)
     return arrays
+
+
+_SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64", np.dtype(np.uint16): "U16",
+                       np.dtype(np.float64): "F64", np.dtype(np.int32): "I32", np.dtype(np.uint32): "U32"}
+
+
+class StreamedWriter:
+    """A safetensors file written a chunk at a time, for arrays too large to hold: every array's
+    key, dtype and shape are declared up front (the header comes first), then each array's rows
+    arrive in order through write(). Memory: one chunk. The SHA-256 of the file is computed as
+    it is written; close() checks every declared row arrived and flushes the file to disk. The
+    file reads back with read() or safe_open like any other."""
+
+    def __init__(self, path: Path, layout: list):
+        """layout: [(key, dtype, shape)], in the order the arrays will be written."""
+        self.path = Path(path)
+        header, offset = {}, 0
+        self._pending = []  # (key, dtype, bytes still to come)
+        for key, dtype, shape in layout:
+            dtype = np.dtype(dtype)
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": [int(d) for d in shape],
+                           "data_offsets": [offset, offset + size]}
+            self._pending.append((key, dtype, size))
+            offset += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # (the data starts 8-aligned, as safetensors writes it)
+        self._digest = hashlib.sha256()
+        self._file = open(self.path, "wb")
+        self._put(len(text).to_bytes(8, "little") + text)
+        self.largest_chunk = 0  # bytes of the largest chunk handed over (what the writer held at once)
+
+    def _put(self, data) -> None:
+        self._file.write(data)
+        self._digest.update(data)
+
+    def write(self, key: str, chunk) -> None:
+        """The next rows of array `key` (the one being written, in declaration order)."""
+        if not self._pending or self._pending[0][0] != key:
+            expected = self._pending[0][0] if self._pending else "nothing"
+            raise ValueError(f"{self.path}: got rows of '{key}', expected {expected!r}")
+        _, dtype, left = self._pending[0]
+        data = np.ascontiguousarray(chunk, dtype=dtype)
+        if data.nbytes > left:
+            raise ValueError(f"{self.path}: '{key}' got more rows than declared")
+        self.largest_chunk = max(self.largest_chunk, data.nbytes)
+        self._put(memoryview(data).cast("B"))
+        self._pending[0] = (key, dtype, left - data.nbytes)
+        while self._pending and self._pending[0][2] == 0:
+            self._pending.pop(0)
+
+    def close(self) -> str:
+        """Finishes the file (every declared row must have come); returns its SHA-256."""
+        try:
+            for key, _, left in self._pending:
+                if left:
+                    raise ValueError(f"{self.path}: '{key}' is {left} bytes short of its declared shape")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+        return self._digest.hexdigest()
+
+    def abandon(self) -> None:
+        """Closes and removes an unfinished file."""
+        self._file.close()
+        self.path.unlink(missing_ok=True)

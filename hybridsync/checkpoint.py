@@ -10,7 +10,16 @@ Layout of a checkpoint (a directory; safetensors files and JSON, nothing pickled
     dense.safetensors             dense weights and the wrapped optimizer's tensors (rank 0)
     table-<i>-shard-<s>.safetensors  shard s of PS table i: its global row ids, rows and server
                                   optimizer slots, written by the rank that owns it (a dynamic
-                                  table's also its counts, last touches and ids not yet admitted)
+                                  table's also its counts, last touches and ids not yet admitted;
+                                  a fixed table with a disk tier's only the rows written, see
+                                  below)
+
+A fixed table with a disk tier (storage.path) may be larger than memory: its shard files hold
+only the rows that differ from their initial value, streamed in chunks (ps/written_rows.py), and
+its manifest entry says so ("rows_saved": "written") with the initializer of the other rows
+("initial_rows"); loading resets each shard to that initializer, then writes the saved rows. A
+checkpoint with such a table has format hybridsync-checkpoint/2 (a reader of /1 refuses it by
+name rather than load its untouched rows wrong); one without stays /1.
 
 Why safetensors + JSON: a format many tools read, no code runs on load, and each shard file is
 written by its owner in parallel with no rank ever holding a whole table (torch's distributed
@@ -39,6 +48,7 @@ from pathlib import Path
 
 from . import array_files, comm, runtime
 from . import ps
+from .ps import written_rows
 from .ps.dynamic import DynamicTable
 from .ps.storage import dtype_of
 from safetensors import safe_open
@@ -48,6 +58,8 @@ from .ps.partition import Partition
 from .types import Placement
 
 FORMAT = "hybridsync-checkpoint/1"
+FORMAT_WRITTEN_ROWS = "hybridsync-checkpoint/2"  # /1, and tables saved as their written rows
+FORMATS = (FORMAT, FORMAT_WRITTEN_ROWS)
 MANIFEST = "manifest.json"
 DENSE = "dense.safetensors"
 CHUNK_ROWS = 65536
@@ -130,9 +142,12 @@ def save_checkpoint(path, model, optimizer, extra=None) -> Path:
             ps.engine().barrier("checkpoint")  # every push started anywhere is in the shards
         for i, (var, table) in enumerate(tables):
             if world.rank < table.layout[0]:
-                arrays = table.local_state()
-                records[_shard_file(i, world.rank)] = {"sha256": _write_safetensors(arrays, version / _shard_file(i, world.rank)),
-                                                        "rows": int(len(arrays["ids"]))}
+                file = version / _shard_file(i, world.rank)
+                if _saves_written_rows(table):
+                    records[file.name] = written_rows.save(table, file)
+                else:
+                    arrays = table.local_state()
+                    records[file.name] = {"sha256": _write_safetensors(arrays, file), "rows": int(len(arrays["ids"]))}
         if world.rank == 0:
             arrays, meta = frontend.checkpointing.dense_state(model, optimizer, [var for var, _ in tables])
             records[DENSE] = {"sha256": _write_safetensors(arrays, version / DENSE), "meta": meta}
@@ -155,20 +170,28 @@ def save_checkpoint(path, model, optimizer, extra=None) -> Path:
     return final
 
 
+def _saves_written_rows(table) -> bool:
+    """A fixed table with a disk tier: saved as its written rows (it may not fit in memory)."""
+    return not isinstance(table, DynamicTable) and table.tiered
+
+
 def _manifest(optimizer, tables, files: dict, extra) -> dict:
     entries = []
     for i, (var, table) in enumerate(tables):
         shards, partition = table.layout
+        sparse = {"rows_saved": "written", "initial_rows": table.row_init()} if _saves_written_rows(table) else {}
         entries.append({
             "variable": var.name, "num_rows": table.num_rows, "dim": table.dim, "shards": shards,
             "partition": partition, "optimizer": table.optimizer, "slots": table.slot_names, "step": table.step,
             # rows are saved as float32, which holds 16-bit rows exactly; their dtype, for the record
             "row_dtype": dtype_of(table.storage),
             "files": [{"name": _shard_file(i, s), **files[_shard_file(i, s)]} for s in range(shards)],
+            **sparse,
         })
     dense = files[DENSE]
     plan = getattr(optimizer, "plan", None)
-    return {"format": FORMAT, "world_size": runtime.world().size, "plan": plan.to_json() if plan else None,
+    written = any(entry.get("rows_saved") == "written" for entry in entries)
+    return {"format": FORMAT_WRITTEN_ROWS if written else FORMAT, "world_size": runtime.world().size, "plan": plan.to_json() if plan else None,
             "tables": entries, "dense": {"name": DENSE, "sha256": dense["sha256"], "meta": dense["meta"]},
             "extra": extra}
 
@@ -296,8 +319,9 @@ def _read_manifest(path: Path) -> dict:
         manifest = json.loads(file.read_text())
     except ValueError as exc:
         raise CheckpointError(f"{file} is corrupt: {exc}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("format") not in FORMATS:
+        raise CheckpointError(f"{file}: format {manifest.get('format')!r}, expected one of {', '.join(map(repr, FORMATS))} "
+                              "(a checkpoint of a newer hybridsync?)")
     return manifest
 
 
@@ -341,19 +365,13 @@ def _load_table(path: Path, var, table, saved: dict) -> None:
     same_layout = (saved["shards"], saved["partition"]) == (shards, kind)
     files = [saved["files"][rank]] if same_layout else saved["files"]
     for entry in files:
+        _verify(path / entry["name"], entry["sha256"])
+    if saved.get("rows_saved") == "written":  # the rows not in the files: their initial values
+        table.reset_rows(saved["initial_rows"])
+    for entry in files:
         file = path / entry["name"]
-        _verify(file, entry["sha256"])
         try:
-            with safe_open(str(file), framework="numpy") as f:
-                names = ["rows"] + [f"slot.{s}" for s in saved["slots"]]
-                for start in range(0, entry["rows"], CHUNK_ROWS):
-                    stop = min(start + CHUNK_ROWS, entry["rows"])
-                    ids = f.get_slice("ids")[start:stop]
-                    keep = mine.shard_of(ids) == rank
-                    if not keep.any():
-                        continue
-                    for k, name in enumerate(names):
-                        table.write_rows(ids[keep], f.get_slice(name)[start:stop][keep], slot=k - 1)
+            written_rows.write_back(table, file, entry["rows"], saved["slots"], keep=lambda ids: mine.shard_of(ids) == rank)
         except Exception as exc:
             raise CheckpointError(f"{file}: {exc}") from exc
     table.set_step(saved["step"])

@@ -35,6 +35,7 @@ from pathlib import Path
 from . import comm, runtime
 from .checkpoint import MANIFEST, load_checkpoint, save_checkpoint
 from .frontend import of as frontend_of
+from .ps import written_rows
 from .ps.dynamic import DynamicTable
 from .ps.table import PSTable
 
@@ -124,8 +125,9 @@ class ObjectHandler(StateHandler):
 
 class TableShardsHandler(StateHandler):
     """Parameter-server tables: each rank keeps a copy of its own shard (rows, server-optimizer
-    slots, step; a dynamic table's ids, counts, last touches and pending ids too) and restores
-    it locally, so a commit costs a rank its shard, never a table, and
+    slots, step; a dynamic table's ids, counts, last touches and pending ids too; a fixed table
+    with a disk tier's written rows, in a file on its local disk) and restores it locally, so a
+    commit costs a rank its shard, never a table, and
     moves nothing over the network. sync() has nothing to do: the shards are the one copy of a
     table every rank reads. `value` is a function returning the tables (a `sync: auto` switch
     may replace them)."""
@@ -146,8 +148,16 @@ class TableShardsHandler(StateHandler):
         for table in tables:
             shards, _ = table.layout
             mine = table.engine.rank < shards
-            self._saved[table.handle] = (table, table.layout, table.local_state() if mine else None,
+            self._saved[table.handle] = (table, table.layout, self._commit(table) if mine else None,
                                        table.engine.step(table.handle) if mine else None)
+
+    @staticmethod
+    def _commit(table):
+        """This rank's shard: its arrays, or for a fixed table with a disk tier (which may not fit
+        in memory) its written rows in a file on the rank's local disk."""
+        if isinstance(table, PSTable) and table.tiered:
+            return written_rows.Commit(table)
+        return table.local_state()
 
     def restore(self) -> None:
         """Collective: the pushes still in flight land before the shards are written back (they
@@ -160,7 +170,9 @@ class TableShardsHandler(StateHandler):
                 raise RuntimeError(f"elastic state: table '{table.name}' is not on the parameter server as it was at "
                                    "the last commit (did sync: auto move it?); commit again before restoring")
             _, layout, arrays, step = saved
-            if arrays is not None:
+            if isinstance(arrays, written_rows.Commit):
+                arrays.restore(table, step)
+            elif arrays is not None:
                 table.restore_local_state(arrays, step)  # a dynamic table's counters and pending ids too
         self._settle(tables, "restored")
 
@@ -169,7 +181,8 @@ class TableShardsHandler(StateHandler):
 
     def saved_bytes(self) -> int:
         """Bytes this rank holds for the last commit (its shards)."""
-        return sum(a.nbytes for _, _, arrays, _ in self._saved.values() if arrays for a in arrays.values())
+        return sum(a.nbytes for _, _, arrays, _ in self._saved.values() if isinstance(arrays, dict)
+                   for a in arrays.values())
 
 
 def ps_tables(objects) -> list:

@@ -593,6 +593,37 @@ void Client::init_uniform(int table, uint64_t seed, float low, float high) {
   init_rows(impl_->table_at(table), impl_->rank(), RowInit{RowInit::Kind::kUniform, seed, low, high});
 }
 
+RowInitSpec Client::row_init(int table) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  const Table& t = impl_->table_at(table);
+  if (!t.tiered) throw PSError("table '" + t.spec.name + "' has no disk tier (only a tier remembers its initializer)");
+  const RowInit& init = t.tiered->init();
+  static const char* const kinds[] = {"zeros", "normal", "uniform"};
+  return RowInitSpec{kinds[static_cast<int>(init.kind)], init.seed, init.a, init.b};
+}
+
+void Client::reset_rows(int table, const RowInitSpec& spec) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  impl_->settle();
+  Table& t = impl_->table_at(table);
+  check_fixed(t, "reset_rows");
+  RowInit init{RowInit::Kind::kZeros, spec.seed, static_cast<float>(spec.a), static_cast<float>(spec.b)};
+  if (spec.kind == "normal") {
+    init.kind = RowInit::Kind::kNormal;
+  } else if (spec.kind == "uniform") {
+    init.kind = RowInit::Kind::kUniform;
+  } else if (spec.kind != "zeros") {
+    throw PSError("table '" + t.spec.name + "': unknown initializer kind '" + spec.kind +
+                  "' (expected zeros, normal or uniform)");
+  }
+  init_rows(t, impl_->rank(), init);
+  if (t.shard && !t.tiered) {  // (a tier's reset gives every row fresh slots already)
+    for (int64_t l = 0; l < t.shard->rows(); ++l) t.shard->reset_slots(l);
+  }
+}
+
 void Client::set_step(int table, int64_t step) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->check_usable();

@@ -232,20 +232,27 @@ void DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
   remove_rows(arena, std::move(victims));
 }
 
-void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode) {
+void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode,
+                        std::vector<int64_t>* positions) {
   ++now_;
   std::vector<int64_t> at(static_cast<size_t>(n));
   rows_.find_many(ids, n, at.data());
   std::vector<int64_t> absent;  // (stored on disk, or not stored)
-  for (int64_t i = 0; i < n; ++i) {
-    if (at[static_cast<size_t>(i)] >= 0) {
-      tick_[static_cast<size_t>(at[static_cast<size_t>(i)])] = now_;
-    } else {
+  for (int64_t i = 0; i < n; ++i) {  // (ids may repeat: a row counts once, its tick tells)
+    const int64_t pos = at[static_cast<size_t>(i)];
+    if (pos < 0) {
       absent.push_back(ids[i]);
+    } else if (tick_[static_cast<size_t>(pos)] != now_) {
+      tick_[static_cast<size_t>(pos)] = now_;
+      ++hits_;
     }
   }
-  hits_ += n - static_cast<int64_t>(absent.size());
-  if (absent.empty()) return;
+  if (absent.empty()) {
+    if (positions) *positions = std::move(at);
+    return;
+  }
+  std::sort(absent.begin(), absent.end());
+  absent.erase(std::unique(absent.begin(), absent.end()), absent.end());
   std::vector<int64_t> entry(absent.size()), found;
   disk_->find_many(absent.data(), static_cast<int64_t>(absent.size()), entry.data());
   for (const int64_t e : entry) {
@@ -264,14 +271,15 @@ void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   }
   loads_ += static_cast<int64_t>(found.size());
   remove_on_disk(std::move(found));
+  if (positions) {  // (spilling and loading moved rows)
+    positions->resize(static_cast<size_t>(n));
+    rows_.find_many(ids, n, positions->data());
+  }
 }
 
 void DynamicStore::prefetch(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n) {
   if (!disk_) return;
-  std::vector<int64_t> unique(ids, ids + n);  // (every rank's ids of one pull: duplicates)
-  std::sort(unique.begin(), unique.end());
-  unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
-  load(arena, unique.data(), static_cast<int64_t>(unique.size()));
+  load(arena, ids, n);  // (every rank's ids of one pull: duplicates, which load counts once)
 }
 
 void DynamicStore::new_rule(Shard& arena) {
@@ -344,7 +352,12 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   // Disk tier: the stored rows this round touches come back into memory first (a file that
   // cannot be read fails it before anything changes; a full disk leaves rows in memory, see
   // SpillMode); the rules below then find every touched stored row in the arena.
-  if (disk_) load(arena, ids, n, SpillMode::kIfRoom);
+  std::vector<int64_t> at(static_cast<size_t>(n));  // positions in the arena, -1: not stored
+  if (disk_) {
+    load(arena, ids, n, SpillMode::kIfRoom, &at);
+  } else {
+    rows_.find_many(ids, n, at.data());
+  }
   arena->rule().begin_step();
   const auto now = static_cast<int32_t>(arena->rule().step());
   counters_.last_admitted = counters_.last_evicted = counters_.last_expired = 0;
@@ -357,8 +370,6 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   };
   std::vector<Candidate> candidates;
   int64_t touched_stored = 0;
-  std::vector<int64_t> at(static_cast<size_t>(n));  // positions in the arena, -1: not stored
-  rows_.find_many(ids, n, at.data());
   constexpr int64_t ahead = 8;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = ids[i];

@@ -110,9 +110,11 @@ class DynamicStore {
   void expire(Shard& arena, int32_t now);
   // Evicts rows not touched in round `now` until at most `target` rows are stored.
   int64_t evict_to(Shard& arena, int64_t target, int32_t now);
-  // Disk tier: brings the stored rows of ids into the arena (making room first); the rows ids
-  // name are marked as this operation's, so nothing spills them.
-  void load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode = SpillMode::kMust);
+  // Disk tier: brings the stored rows of ids (which may repeat) into the arena (making room
+  // first); the rows ids name are marked as this operation's, so nothing spills them.
+  // positions (if given): the ids' positions in the arena afterwards (-1: not stored).
+  void load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode = SpillMode::kMust,
+            std::vector<int64_t>* positions = nullptr);
   // Disk tier: rows of the arena not marked by the newest operation go to disk until
   // `incoming` more rows fit `memory_`.
   void spill(Shard& arena, int64_t incoming, SpillMode mode = SpillMode::kMust);

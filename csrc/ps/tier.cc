@@ -2,6 +2,7 @@
 #include "tier.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +16,13 @@
 
 namespace hybridsync {
 namespace {
+
+// A compaction waits for holes of at least this many bytes, and moves rows this many bytes at a time.
+constexpr int64_t kCompactAfterBytes = int64_t{4} << 20;
+constexpr int64_t kCompactChunkBytes = int64_t{4} << 20;
+// Rows read through the mapping before its pages are let go (read_slots): a slot touches one or
+// two pages, so the mapping holds at most ~256-512 MiB of a tier file resident.
+constexpr int64_t kMappedRowsBound = 65536;
 
 // A file-name-safe form of a table name (its path in the model: dots, slashes, brackets).
 std::string safe_name(const std::string& table) {
@@ -58,12 +66,13 @@ DiskTier::DiskTier(const std::string& table, const std::string& dir, int shard, 
                            std::to_string(shard) + "." + std::to_string(getpid()) + "-";
   do {
     path_ = stem + std::to_string(next_file++) + ".tier";
-    fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOATIME, 0600);
   } while (fd_ < 0 && errno == EEXIST);
   if (fd_ < 0) fail("cannot be created", errno);
 }
 
 DiskTier::~DiskTier() {
+  if (map_) munmap(map_, static_cast<size_t>(map_bytes_));
   if (fd_ >= 0) {
     close(fd_);
     unlink(path_.c_str());
@@ -84,77 +93,158 @@ void DiskTier::check() const {
   }
 }
 
-void DiskTier::read(const int64_t* entries, int64_t n, char* buf) const {
-  if (n == 0) return;
-  const int64_t start = tracer_ ? tracer_->start() : 0;
-  std::vector<int64_t> order(static_cast<size_t>(n));
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return slot_[entries[a]] < slot_[entries[b]]; });
-  for (const int64_t i : order) {  // in file order: the disk (or its cache) reads ahead
+void DiskTier::read_slots_by_pread(const int64_t* entries, int64_t n, char* buf) const {
+  for (int64_t i = 0; i < n; ++i) {
     const int64_t slot = slot_[static_cast<size_t>(entries[i])];
     char* dst = buf + i * slot_bytes_;
     int64_t done = 0;
     while (done < slot_bytes_) {
       const ssize_t got = pread(fd_, dst + done, static_cast<size_t>(slot_bytes_ - done), slot * slot_bytes_ + done);
       if (got < 0 && errno == EINTR) continue;
-      if (got < 0) fail("cannot be read", errno);
-      if (got == 0) {
-        struct stat st;
-        fstat(fd_, &st);
-        fail("is truncated: " + std::to_string(st.st_size) + " bytes, slot " + std::to_string(slot) + " ends at " +
-                 std::to_string((slot + 1) * slot_bytes_),
-             0);
-      }
+      if (got <= 0) fail("cannot be read", got < 0 ? errno : EIO);  // (the size was checked: not a short file)
       done += got;
     }
   }
+}
+
+const char* DiskTier::mapping(int64_t bytes) const {
+  if (!use_mapping_) return nullptr;
+  if (bytes <= map_bytes_) return map_;
+  if (map_) munmap(map_, static_cast<size_t>(map_bytes_));
+  map_ = nullptr;
+  map_bytes_ = 0;
+  // Room to grow (a mapping may reach past the file's end; only slots inside it are read).
+  const int64_t want = std::max<int64_t>(2 * bytes, int64_t{64} << 20);
+  void* at = mmap(nullptr, static_cast<size_t>(want), PROT_READ, MAP_SHARED, fd_, 0);
+  if (at == MAP_FAILED) return nullptr;
+  map_ = static_cast<char*>(at);
+  map_bytes_ = want;
+  return map_;
+}
+
+void DiskTier::read_slots(const int64_t* entries, int64_t n, char* buf) const {
+  if (n == 0) return;
+  int64_t last = 0;
+  for (int64_t i = 0; i < n; ++i) last = std::max(last, slot_[static_cast<size_t>(entries[i])]);
+  // A file cut short under the table is an error before any byte of it is read.
+  struct stat st;
+  if (fstat(fd_, &st) != 0) fail("cannot be read", errno);
+  if (st.st_size < (last + 1) * slot_bytes_) {
+    fail("is truncated: " + std::to_string(st.st_size) + " bytes, slot " + std::to_string(last) + " ends at " +
+             std::to_string((last + 1) * slot_bytes_),
+         0);
+  }
+  const char* map = mapping(end_ * slot_bytes_);
+  if (!map) {
+    read_slots_by_pread(entries, n, buf);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(buf + i * slot_bytes_, map + slot_[static_cast<size_t>(entries[i])] * slot_bytes_,
+                static_cast<size_t>(slot_bytes_));
+  }
+  // Pages read through the mapping count in the process's resident memory until let go (the
+  // page cache keeps them; the next reads map theirs again, a minor fault each). Training's reads
+  // would map the whole file in time, and a bulk read (a checkpoint or a relayout streaming the
+  // file, a compaction) at once: the mapping's pages are let go every kMappedRowsBound rows read.
+  mapped_rows_ += n;
+  if (mapped_rows_ >= kMappedRowsBound) {
+    madvise(map_, static_cast<size_t>(map_bytes_), MADV_DONTNEED);
+    mapped_rows_ = 0;
+  }
+}
+
+void DiskTier::read(const int64_t* entries, int64_t n, char* buf) const {
+  if (n == 0) return;
+  const int64_t start = tracer_ ? tracer_->start() : 0;
+  read_slots(entries, n, buf);
   bytes_read_ += n * slot_bytes_;
   if (tracer_) tracer_->record("tier read", start, n);
 }
 
+namespace {
+
+// pwrite of all `bytes`; 0, or the errno of the failure (ENOSPC for a write that took nothing).
+// *done: the bytes written.
+int write_all(int fd, const char* src, int64_t bytes, int64_t offset, int64_t* done) {
+  *done = 0;
+  while (*done < bytes) {
+    const ssize_t put = pwrite(fd, src + *done, static_cast<size_t>(bytes - *done), offset + *done);
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) return put < 0 ? errno : ENOSPC;
+    *done += put;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int DiskTier::append(const char* payloads, int64_t n) {
+  int64_t done = 0;
+  const int error = write_all(fd_, payloads, n * slot_bytes_, end_ * slot_bytes_, &done);
+  if (error && done > 0 && ftruncate(fd_, end_ * slot_bytes_) != 0) {  // (best effort: a longer file only wastes space)
+  }
+  return error;
+}
+
 void DiskTier::add(const int64_t* keys, int64_t n, const char* payloads) {
   if (n == 0) return;
+  // Holes outnumbering the rows (and a few MiB): compact first, so the file stays within about
+  // twice what it holds and each compaction moves no more rows than the holes it removes.
+  const int64_t holes = end_ - size();
+  if (holes > std::max(size() + n, kCompactAfterBytes / slot_bytes_)) compact();
   const int64_t start = tracer_ ? tracer_->start() : 0;
-  // Freed slots first (one write each), then the file's end (one write for all of them).
-  const int64_t reused = std::min<int64_t>(n, static_cast<int64_t>(free_.size()));
-  auto write_all = [&](const char* src, int64_t bytes, int64_t offset) {
-    int64_t done = 0;
-    while (done < bytes) {
-      const ssize_t put = pwrite(fd_, src + done, static_cast<size_t>(bytes - done), offset + done);
-      if (put < 0 && errno == EINTR) continue;
-      if (put <= 0) return put < 0 ? errno : ENOSPC;
-      done += put;
-    }
-    return 0;
-  };
-  int error = 0;
-  for (int64_t i = 0; i < reused && !error; ++i) {
-    error = write_all(payloads + i * slot_bytes_, slot_bytes_, free_[free_.size() - 1 - i] * slot_bytes_);
+  int error = append(payloads, n);
+  if (error && end_ > size()) {  // a full disk, with room inside the file: make it and try again
+    compact();
+    error = append(payloads, n);
   }
-  if (!error) error = write_all(payloads + reused * slot_bytes_, (n - reused) * slot_bytes_, end_ * slot_bytes_);
-  if (error) {
-    // Nothing is added: the slots reused keep what they held (freed rows), the end goes back.
-    if (ftruncate(fd_, end_ * slot_bytes_) != 0) {  // (best effort: a longer file only wastes space)
-    }
-    fail("could not take " + megabytes(n * slot_bytes_) + " (" + std::to_string(n) + " rows)", error);
-  }
+  if (error) fail("could not take " + megabytes(n * slot_bytes_) + " (" + std::to_string(n) + " rows)", error);
   for (int64_t i = 0; i < n; ++i) {
     keys_.insert(keys[i]);
-    if (i < reused) {
-      slot_.push_back(free_.back());
-      free_.pop_back();
-    } else {
-      slot_.push_back(end_++);
-    }
+    slot_.push_back(end_++);
   }
   bytes_written_ += n * slot_bytes_;
   if (tracer_) tracer_->record("tier write", start, n);
 }
 
+void DiskTier::compact() {
+  const int64_t held = size();
+  if (held == 0) {
+    clear();
+    return;
+  }
+  if (end_ == held) return;  // no holes
+  const int64_t start = tracer_ ? tracer_->start() : 0;
+  std::vector<int64_t> order(static_cast<size_t>(held));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return slot_[a] < slot_[b]; });
+  // Entry order[k] goes to slot k (<= where it is). Chunk by chunk: a chunk is read whole before
+  // it is written, and its writes land below every later entry's slot, so a failure anywhere
+  // leaves each row either moved (and indexed there) or untouched where it was.
+  int64_t k = 0;
+  while (k < held && slot_[static_cast<size_t>(order[static_cast<size_t>(k)])] == k) ++k;  // already in place
+  const int64_t chunk = std::max<int64_t>(1, kCompactChunkBytes / slot_bytes_), moved = held - k;
+  std::vector<char> staging(static_cast<size_t>(std::min(chunk, moved) * slot_bytes_));
+  while (k < held) {
+    const int64_t count = std::min(chunk, held - k);
+    read_slots(order.data() + k, count, staging.data());
+    int64_t done = 0;
+    const int error = write_all(fd_, staging.data(), count * slot_bytes_, k * slot_bytes_, &done);
+    for (int64_t j = 0; j < done / slot_bytes_; ++j) slot_[static_cast<size_t>(order[static_cast<size_t>(k + j)])] = k + j;
+    if (error) fail("cannot be compacted", error);
+    k += count;
+  }
+  end_ = held;
+  if (ftruncate(fd_, end_ * slot_bytes_) != 0) {  // (best effort: a longer file only wastes space)
+  }
+  bytes_read_ += moved * slot_bytes_;
+  bytes_written_ += moved * slot_bytes_;
+  ++compactions_;
+  if (tracer_) tracer_->record("tier compact", start, moved);
+}
+
 std::vector<std::pair<int64_t, int64_t>> DiskTier::remove(std::vector<int64_t> entries) {
-  std::sort(entries.begin(), entries.end());
-  entries.erase(std::unique(entries.begin(), entries.end()), entries.end());
-  for (const int64_t e : entries) free_.push_back(slot_[static_cast<size_t>(e)]);
   auto moves = keys_.erase_many(std::move(entries));
   for (const auto& [from, to] : moves) slot_[static_cast<size_t>(to)] = slot_[static_cast<size_t>(from)];
   slot_.resize(static_cast<size_t>(keys_.size()));
@@ -165,8 +255,6 @@ std::vector<std::pair<int64_t, int64_t>> DiskTier::remove(std::vector<int64_t> e
 void DiskTier::clear() {
   keys_.clear();
   slot_.clear();
-  free_.clear();
-  free_.shrink_to_fit();
   end_ = 0;
   if (ftruncate(fd_, 0) != 0) fail("cannot be emptied", errno);
 }
@@ -209,7 +297,7 @@ void DiskTier::relayout(int64_t row_bytes, const std::vector<char>& tail) {
 }
 
 int64_t DiskTier::index_bytes() const {
-  return keys_.bytes() + static_cast<int64_t>((slot_.capacity() + free_.capacity()) * sizeof(int64_t));
+  return keys_.bytes() + static_cast<int64_t>(slot_.capacity() * sizeof(int64_t));
 }
 
 }  // namespace hybridsync

@@ -262,6 +262,35 @@ class PSTable:
         new.take_from(self)
         return new
 
+    # -- a disk tier: the rows written, and what the others hold --------------------------------
+    @property
+    def tiered(self) -> bool:
+        """Whether the table has a disk tier (storage.path): its rows never written are stored
+        nowhere, their values a function of (seed, id)."""
+        return bool((self.storage or {}).get("path"))
+
+    def written_ids(self) -> np.ndarray:
+        """Local (a disk tier): the sorted global ids of this rank's rows that hold other than
+        their initial value, in memory or on disk (a row is in one place)."""
+        ids = np.concatenate([self.engine.written_rows(self.handle, True), self.engine.written_rows(self.handle, False)])
+        ids.sort()
+        return ids
+
+    def row_init(self) -> dict:
+        """Local (a disk tier): what its rows never written hold: {"kind": "zeros" | "normal" |
+        "uniform", "seed", "a", "b"} (normal: mean, std; uniform: low, high)."""
+        return dict(self.engine.row_init(self.handle))
+
+    def reset_rows(self, init: dict) -> None:
+        """Local: every row of this rank's shard back to its initial value under `init` (as
+        row_init() gives it), with fresh optimizer slots."""
+        self.engine.reset_rows(self.handle, str(init["kind"]), int(init["seed"]), float(init["a"]), float(init["b"]))
+
+    def local_rows(self, ids, slot: int = -1) -> np.ndarray:
+        """Local: rows (slot < 0) or slot values of `ids`, all in this rank's shard, wherever they
+        are (memory or disk; the cache does not change)."""
+        return self.engine.local_rows(self.handle, np.asarray(ids, dtype=np.int64), slot)
+
     def local_state(self) -> dict:
         """Local: this rank's shard as arrays: "ids" (its global row ids, in storage order),
         "rows", and "slot.<name>" per server optimizer slot."""

@@ -540,5 +540,222 @@ def test_dynamic_table_with_a_tiny_cache_trains_like_all_in_memory(np_, tmp_path
     run_ranks(__file__, "rank_dynamic_tier_parity", np_, str(tmp_path))
 
 
+# -- checkpoints of a table larger than memory: only the rows written --------------------------
+BIG_ROWS = 1_000_000  # (a shard of 333k-500k rows: many chunks, were it saved whole)
+
+
+def _big_model(tmp, tag, tiered, memory_rows=None):
+    """A torch model with one fixed table of BIG_ROWS rows: with a disk tier keeping a few rows
+    per rank in memory, or all in memory."""
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    size = hybridsync.size()
+    storage = {"memory_rows": memory_rows or 2 * size, "path": _tier_dir(tmp, tag)} if tiered else None
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.big = hvd.Embedding(BIG_ROWS, DIM, name="big", seed=6, initializer=("uniform", -0.5, 0.5),
+                                     storage=storage)
+            self.out = torch.nn.Linear(DIM, 1)
+
+        def forward(self, ids):
+            return self.out(self.big(ids)).squeeze(1)
+
+    model = Net()
+    return model, hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), model=model)
+
+
+def _big_batch(step):
+    """Step `step`'s ids (spread over the whole table) and targets."""
+    import torch
+
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, BIG_ROWS, (BATCH,), generator=g), torch.randn(BATCH, generator=g)
+
+
+def _big_steps(model, opt, steps):
+    """Steps whose ids spread over the whole table: a few dozen rows written in all."""
+    import torch
+
+    import hybridsync
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    for step in steps:
+        ids, y = _big_batch(step)
+        mine = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(ids[mine]), y[mine]).backward()
+        opt.step()
+
+
+def _big_sample(steps=range(5)):
+    """The rows trained by _big_steps(steps), and untouched ones across the table."""
+    import numpy as np
+
+    trained = [_big_batch(s)[0].numpy() for s in steps]
+    untouched = np.random.default_rng(3).integers(0, BIG_ROWS, 500)
+    return np.unique(np.concatenate(trained + [untouched, [0, 1, 2, BIG_ROWS - 1]]).astype(np.int64))
+
+
+def _big_snapshot(model):
+    table = model.big.table
+    ids = _big_sample()
+    out = {"rows": table.read_rows(ids)}
+    for k, name in enumerate(table.slot_names):
+        out[name] = table.read_rows(ids, k)
+    return out
+
+
+class _WriterSizes:
+    """Records the rows of every array a checkpoint hands its file writers (whole arrays to
+    array_files.write, chunks to a streamed writer): what a rank held at once."""
+
+    def __init__(self, monkey):
+        from hybridsync import array_files
+
+        self.largest = 0
+        original_write = array_files.write
+
+        def write(arrays, path):
+            self.largest = max([self.largest] + [len(a) for a in arrays.values() if getattr(a, "ndim", 0) >= 1])
+            return original_write(arrays, path)
+
+        monkey.append((array_files, "write", original_write))
+        array_files.write = write
+        streamed = getattr(array_files, "StreamedWriter", None)
+        if streamed is not None:
+            original_chunk = streamed.write
+
+            def write_chunk(writer, key, chunk):
+                self.largest = max(self.largest, len(chunk))
+                return original_chunk(writer, key, chunk)
+
+            monkey.append((streamed, "write", original_chunk))
+            streamed.write = write_chunk
+
+
+def _save_and_check_written_rows(model, opt, path):
+    """Saves, and checks each shard file holds only the rows written, handed over in chunks."""
+    import json
+
+    import hybridsync
+
+    import numpy as np
+
+    table = model.big.table
+    written = len(np.union1d(table.engine.written_rows(table.handle, True), table.engine.written_rows(table.handle, False)))
+    monkey = []
+    sizes = _WriterSizes(monkey)
+    try:
+        hybridsync.save_checkpoint(path, model, opt)
+    finally:
+        for owner, name, original in monkey:
+            setattr(owner, name, original)
+    shard_rows = -(-BIG_ROWS // hybridsync.size())
+    # The old save read every row of a shard into one array (shard_rows of them): never now.
+    assert sizes.largest <= written < 100 < shard_rows, (sizes.largest, written, shard_rows)
+    manifest = json.loads(open(f"{path}/manifest.json").read())
+    entry = manifest["tables"][0]
+    assert manifest["format"] == "hybridsync-checkpoint/2" and entry["rows_saved"] == "written", manifest
+    assert entry["initial_rows"] == {"kind": "uniform", "seed": 6, "a": -0.5, "b": 0.5}, entry
+    rows = hybridsync.allgather_object(written)
+    assert [f["rows"] for f in entry["files"]] == rows and 0 < sum(rows) <= 5 * BATCH, (entry["files"], rows)
+
+
+def rank_written_rows_checkpoint_save(tmp):
+    """np 2: a tiered table of BIG_ROWS rows, a few dozen of them trained, saved: the shard
+    files hold only the rows written, streamed; the reference all in memory trained alike."""
+    import numpy as np
+
+    import hybridsync
+
+    tiered, reference = _big_model(tmp, "big-save", True), _big_model(tmp, "big-ref", False)
+    for model, opt in (tiered, reference):
+        _big_steps(model, opt, range(5))
+    _save_and_check_written_rows(*tiered, f"{tmp}/big-ckpt")
+    want, got = _big_snapshot(reference[0]), _big_snapshot(tiered[0])
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    if hybridsync.rank() == 0:
+        np.savez(f"{tmp}/big-reference.npz", **want)
+
+
+def rank_written_rows_checkpoint_load(tmp):
+    """np 3: the checkpoint loads into a tiered table with another memory_rows and into one all
+    in memory, both trained on other rows first (which the load must undo): trained rows, slots
+    and untouched rows equal the reference; saved again at 3, it loads again alike."""
+    import numpy as np
+
+    import hybridsync
+
+    want = dict(np.load(f"{tmp}/big-reference.npz"))
+
+    def same(model, what):
+        got = _big_snapshot(model)
+        assert set(got) == set(want), (what, sorted(got), sorted(want))
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{what}: {key}")
+
+    tiered = _big_model(tmp, "big-load", True, memory_rows=5)
+    untiered = _big_model(tmp, "big-untiered", False)
+    for model, opt in (tiered, untiered):
+        _big_steps(model, opt, range(20, 22))  # rows the checkpoint does not have: the load resets them
+        hybridsync.load_checkpoint(f"{tmp}/big-ckpt", model, opt)
+    same(tiered[0], "into a tiered table at 3")
+    same(untiered[0], "into an untiered table at 3")
+    _save_and_check_written_rows(*tiered, f"{tmp}/big-ckpt3")
+    _big_steps(*untiered, range(30, 31))
+    hybridsync.load_checkpoint(f"{tmp}/big-ckpt3", *untiered)
+    same(untiered[0], "saved at 3, into an untiered table")
+
+
+def test_a_checkpoint_of_a_table_larger_than_memory_saves_only_its_written_rows(tmp_path):
+    run_ranks(__file__, "rank_written_rows_checkpoint_save", 2, str(tmp_path))
+    run_ranks(__file__, "rank_written_rows_checkpoint_load", 3, str(tmp_path))
+
+
+def rank_written_rows_elastic_commit(tmp):
+    """An elastic commit of a tiered table of BIG_ROWS rows keeps its written rows in a file on
+    the rank's disk, no array in memory; training on other rows, then a restore, gives back every
+    row and slot as committed (rows written since back to their initial values)."""
+    import glob
+
+    import numpy as np
+
+    import hybridsync.torch as hvd
+
+    model, opt = _big_model(tmp, "big-elastic", True)
+    _big_steps(model, opt, range(3))
+    later = _big_sample([0, 1, 2, 3, 4, 20, 21])  # (rows trained before the commits, after them, never)
+    table = model.big.table
+
+    def snapshot():
+        return [table.read_rows(later)] + [table.read_rows(later, k) for k in range(len(table.slot_names))]
+
+    state = hvd.elastic.TorchState(model, opt, batch=0)
+    for commit in range(2):  # (the second replaces the first's file)
+        state.commit()
+        committed = snapshot()
+        handler = state._handlers["_ps_tables"]
+        assert handler.saved_bytes() == 0, handler.saved_bytes()  # (the old commit held the whole shard)
+        files = glob.glob(f"{_tier_dir(tmp, 'big-elastic')}/.*commit*")
+        assert len(files) == 1, files
+        _big_steps(model, opt, range(20, 22))
+        assert not all(np.array_equal(a, b) for a, b in zip(snapshot(), committed))
+        state.restore()
+        for k, (got, want) in enumerate(zip(snapshot(), committed)):
+            np.testing.assert_array_equal(got, want, err_msg=f"commit {commit}: {'rows' if k == 0 else f'slot {k - 1}'}")
+        _big_steps(model, opt, range(3 + commit, 4 + commit))
+
+
+def test_an_elastic_commit_of_a_table_larger_than_memory_keeps_its_written_rows_on_disk(tmp_path):
+    run_ranks(__file__, "rank_written_rows_elastic_commit", 2, str(tmp_path))
+
+
 if __name__ == "__main__":
     rank_main(globals())

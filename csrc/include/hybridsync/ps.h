@@ -79,6 +79,14 @@ struct StorageSpec {
 // A table's storage on this rank's shard: rows in memory and on disk, stored rows that lookups
 // (pull prefetches, pushes, writes) found in memory (hits) and read back from disk (loads), the
 // bytes its disk tier read and wrote, and the push rounds (steps) so far.
+// How a fixed table's rows start before anything writes them: kind "zeros", "normal" (a, b: mean
+// and standard deviation) or "uniform" (a, b: low and high), a function of (seed, row id).
+struct RowInitSpec {
+  std::string kind = "zeros";
+  uint64_t seed = 0;
+  double a = 0.0, b = 0.0;
+};
+
 struct TierStats {
   std::string dtype = "float32", path;  // path: the disk tier's file ("" without one)
   int64_t memory_rows = 0, disk_rows = 0, memory_share = 0;
@@ -293,6 +301,12 @@ class Client {
   // checkpoint saves. Rows (slot < 0) or slot values of this shard's rows `ids`, wherever they
   // are (memory does not change).
   std::vector<int64_t> written_rows(int table, bool memory) const;
+  // A fixed table with a disk tier: what its rows never written hold (checkpoints record it, to
+  // save only the rows written).
+  RowInitSpec row_init(int table) const;
+  // This rank's shard: every row back to its initial value from `init`, with fresh optimizer
+  // slots (before a checkpoint that saved only written rows loads over it).
+  void reset_rows(int table, const RowInitSpec& init);
   void local_rows(int table, int slot, const int64_t* ids, int64_t n, float* out) const;
   int64_t row_store_bytes() const;
   int64_t state_bytes() const;
