@@ -100,7 +100,7 @@ int64_t share_of(int64_t total, int shards, int shard) {
 std::unique_ptr<Table> make_table(detail::ClientState& c, const TableSpec& spec, std::unique_ptr<UpdateRule> rule) {
   Partitioner part(spec.num_rows, spec.num_shards, spec.partition);
   auto t = std::make_unique<Table>(Table{spec, part, nullptr, RowAggregator(), false, RoundStats{}, BoundedState{},
-                                         nullptr, nullptr});
+                                         nullptr, nullptr, {}});
   const int rank = c.rank();
   if (rank >= spec.num_shards) return t;
   const StorageSpec& st = spec.storage;
