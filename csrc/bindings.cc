@@ -15,6 +15,7 @@
 #include "bindings_arrays.h"
 #include "hybridsync/liveness.h"
 #include "hybridsync/ps.h"
+#include "stats/squared_norm.h"
 
 namespace py = pybind11;
 using namespace hybridsync;
@@ -451,6 +452,14 @@ PYBIND11_MODULE(_ps, m) {
     } catch (const PSRemoteError& e) {
       PyErr_SetString(remote_error.ptr(), e.what());
     }
+  });
+
+  // A C-contiguous float32 array only (the caller handles other dtypes and layouts): no copy.
+  m.def("squared_norm", [](py::array_t<float, py::array::c_style> values) {
+    const float* data = values.data();
+    const int64_t n = values.size();
+    py::gil_scoped_release release;
+    return buffer_squared_norm(data, n);
   });
 
   m.def("optimizer_hyperparameters", [](const std::string& name, const std::map<std::string, double>& hparams) {

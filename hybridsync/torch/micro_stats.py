@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 
 from ..adaptive.collect import rows_squared_norm as _rows_sq
+from ..adaptive.collect import squared_norm
 from .access import StagedRowsAccess
 
 
 def _sq(t: torch.Tensor) -> float:
     if t.is_sparse:
         t = t.coalesce()._values()
-    return float(t.detach().double().square().sum())
+    return squared_norm(t)
 
 
 class MicroStepStats:

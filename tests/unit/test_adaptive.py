@@ -471,3 +471,28 @@ def test_one_measured_size_explores_a_bigger_one_then_the_fit_decides():
     a.adopt(back)
     a.set_batch(back.local_batch)
     assert a.choose(4096, (8, 2048), 1) is None  # the probed size is barred now (until the noise scale doubles)
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 1000, 100_003])
+def test_squared_norms_of_gradients_are_exact_in_double_for_every_layout_and_dtype(length):
+    """The statistics' |g|^2 of a dense gradient (collect.squared_norm): float32 buffers go
+    through the engine's kernel in place, others through float64; each within rounding of the
+    float64 sum, for tensors, NumPy arrays, non-contiguous views and lengths around the kernel's
+    8 lanes. The same buffer gives the same double every time (ranks compare nothing, but each
+    computes the all-reduced gradient's norm on its own)."""
+    import torch
+
+    from hybridsync.adaptive.collect import squared_norm
+
+    values = np.random.default_rng(length).normal(size=(length, 3)).astype(np.float32) * 1e3
+    exact = float(np.sum(values.astype(np.float64) ** 2))
+    tensor = torch.from_numpy(values)
+    for buffer in (values, values.T, tensor, tensor.t(), tensor[:, :2], tensor.double(),
+                   tensor.half().float(), torch.from_numpy(values).requires_grad_()):
+        reference = float(np.sum(np.asarray(buffer.detach() if hasattr(buffer, "detach") else buffer,
+                                            dtype=np.float64) ** 2))
+        assert squared_norm(buffer) == pytest.approx(reference, rel=1e-12, abs=1e-300)
+    assert squared_norm(values) == pytest.approx(exact, rel=1e-12, abs=1e-300)
+    assert squared_norm(tensor.half()) == pytest.approx(float(np.sum(values.astype(np.float16).astype(np.float64) ** 2)),
+                                                        rel=1e-6, abs=1e-300)
+    assert squared_norm(values) == squared_norm(tensor) == squared_norm(values.copy())
