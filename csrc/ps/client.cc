@@ -668,6 +668,21 @@ DynamicState Client::dynamic_state(int table) const {
   return t.dynamic ? t.dynamic->state(*t.shard) : DynamicState{t.spec.dim, {}, {}, {}, {}, {}, {}, {}, {}};
 }
 
+DynamicState Client::dynamic_range(int table, bool pending, int64_t begin, int64_t n, bool rows) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  impl_->settle();
+  const Table& t = impl_->table_at(table);
+  if (!t.spec.dynamic.on) throw PSError("table '" + t.spec.name + "' is not dynamic");
+  const int64_t size = t.dynamic ? (pending ? t.dynamic->pending() : t.dynamic->stored()) : 0;
+  if (begin < 0 || n < 0 || begin + n > size) {
+    throw PSError("table '" + t.spec.name + "': entries [" + std::to_string(begin) + ", " + std::to_string(begin + n) +
+                  ") are outside this shard's " + std::to_string(size) + (pending ? " pending ids" : " stored rows"));
+  }
+  if (!t.dynamic) return DynamicState{t.spec.dim, {}, {}, {}, {}, {}, {}, {}, {}};
+  return t.dynamic->range(*t.shard, pending, begin, n, rows && !pending, rows && !pending);
+}
+
 void Client::dynamic_restore(int table, const DynamicState& state) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->check_usable();

@@ -604,23 +604,25 @@ DynamicState DynamicStore::range(const Shard& arena, bool pending, int64_t begin
     s.pending_last.assign(pending_last_.begin() + from, pending_last_.begin() + to);
     return s;
   }
-  // Stored rows in memory (positions 0 .. R-1), then on disk (entries, as R ..).
-  const auto held = static_cast<size_t>(rows_.size()), mid = std::min(std::max(from, held), to);
-  s.ids.assign(rows_.ids().begin() + std::min(from, held), rows_.ids().begin() + mid);
-  s.counts.assign(counts_.begin() + std::min(from, held), counts_.begin() + mid);
-  s.last_touch.assign(last_.begin() + std::min(from, held), last_.begin() + mid);
-  const int64_t in_memory = static_cast<int64_t>(mid) - static_cast<int64_t>(std::min(from, held));
+  // Stored rows in memory (positions 0 .. R-1), then on disk (entries, as R ..): positions
+  // [lo, mid) of the range are in memory, [disk_from, to) on disk (either may be empty).
+  const auto held = static_cast<size_t>(rows_.size());
+  const size_t lo = std::min(from, held), mid = std::max(lo, std::min(held, to)), disk_from = std::max(from, held);
+  s.ids.assign(rows_.ids().begin() + lo, rows_.ids().begin() + mid);
+  s.counts.assign(counts_.begin() + lo, counts_.begin() + mid);
+  s.last_touch.assign(last_.begin() + lo, last_.begin() + mid);
+  const int64_t in_memory = static_cast<int64_t>(mid - lo);
   if (rows) s.rows.resize(static_cast<size_t>(n * dim_));
   if (slots) s.slots.assign(static_cast<size_t>(arena.num_slots()), std::vector<float>(static_cast<size_t>(n * dim_)));
   for (int64_t k = 0; k < in_memory; ++k) {
-    const int64_t p = static_cast<int64_t>(std::min(from, held)) + k;
+    const int64_t p = static_cast<int64_t>(lo) + k;
     if (rows) arena.get_row(p, s.rows.data() + k * dim_);
     for (int j = 0; slots && j < arena.num_slots(); ++j) {
       std::memcpy(s.slots[j].data() + k * dim_, arena.row_of(j, p), dim_ * sizeof(float));
     }
   }
-  if (mid == to) return s;
-  const int64_t first = static_cast<int64_t>(mid - held), count = static_cast<int64_t>(to - mid);
+  if (disk_from >= to) return s;
+  const int64_t first = static_cast<int64_t>(disk_from - held), count = static_cast<int64_t>(to - disk_from);
   std::vector<int64_t> entries(static_cast<size_t>(count));
   for (int64_t k = 0; k < count; ++k) {
     entries[static_cast<size_t>(k)] = first + k;

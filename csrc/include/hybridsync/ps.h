@@ -313,6 +313,11 @@ class Client {
   // A dynamic table's shard here: its contents, restoring them (ids other shards own are
   // skipped, so any world size loads any checkpoint), and its counters.
   DynamicState dynamic_state(int table) const;
+  // Entries [begin, begin + n) of this rank's shard, in storage order: of its stored rows (with
+  // their rows and slots if `rows`) or, pending, of the ids it has seen but not admitted. A checkpoint streams a
+  // shard larger than memory so, a chunk at a time; the order holds while nothing changes the
+  // shard (no push or pull completes while this rank is in a save).
+  DynamicState dynamic_range(int table, bool pending, int64_t begin, int64_t n, bool rows) const;
   void dynamic_restore(int table, const DynamicState& state);
   // Empties this rank's shard (before a restore: a load replaces what training stored).
   void dynamic_clear(int table);
