@@ -54,7 +54,8 @@ class TableCore:
     def tier_stats(self) -> dict:
         """Local: this rank's shard's storage: {"dtype", "path" (its tier file), "memory_rows",
         "disk_rows", "memory_share", "hits" / "loads" (rows an operation found in memory / read
-        back from disk), "bytes_read", "bytes_written", "steps"}."""
+        back from disk), "bytes_read", "bytes_written", "steps", "spills" (writes that moved rows
+        from memory to disk), "compactions" (of the tier file)}."""
         return self.engine.tier_stats(self.handle)
 
     @property
