@@ -329,6 +329,12 @@ class PyEngine {
     return state_dict(nogil([&] { return client_->dynamic_state(table); }));
   }
 
+  // Local: entries [begin, begin + n) of this rank's shard as dynamic_state's arrays (stored
+  // ids with their counts, and their rows and slots if `rows`; or pending ids), in storage order.
+  py::dict dynamic_range(int table, bool pending, int64_t begin, int64_t n, bool rows) {
+    return state_dict(nogil([&] { return client_->dynamic_range(table, pending, begin, n, rows); }));
+  }
+
   // One-sided: every shard's (step, stored rows, pending ids).
   std::vector<std::array<int64_t, 3>> dynamic_sizes(int table) {
     return nogil([&] { return client_->dynamic_sizes(table); });
@@ -495,6 +501,8 @@ PYBIND11_MODULE(_ps, m) {
         d["bytes_read"] = s.bytes_read;
         d["bytes_written"] = s.bytes_written;
         d["steps"] = s.steps;
+        d["spills"] = s.spills;
+        d["compactions"] = s.compactions;
         return d;
       }, py::arg("table"), "Local: the table's storage on this rank's shard (rows in memory / on disk, I/O).")
       .def("written_rows", [](PyEngine& e, int t, bool memory) {
@@ -520,6 +528,8 @@ PYBIND11_MODULE(_ps, m) {
       .def("local_rows", &PyEngine::local_rows, py::arg("table"), py::arg("ids"), py::arg("slot") = -1)
       .def("dynamic_state", &PyEngine::dynamic_state, py::arg("table"))
       .def("dynamic_restore", &PyEngine::dynamic_restore, py::arg("table"), py::arg("state"))
+      .def("dynamic_range", &PyEngine::dynamic_range, py::arg("table"), py::arg("pending"), py::arg("begin"),
+           py::arg("n"), py::arg("rows") = true)
       .def("dynamic_sizes", &PyEngine::dynamic_sizes, py::arg("table"))
       .def("read_dynamic", &PyEngine::read_dynamic, py::arg("table"), py::arg("shard"), py::arg("rows") = true,
            py::arg("slots") = false)

@@ -20,6 +20,8 @@ its manifest entry says so ("rows_saved": "written") with the initializer of the
 ("initial_rows"); loading resets each shard to that initializer, then writes the saved rows. A
 checkpoint with such a table has format hybridsync-checkpoint/2 (a reader of /1 refuses it by
 name rather than load its untouched rows wrong); one without stays /1.
+A dynamic table's shard files are streamed the same way, both ways (ps/dynamic_shard_file.py):
+its rows too may live mostly in a disk tier.
 
 Why safetensors + JSON: a format many tools read, no code runs on load, and each shard file is
 written by its owner in parallel with no rank ever holding a whole table (torch's distributed
@@ -33,7 +35,7 @@ directory of the name but the live one (and its own) before it writes.
 
 Loading re-shards: each PS table is read back under this run's partitioner and world size. When
 the layout is unchanged each rank reads only its own shard file; otherwise every rank streams
-the saved shard files in bounded chunks (CHUNK_ROWS rows at a time) and keeps the rows it owns,
+the saved shard files in bounded chunks (written_rows.CHUNK_ROWS rows at a time) and keeps the rows it owns,
 so memory per rank stays its own shard plus one chunk.
 """
 from __future__ import annotations
@@ -48,10 +50,9 @@ from pathlib import Path
 
 from . import array_files, comm, runtime
 from . import ps
-from .ps import written_rows
+from .ps import dynamic_shard_file, written_rows
 from .ps.dynamic import DynamicTable
 from .ps.storage import dtype_of
-from safetensors import safe_open
 from .frontend import framework_of
 from .frontend import of as frontend_of
 from .ps.partition import Partition
@@ -62,7 +63,6 @@ FORMAT_WRITTEN_ROWS = "hybridsync-checkpoint/2"  # /1, and tables saved as their
 FORMATS = (FORMAT, FORMAT_WRITTEN_ROWS)
 MANIFEST = "manifest.json"
 DENSE = "dense.safetensors"
-CHUNK_ROWS = 65536
 
 
 class CheckpointError(RuntimeError):
@@ -143,7 +143,9 @@ def save_checkpoint(path, model, optimizer, extra=None) -> Path:
         for i, (var, table) in enumerate(tables):
             if world.rank < table.layout[0]:
                 file = version / _shard_file(i, world.rank)
-                if _saves_written_rows(table):
+                if isinstance(table, DynamicTable):  # (streamed: its rows may live mostly on disk)
+                    records[file.name] = dynamic_shard_file.save(table, file)
+                elif _saves_written_rows(table):
                     records[file.name] = written_rows.save(table, file)
                 else:
                     arrays = table.local_state()
@@ -377,34 +379,17 @@ def _load_table(path: Path, var, table, saved: dict) -> None:
     table.set_step(saved["step"])
 
 
-# Per-row and per-pending-id arrays of a dynamic table's shard file.
-_DYNAMIC_ROWS = ("ids", "rows", "counts", "last_touch")
-_DYNAMIC_PENDING = ("pending_ids", "pending_counts", "pending_last")
-
-
 def _load_dynamic_table(path: Path, table, saved: dict) -> None:
-    """Every saved shard file in CHUNK_ROWS pieces; this rank's shard keeps the ids it owns under
+    """Every saved shard file in chunks (dynamic_shard_file); this rank's shard keeps the ids it owns under
     this run's hash partition (any world size). The shard is emptied first: what training stored
     before the load (a Keras model steps once to build its plan) is not in the checkpoint. The
     step first: expiry counts from it."""
     table.clear()
     table.set_step(saved["step"])
-    slots = [f"slot.{s}" for s in saved["slots"]]
     for entry in saved["files"]:
         file = path / entry["name"]
         _verify(file, entry["sha256"])
         try:
-            with safe_open(str(file), framework="numpy") as f:
-                rows, pending = entry["rows"], f.get_slice("pending_ids").get_shape()[0]
-
-                def piece(key, start, n):  # (safetensors slices must be non-empty, inside the array)
-                    if n == 0:
-                        return f.get_tensor(key)
-                    return f.get_slice(key)[start:min(start + CHUNK_ROWS, n)] if start < n else f.get_slice(key)[:1][:0]
-
-                for start in range(0, max(rows, pending, 1), CHUNK_ROWS):
-                    part = {k: piece(k, start, rows) for k in _DYNAMIC_ROWS + tuple(slots)}
-                    part.update({k: piece(k, start, pending) for k in _DYNAMIC_PENDING})
-                    table.restore(part)
+            dynamic_shard_file.write_back(table, file, saved["slots"])
         except Exception as exc:
             raise CheckpointError(f"{file}: {exc}") from exc

@@ -35,7 +35,7 @@ from pathlib import Path
 from . import comm, runtime
 from .checkpoint import MANIFEST, load_checkpoint, save_checkpoint
 from .frontend import of as frontend_of
-from .ps import written_rows
+from .ps import dynamic_shard_file, written_rows
 from .ps.dynamic import DynamicTable
 from .ps.table import PSTable
 
@@ -125,8 +125,8 @@ class ObjectHandler(StateHandler):
 
 class TableShardsHandler(StateHandler):
     """Parameter-server tables: each rank keeps a copy of its own shard (rows, server-optimizer
-    slots, step; a dynamic table's ids, counts, last touches and pending ids too; a fixed table
-    with a disk tier's written rows, in a file on its local disk) and restores it locally, so a
+    slots, step; a dynamic table's ids, counts, last touches and pending ids too; for a table
+    with a disk tier, in a file on its local disk -- a fixed table's written rows only) and restores it locally, so a
     commit costs a rank its shard, never a table, and
     moves nothing over the network. sync() has nothing to do: the shards are the one copy of a
     table every rank reads. `value` is a function returning the tables (a `sync: auto` switch
@@ -153,10 +153,12 @@ class TableShardsHandler(StateHandler):
 
     @staticmethod
     def _commit(table):
-        """This rank's shard: its arrays, or for a fixed table with a disk tier (which may not fit
-        in memory) its written rows in a file on the rank's local disk."""
-        if isinstance(table, PSTable) and table.tiered:
+        """This rank's shard: its arrays, or for a table with a disk tier (which may not fit in
+        memory) a file on the rank's local disk (a fixed table's written rows, a dynamic one's shard)."""
+        if table.tiered and isinstance(table, PSTable):
             return written_rows.Commit(table)
+        if table.tiered:
+            return dynamic_shard_file.Commit(table)
         return table.local_state()
 
     def restore(self) -> None:
@@ -170,7 +172,7 @@ class TableShardsHandler(StateHandler):
                 raise RuntimeError(f"elastic state: table '{table.name}' is not on the parameter server as it was at "
                                    "the last commit (did sync: auto move it?); commit again before restoring")
             _, layout, arrays, step = saved
-            if isinstance(arrays, written_rows.Commit):
+            if isinstance(arrays, (written_rows.Commit, dynamic_shard_file.Commit)):
                 arrays.restore(table, step)
             elif arrays is not None:
                 table.restore_local_state(arrays, step)  # a dynamic table's counters and pending ids too

@@ -536,12 +536,14 @@ TierStats Client::tier_stats(int table) const {
     s.memory_share = t.tiered->arena_rows();
     s.hits = t.tiered->hits();
     s.loads = t.tiered->loads();
+    s.spills = t.tiered->spills();
   } else if (t.dynamic) {
     disk = t.dynamic->disk();
     s.memory_rows = t.dynamic->resident();
     s.memory_share = disk ? share_of(t.spec.storage.memory_rows, t.spec.num_shards, impl_->rank()) : 0;
     s.hits = t.dynamic->hits();
     s.loads = t.dynamic->loads();
+    s.spills = t.dynamic->spills();
   } else {
     s.memory_rows = t.shard->rows();
   }
@@ -550,6 +552,7 @@ TierStats Client::tier_stats(int table) const {
     s.disk_rows = disk->size();
     s.bytes_read = disk->bytes_read();
     s.bytes_written = disk->bytes_written();
+    s.compactions = disk->compactions();
   }
   return s;
 }
@@ -666,6 +669,21 @@ DynamicState Client::dynamic_state(int table) const {
   const Table& t = impl_->table_at(table);
   if (!t.spec.dynamic.on) throw PSError("table '" + t.spec.name + "' is not dynamic");
   return t.dynamic ? t.dynamic->state(*t.shard) : DynamicState{t.spec.dim, {}, {}, {}, {}, {}, {}, {}, {}};
+}
+
+DynamicState Client::dynamic_range(int table, bool pending, int64_t begin, int64_t n, bool rows) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->check_usable();
+  impl_->settle();
+  const Table& t = impl_->table_at(table);
+  if (!t.spec.dynamic.on) throw PSError("table '" + t.spec.name + "' is not dynamic");
+  const int64_t size = t.dynamic ? (pending ? t.dynamic->pending() : t.dynamic->stored()) : 0;
+  if (begin < 0 || n < 0 || begin + n > size) {
+    throw PSError("table '" + t.spec.name + "': entries [" + std::to_string(begin) + ", " + std::to_string(begin + n) +
+                  ") are outside this shard's " + std::to_string(size) + (pending ? " pending ids" : " stored rows"));
+  }
+  if (!t.dynamic) return DynamicState{t.spec.dim, {}, {}, {}, {}, {}, {}, {}, {}};
+  return t.dynamic->range(*t.shard, pending, begin, n, rows && !pending, rows && !pending);
 }
 
 void Client::dynamic_restore(int table, const DynamicState& state) {

@@ -202,16 +202,42 @@ void DynamicStore::remove_on_disk(std::vector<int64_t> entries) {
   disk_last_.resize(static_cast<size_t>(disk_->size()));
 }
 
-void DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
-  const int64_t held = rows_.size();
-  if (!disk_ || held + incoming <= memory_) return;
-  // An eighth of memory at least, so a full arena does not spill a few rows every round.
-  const int64_t k = std::max(held + incoming - memory_, memory_ / 8);
-  std::vector<int64_t> victims = least(
-      held, k, spec_.evict == "lfu", [&](int64_t p) { return tick_[static_cast<size_t>(p)] != now_; },
+bool DynamicStore::choose_spills(int64_t k, const std::vector<int64_t>& chosen) {
+  std::vector<uint8_t> taken;  // (rows this spill already chose: not chosen again)
+  if (!chosen.empty()) {
+    taken.assign(static_cast<size_t>(rows_.size()), 0);
+    for (const int64_t p : chosen) taken[static_cast<size_t>(p)] = 1;
+  }
+  const std::vector<int64_t> order = least(
+      rows_.size(), k, spec_.evict == "lfu",
+      [&](int64_t p) { return tick_[static_cast<size_t>(p)] != now_ && (taken.empty() || !taken[static_cast<size_t>(p)]); },
       [&](int64_t p) { return static_cast<int64_t>(counts_[static_cast<size_t>(p)]); },
       [&](int64_t p) { return static_cast<int64_t>(last_[static_cast<size_t>(p)]); },
       [&](int64_t p) { return rows_.id(p); });
+  spill_queue_.clear();
+  spill_next_ = 0;
+  for (const int64_t p : order) spill_queue_.push_back({rows_.id(p), last_[static_cast<size_t>(p)]});
+  return !spill_queue_.empty();
+}
+
+void DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
+  const int64_t held = rows_.size();
+  if (!disk_ || held + incoming <= memory_) return;
+  // Exactly the rows that do not fit go, so each operation writes a few (steady, small appends)
+  // rather than every eighth operation a round of an eighth of memory; the choosing, a scan of
+  // memory, still happens an eighth of memory at a time (the queue), and a queued row that was
+  // touched since it was chosen, or that this operation needs, stays.
+  const auto need = static_cast<size_t>(held + incoming - memory_);
+  std::vector<int64_t> victims;  // positions
+  while (victims.size() < need) {
+    if (spill_next_ == spill_queue_.size() &&
+        !choose_spills(std::max(static_cast<int64_t>(need - victims.size()), memory_ / 8), victims)) {
+      break;  // (this operation needs every other row: it keeps them until the next one)
+    }
+    const auto [id, last] = spill_queue_[spill_next_++];
+    const int64_t p = rows_.find(id);
+    if (p >= 0 && tick_[static_cast<size_t>(p)] != now_ && last_[static_cast<size_t>(p)] == last) victims.push_back(p);
+  }
   if (victims.empty()) return;
   std::vector<int64_t> ids;
   std::vector<char> records(victims.size() * static_cast<size_t>(arena.record_size()));
@@ -222,9 +248,12 @@ void DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
   try {
     disk_->add(ids.data(), static_cast<int64_t>(ids.size()), records.data());  // all or nothing
   } catch (const PSError&) {
+    spill_queue_.clear();  // (chosen again by the next spill, with what it needs)
+    spill_next_ = 0;
     if (mode == SpillMode::kMust) throw;
     return;  // (nothing was added: the rows stay in memory)
   }
+  ++spills_;
   for (const int64_t p : victims) {
     disk_counts_.push_back(counts_[static_cast<size_t>(p)]);
     disk_last_.push_back(last_[static_cast<size_t>(p)]);
@@ -577,6 +606,8 @@ void DynamicStore::clear() {
   fresh_ids_.clear();
   fresh_rows_.clear();
   tick_.clear();
+  spill_queue_.clear();
+  spill_next_ = 0;
   if (disk_) {
     disk_->clear();
     disk_counts_.clear();
@@ -604,23 +635,25 @@ DynamicState DynamicStore::range(const Shard& arena, bool pending, int64_t begin
     s.pending_last.assign(pending_last_.begin() + from, pending_last_.begin() + to);
     return s;
   }
-  // Stored rows in memory (positions 0 .. R-1), then on disk (entries, as R ..).
-  const auto held = static_cast<size_t>(rows_.size()), mid = std::min(std::max(from, held), to);
-  s.ids.assign(rows_.ids().begin() + std::min(from, held), rows_.ids().begin() + mid);
-  s.counts.assign(counts_.begin() + std::min(from, held), counts_.begin() + mid);
-  s.last_touch.assign(last_.begin() + std::min(from, held), last_.begin() + mid);
-  const int64_t in_memory = static_cast<int64_t>(mid) - static_cast<int64_t>(std::min(from, held));
+  // Stored rows in memory (positions 0 .. R-1), then on disk (entries, as R ..): positions
+  // [lo, mid) of the range are in memory, [disk_from, to) on disk (either may be empty).
+  const auto held = static_cast<size_t>(rows_.size());
+  const size_t lo = std::min(from, held), mid = std::max(lo, std::min(held, to)), disk_from = std::max(from, held);
+  s.ids.assign(rows_.ids().begin() + lo, rows_.ids().begin() + mid);
+  s.counts.assign(counts_.begin() + lo, counts_.begin() + mid);
+  s.last_touch.assign(last_.begin() + lo, last_.begin() + mid);
+  const int64_t in_memory = static_cast<int64_t>(mid - lo);
   if (rows) s.rows.resize(static_cast<size_t>(n * dim_));
   if (slots) s.slots.assign(static_cast<size_t>(arena.num_slots()), std::vector<float>(static_cast<size_t>(n * dim_)));
   for (int64_t k = 0; k < in_memory; ++k) {
-    const int64_t p = static_cast<int64_t>(std::min(from, held)) + k;
+    const int64_t p = static_cast<int64_t>(lo) + k;
     if (rows) arena.get_row(p, s.rows.data() + k * dim_);
     for (int j = 0; slots && j < arena.num_slots(); ++j) {
       std::memcpy(s.slots[j].data() + k * dim_, arena.row_of(j, p), dim_ * sizeof(float));
     }
   }
-  if (mid == to) return s;
-  const int64_t first = static_cast<int64_t>(mid - held), count = static_cast<int64_t>(to - mid);
+  if (disk_from >= to) return s;
+  const int64_t first = static_cast<int64_t>(disk_from - held), count = static_cast<int64_t>(to - disk_from);
   std::vector<int64_t> entries(static_cast<size_t>(count));
   for (int64_t k = 0; k < count; ++k) {
     entries[static_cast<size_t>(k)] = first + k;
@@ -680,7 +713,8 @@ DynamicStats DynamicStore::stats(const Shard& arena) const {
                 listed * static_cast<int64_t>(sizeof(int64_t));
   if (disk_) {
     s.map_bytes += disk_->index_bytes() + static_cast<int64_t>((disk_counts_.capacity() + disk_last_.capacity()) * 4 +
-                                                               tick_.capacity() * 4);
+                                                               tick_.capacity() * 4) +
+                   static_cast<int64_t>(spill_queue_.capacity() * sizeof(spill_queue_[0]));
   }
   s.row_bytes = rows_.size() * arena.record_size();  // (in memory; rows on disk cost only their index)
   return s;

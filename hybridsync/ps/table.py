@@ -54,8 +54,15 @@ class TableCore:
     def tier_stats(self) -> dict:
         """Local: this rank's shard's storage: {"dtype", "path" (its tier file), "memory_rows",
         "disk_rows", "memory_share", "hits" / "loads" (rows an operation found in memory / read
-        back from disk), "bytes_read", "bytes_written", "steps"}."""
+        back from disk), "bytes_read", "bytes_written", "steps", "spills" (writes that moved rows
+        from memory to disk), "compactions" (of the tier file)}."""
         return self.engine.tier_stats(self.handle)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the table has a disk tier (storage.path). A fixed table's rows never written
+        are stored nowhere then, their values a function of (seed, id)."""
+        return bool((self.storage or {}).get("path"))
 
     @property
     def num_shards(self) -> int:
@@ -157,7 +164,8 @@ def shares_core(cls):
     """Class decorator: the TableCore's attributes and methods, on a kind of table."""
     for name in ("engine", "handle", "name", "dim", "storage", "requested_shards", "pulled_rows", "num_shards", "rename",
                  "set_staleness", "staleness", "set_rule", "optimizer", "slot_names", "step", "set_step",
-                 "round_stats", "gradient_statistics", "set_gradient_statistics", "read_rows", "lookup", "tier_stats"):
+                 "round_stats", "gradient_statistics", "set_gradient_statistics", "read_rows", "lookup", "tier_stats",
+                 "tiered"):
         attribute = FromCore()
         attribute.__set_name__(cls, name)
         setattr(cls, name, attribute)
@@ -263,12 +271,6 @@ class PSTable:
         return new
 
     # -- a disk tier: the rows written, and what the others hold --------------------------------
-    @property
-    def tiered(self) -> bool:
-        """Whether the table has a disk tier (storage.path): its rows never written are stored
-        nowhere, their values a function of (seed, id)."""
-        return bool((self.storage or {}).get("path"))
-
     def written_ids(self) -> np.ndarray:
         """Local (a disk tier): the sorted global ids of this rank's rows that hold other than
         their initial value, in memory or on disk (a row is in one place)."""

@@ -69,7 +69,7 @@ class Commit:
 
     def __init__(self, table):
         directory = Path(table.storage["path"])
-        self.path = directory / f".{_file_name(table.name)}.commit-{os.getpid()}-{next(Commit._made)}.safetensors"
+        self.path = directory / f".{file_name(table.name)}.commit-{os.getpid()}-{next(Commit._made)}.safetensors"
         weakref.finalize(self, _remove, self.path)  # (an unfinished file too)
         self.rows = save(table, self.path)["rows"]
         self.init, self.slots = table.row_init(), table.slot_names
@@ -81,7 +81,8 @@ class Commit:
         table.set_step(step)
 
 
-def _file_name(name: str) -> str:
+def file_name(name: str) -> str:
+    """`name` as part of a file name (a table's name may hold any character)."""
     return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)[:100] or "table"
 
 

@@ -757,5 +757,153 @@ def test_an_elastic_commit_of_a_table_larger_than_memory_keeps_its_written_rows_
     run_ranks(__file__, "rank_written_rows_elastic_commit", 2, str(tmp_path))
 
 
+
+# -- a dynamic table with a disk tier: its checkpoint and elastic commit stream its shard -------
+STREAM_CHUNK, STREAM_BATCH = 16, 48  # (a chunk of 16 entries; shards of ~100 stored and ~50 pending)
+
+
+def _stream_model(tmp, tag, tiered, memory_rows=None):
+    """A torch model with one dynamic table (Adam: two slots; admit_after=2: pending ids too),
+    with a disk tier keeping a few rows per rank in memory, or all in memory."""
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    storage = {"memory_rows": memory_rows or 2 * hybridsync.size(), "path": _tier_dir(tmp, tag)} if tiered else None
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.dyn = hvd.DynamicEmbedding(DIM, name="stream", seed=8, admit_after=2, storage=storage)
+            self.out = torch.nn.Linear(DIM, 1)
+
+        def forward(self, raw):
+            return self.out(self.dyn(raw)).squeeze(1)
+
+    model = Net()
+    return model, hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), model=model)
+
+
+def _stream_steps(model, opt, steps):
+    """Steps over 400 raw ids: some seen once (pending), most stored."""
+    import torch
+
+    import hybridsync
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    for step in steps:
+        g = torch.Generator().manual_seed(200 + step)
+        raw = torch.randint(0, 400, (STREAM_BATCH,), generator=g) * 7919 - 10**6
+        y = torch.randn(STREAM_BATCH, generator=g)
+        mine = slice(rank * STREAM_BATCH // size, (rank + 1) * STREAM_BATCH // size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(raw[mine]), y[mine]).backward()
+        opt.step()
+
+
+def _stream_state(model):
+    """The whole dynamic table: ids, rows, slots, counts, last touches, pending ids."""
+    state = model.dyn.table.read_state(slots=True)
+    state.pop("sizes")  # (per shard: differs between world sizes)
+    return state
+
+
+def _same_state(got, want, what):
+    import numpy as np
+
+    assert set(got) == set(want), (what, sorted(got), sorted(want))
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=f"{what}: {key}")
+
+
+def rank_dynamic_streamed_checkpoint_save(tmp):
+    """np 2: a dynamic table with a disk tier, saved with chunks of STREAM_CHUNK entries: no
+    array handed to a file writer is larger than a chunk (the old save read the whole shard into
+    memory), while each shard stores several chunks' worth, most of it on disk; it trained like
+    the same table all in memory."""
+    import hybridsync
+    from hybridsync.ps import written_rows
+
+    import numpy as np
+
+    tiered, reference = _stream_model(tmp, "stream-save", True), _stream_model(tmp, "stream-ref", False)
+    for model, opt in (tiered, reference):
+        _stream_steps(model, opt, range(12))
+    table = tiered[0].dyn.table
+    stats, tier = table.stats(), table.tier_stats()
+    assert stats["stored"] > 3 * STREAM_CHUNK and stats["pending"] > STREAM_CHUNK, stats
+    assert tier["disk_rows"] > 2 * STREAM_CHUNK, tier
+    monkey = [(written_rows, "CHUNK_ROWS", written_rows.CHUNK_ROWS)]
+    written_rows.CHUNK_ROWS = STREAM_CHUNK
+    sizes = _WriterSizes(monkey)
+    try:
+        hybridsync.save_checkpoint(f"{tmp}/stream-ckpt", *tiered)
+    finally:
+        for owner, name, original in monkey:
+            setattr(owner, name, original)
+    assert 0 < sizes.largest <= STREAM_CHUNK, sizes.largest
+    want = _stream_state(reference[0])
+    _same_state(_stream_state(tiered[0]), want, "tiered against all in memory")
+    if hybridsync.rank() == 0:
+        np.savez(f"{tmp}/stream-reference.npz", **want)
+
+
+def rank_dynamic_streamed_checkpoint_load(tmp):
+    """np 3: the checkpoint of 2 ranks loads bit for bit into a tiered table with another
+    memory_rows and into one all in memory, both trained on first (which the load must undo);
+    trained on after the load, the two stay identical."""
+    import numpy as np
+
+    import hybridsync
+
+    want = dict(np.load(f"{tmp}/stream-reference.npz"))
+    tiered = _stream_model(tmp, "stream-load", True, memory_rows=5)
+    untiered = _stream_model(tmp, "stream-untiered", False)
+    for model, opt in (tiered, untiered):
+        _stream_steps(model, opt, range(40, 42))
+        hybridsync.load_checkpoint(f"{tmp}/stream-ckpt", model, opt)
+    _same_state(_stream_state(tiered[0]), want, "into a tiered table at 3")
+    _same_state(_stream_state(untiered[0]), want, "into an untiered table at 3")
+    for model, opt in (tiered, untiered):
+        _stream_steps(model, opt, range(12, 15))
+    _same_state(_stream_state(tiered[0]), _stream_state(untiered[0]), "trained on after the load at 3")
+
+
+def test_a_checkpoint_of_a_dynamic_table_with_a_disk_tier_streams_its_shard(tmp_path):
+    run_ranks(__file__, "rank_dynamic_streamed_checkpoint_save", 2, str(tmp_path))
+    run_ranks(__file__, "rank_dynamic_streamed_checkpoint_load", 3, str(tmp_path))
+
+
+def rank_dynamic_streamed_elastic_commit(tmp):
+    """An elastic commit of a dynamic table with a disk tier keeps its shard in a file on the
+    rank's disk, no array in memory; training on (new ids admitted, rows spilled), then a
+    restore, gives back exactly the committed table."""
+    import glob
+
+    import hybridsync.torch as hvd
+
+    model, opt = _stream_model(tmp, "stream-elastic", True)
+    _stream_steps(model, opt, range(6))
+    state = hvd.elastic.TorchState(model, opt, batch=0)
+    for commit in range(2):  # (the second replaces the first's file)
+        state.commit()
+        committed = _stream_state(model)
+        handler = state._handlers["_ps_tables"]
+        assert handler.saved_bytes() == 0, handler.saved_bytes()  # (the old commit held the whole shard)
+        files = glob.glob(f"{_tier_dir(tmp, 'stream-elastic')}/.*commit*")
+        assert len(files) == 1, files
+        _stream_steps(model, opt, range(20, 23))
+        assert len(_stream_state(model)["ids"]) > len(committed["ids"])
+        state.restore()
+        _same_state(_stream_state(model), committed, f"commit {commit}")
+        _stream_steps(model, opt, range(6 + commit, 7 + commit))
+
+
+def test_an_elastic_commit_of_a_dynamic_table_with_a_disk_tier_keeps_its_shard_on_disk(tmp_path):
+    run_ranks(__file__, "rank_dynamic_streamed_elastic_commit", 2, str(tmp_path))
+
+
 if __name__ == "__main__":
     rank_main(globals())
