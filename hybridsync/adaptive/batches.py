@@ -73,7 +73,8 @@ class AdaptiveBatches:
         every rank's controller before the batch changes. Due every `interval` steps after
         `warmup`, and measure_steps after a change (controller.decision_due).
         allreduce_sum(array, name): the optimizer's dense backend's sum all-reduce."""
-        if self.autoscale is None or not controller.decision_due(self.warmup, self.interval):
+        if self.autoscale is None or not controller.routes_settled \
+                or not controller.decision_due(self.warmup, self.interval):
             return
         change = controller.choose(*self.autoscale)
         if self.world > 1:

@@ -76,6 +76,7 @@ class StepRecorder:
         self.last_times = (0.0, 0.0, 0, 1)  # the previous step here: (s per micro-step, sync s, local batch, micro-steps)
         self._step_start = None  # when the adaptive loader was asked for this step's first batch
         self._last_end = None  # when the previous step ended
+        self._settled_steps = 1  # consecutive steps on the routes in force (see _routes)
 
     # -- the step clock ---------------------------------------------------------------------------
     # A step is timed from the moment the adaptive loader is asked for its first batch (data
@@ -125,10 +126,12 @@ class StepRecorder:
                              int(stats.get("rows", 0)), int(stats.get("pushed", 0))))
 
     # -- once per step ----------------------------------------------------------------------------
-    def end_step(self, allreduce_sum) -> None:
+    def end_step(self, allreduce_sum, routes_settled: bool = True) -> None:
         """Collective (every rank that steps, every step; a rank that called join() stands in):
         combines this step's numbers into the statistics and the throughput model, identically on
-        every rank that stepped. allreduce_sum(array, name): the dense backend's sum all-reduce."""
+        every rank that stepped. allreduce_sum(array, name): the dense backend's sum all-reduce.
+        routes_settled: False while `sync: auto` still measures and tries routes (the same on
+        every rank) -- see _routes()."""
         sync_s = time.perf_counter() - self._sync_start if self._sync_start is not None else 0.0
         names = sorted(self._dense_in)
         adaptive = self.adaptive
@@ -172,13 +175,31 @@ class StepRecorder:
         measured_k = max(1, int(times[0][3]))
         sync_s_all = max(0.0, max(t[0] * measured_k + t[1] for t in times) - micro_s * measured_k)
         measured_at = int(times[0][2])
-        if micro_s > 0 and measured_at:
+        if micro_s > 0 and measured_at and self._routes(routes_settled):
             adaptive.throughput.record(self.world, measured_at, micro_s, sync_s_all)
         self._dense_in.clear()
         self._dense_out.clear()
         self._ps.clear()
         self._sizes_pushed = adaptive.sizes() if per_rank else None
         self._pending_sync_s = sync_s
+
+    def _routes(self, settled: bool) -> bool:
+        """Whether the step times gathered this step (the previous step's) count. While `sync:
+        auto` measures and tries routes, a step's time is that of a route on trial plus auto's
+        own recording, not of the plan training will run on: such steps are not timed, the batch
+        is not decided (a batch changed during auto's trials would also make its comparison of
+        routes one of batch sizes), and the step times measured before the routes settled are
+        forgotten once they do. The gathered times are the previous step's, so the first step on
+        the final routes is not timed either."""
+        adaptive = self.adaptive
+        adaptive.routes_settled = settled
+        if not settled:
+            self._settled_steps = 0
+            return False
+        self._settled_steps += 1
+        if self._settled_steps == 1:
+            adaptive.throughput.forget(self.world)
+        return self._settled_steps >= 2
 
     def _ps_observations(self, unscale: float) -> tuple[list, list]:
         """The PS rounds recorded this step as observations: those of this step's push, and those

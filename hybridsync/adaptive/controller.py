@@ -96,6 +96,7 @@ class Adaptive:
         self.last_gain = 1.0
         self.last_factor = 1.0
         self.choice: BatchChoice | None = None
+        self.routes_settled = True  # False while `sync: auto` measures routes: no batch decision then
         self.decider = BatchDecider(config)  # when the batch changes (margins, probes, hysteresis)
         # The batch chosen, while an epoch's partial last step runs at what was left (batches.py).
         self.partial_step_of: tuple[int, int] | None = None

@@ -92,6 +92,11 @@ class ThroughputModel:
         del rows[:-PER_SIZE]
         self._cache.pop(int(world), None)
 
+    def forget(self, world: int) -> None:
+        """Drops every step time measured at this world size (they were of other routes)."""
+        self._samples.pop(int(world), None)
+        self._cache.pop(int(world), None)
+
     def reach(self, world: int, explore: float) -> tuple[float, float]:
         """(lowest, highest) local batch a choice may go to at this world size: how far the
         lines can be trusted outside the sizes measured. Downwards `explore` times below the

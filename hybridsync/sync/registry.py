@@ -95,7 +95,7 @@ class SyncSet:
             if sync not in self._held:
                 sync.synchronize()
         if stats is not None:  # (on the dense backend, so that a rank that called join() takes part)
-            stats.end_step(self.ctx.allreduce_sum)
+            stats.end_step(self.ctx.allreduce_sum, routes_settled=auto is None)
         if not self._held:
             self._step_done()
 

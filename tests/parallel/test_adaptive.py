@@ -199,7 +199,9 @@ def rank_loader(mode, path):
     n = 4096
     data = torch.utils.data.TensorDataset(torch.randint(0, ROWS, (n,), generator=g), torch.randn(n, FEATURES, generator=g),
                                           200.0 * torch.randn(n, generator=g))  # noise far above the signal
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5), model=model, adaptive=True)
+    # (a short `sync: auto` phase: the batch is decided only once the routes have settled)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5), model=model, adaptive=True,
+                                   config={"auto_steps": 4, "auto_trial_steps": 3})
     loader = hvd.AdaptiveDataLoader(data, batch_size=12, interval=4, warmup=4)
     loader.autoscale_batch_size(96, local_bsz_bounds=(2, 12), gradient_accumulation=True)
     if mode == "load":
@@ -274,6 +276,53 @@ def rank_resume_at_one(path):
               flush=True)
 
 
+def rank_batch_waits_for_the_routes():
+    """`sync: auto` and the adaptive batch together: while auto measures and tries routes, the
+    batch is not decided (a batch changed mid-trial would make auto compare batch sizes, not
+    routes) and no step is timed for the throughput model (a trial's step is another route's);
+    once the routes settle, the batch grows from step times of the final routes only."""
+    import io
+    import json
+
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    hvd.init()
+    size = hvd.size()
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    n = 4096
+    data = torch.utils.data.TensorDataset(torch.randint(0, ROWS, (n,), generator=g), torch.randn(n, FEATURES, generator=g),
+                                          200.0 * torch.randn(n, generator=g))  # noise far above the signal
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5), model=model, adaptive=True,
+                                   config={"auto_steps": 6, "auto_trial_steps": 3})
+    loader = hvd.AdaptiveDataLoader(data, batch_size=12, interval=2, warmup=2)
+    loader.autoscale_batch_size(96, local_bsz_bounds=(2, 12), gradient_accumulation=True)
+    history = []
+    for ids, x, y in loader:
+        opt.zero_grad()
+        ((model(ids, x) - y) ** 2).mean().backward()
+        opt.step()
+        history.append(opt.adaptive.sizes())
+        if opt.adaptive.steps >= 40:
+            break
+    plans = json.loads(hybridsync.explain(file=io.StringIO(), as_json=True))  # (one per optimizer)
+    auto = next(v["auto"] for plan in plans for v in plan["variables"] if v["name"] == "emb.weight")
+    settled_at = auto["switched_at_step"]
+    judged = [j["step"] for j in opt.adaptive.decider.judgements]
+    assert judged and min(judged) > settled_at, (settled_at, judged, auto.get("trials"))
+    assert all(step > settled_at for step, _, _ in loader.changes), (settled_at, loader.changes)
+    timed = len(opt.adaptive.throughput.state_dict()["samples"].get(str(size), []))  # steps timed, every size
+    assert 0 < timed <= opt.adaptive.steps - settled_at - 1, (timed, opt.adaptive.steps, settled_at)
+    assert opt.adaptive.global_batch() > 12, (loader.changes, opt.adaptive.summary())
+    everyone = hvd.allgather_object((history, judged))
+    assert all(e == everyone[0] for e in everyone), "ranks disagree on the batch size or when it was judged"
+    print(f"np {size}: routes settled at step {settled_at}, first judged at {min(judged)}, "
+          f"changes {loader.changes}", flush=True)
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_noise_scale_rules_and_accumulation(np_):
     """The statistics of a dense layer and a PS table within 20% of the truth; adaptation off is
@@ -301,6 +350,13 @@ def test_loader_chooses_the_same_batch_everywhere_and_restarts_at_another_size(t
         assert len([e for e in counters if e["pid"] == rank]) >= 20, (rank, len(counters))
     assert {"noise_scale", "global_batch", "gain", "lr_factor"} <= set(counters[-1]["args"])
     assert max(e["args"]["global_batch"] for e in counters) > 12
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_the_batch_is_decided_only_once_sync_auto_has_settled_the_routes(np_):
+    """No batch judged and no step timed while `sync: auto` measures and tries routes; the batch
+    grows afterwards, the same on every rank (rank_batch_waits_for_the_routes)."""
+    run_ranks(__file__, "rank_batch_waits_for_the_routes", np_, timeout=300)
 
 
 if __name__ == "__main__":
