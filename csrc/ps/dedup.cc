@@ -19,10 +19,6 @@ void check_ids(const std::string& table, const int64_t* ids, int64_t n, int64_t 
 
 namespace {
 
-// How many ids ahead a loop over a batch prefetches the index's line for: enough to cover an L2
-// hit's latency (the index of a request's ids outgrows L1), few enough to stay in L1 meanwhile.
-constexpr int64_t kIndexAhead = 8;
-
 // Per thread: pulls and pushes may run on several threads' behalf.
 IdIndex& thread_index() {
   thread_local IdIndex index;
@@ -37,12 +33,10 @@ Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64
   out.inverse.reserve(static_cast<size_t>(n));  // (filled as it goes: no zero-fill first)
   IdIndex& index = thread_index();
   index.reset(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kIndexAhead < n) index.prefetch(ids[i + kIndexAhead]);
-    auto [slot, inserted] = index.insert(ids[i]);
+  index.insert_all(ids, n, [&](int64_t i, int64_t slot, bool inserted) {
     if (inserted) out.unique.push_back(ids[i]);
     out.inverse.push_back(slot);
-  }
+  });
   return out;
 }
 
@@ -71,50 +65,31 @@ HYBRIDSYNC_CLONED void add_up_duplicates(const int64_t* inverse, int64_t n, cons
 // new -- row k is then unique row k already -- and the rows so far are copied into `sums` only
 // at the first repeat: returns true when no id repeated, so `sums` was never written and the
 // sums are `grads` itself.
-HYBRIDSYNC_CLONED bool add_rows(const int64_t* ids, int64_t n, const float* grads, int64_t dim, IdIndex& index,
-                                std::vector<int64_t>& unique, std::vector<int64_t>* inverse, float* sums, bool in_place,
-                                bool statistics, double* sq) {
+HYBRIDSYNC_CLONED HYBRIDSYNC_INLINE_COPIES bool add_rows(const int64_t* ids, int64_t n, const float* grads, int64_t dim,
+                                                         IdIndex& index, std::vector<int64_t>& unique,
+                                                         std::vector<int64_t>* inverse, float* sums, bool in_place,
+                                                         bool statistics, double* sq) {
   double total = 0.0;
-  int64_t i = 0;
-  if (in_place) {
-    bool repeated = false;
-    for (; i < n && !repeated; ++i) {
-      if (i + kIndexAhead < n) index.prefetch(ids[i + kIndexAhead]);
-      const auto [slot, fresh] = index.insert(ids[i]);
-      if (!fresh) {  // the first repeat: rows 0..i-1 are unique rows 0..i-1 so far
-        std::memcpy(sums, grads, sizeof(float) * static_cast<size_t>(i * dim));
-        const float* g = grads + i * dim;
-        if (statistics) total += squared_norm(g, dim);
-        if (inverse) inverse->push_back(slot);
-        add_row(sums + slot * dim, g, dim);
-        repeated = true;
-        continue;
-      }
-      if (statistics) total += squared_norm(grads + i * dim, dim);
-      unique.push_back(ids[i]);
-      if (inverse) inverse->push_back(slot);
-    }
-    if (!repeated) {
-      *sq = total;
-      return true;
-    }
-  }
-  for (; i < n; ++i) {
-    if (i + kIndexAhead < n) index.prefetch(ids[i + kIndexAhead]);
-    const auto [slot, fresh] = index.insert(ids[i]);
+  bool copying = !in_place;  // rows go into sums (in place: from the first repeat on)
+  index.insert_all(ids, n, [&](int64_t i, int64_t slot, bool fresh) {
     const float* g = grads + i * dim;
-    float* dst = sums + slot * dim;
     if (statistics) total += squared_norm(g, dim);
     if (inverse) inverse->push_back(slot);
+    if (fresh) unique.push_back(ids[i]);
+    if (!copying) {
+      if (fresh) return;  // row i is unique row i, where it is
+      std::memcpy(sums, grads, sizeof(float) * static_cast<size_t>(i * dim));  // rows 0..i-1: unique rows 0..i-1
+      copying = true;
+    }
+    float* dst = sums + slot * dim;
     if (fresh) {
-      unique.push_back(ids[i]);
-      std::memcpy(dst, g, sizeof(float) * static_cast<size_t>(dim));
+      copy_row(dst, g, dim);
     } else {
       add_row(dst, g, dim);
     }
-  }
+  });
   *sq = total;
-  return false;
+  return !copying;
 }
 
 // The sum of n rows' squared norms.

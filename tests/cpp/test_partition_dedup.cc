@@ -51,13 +51,23 @@ TEST(an_id_index_reused_over_many_resets_numbers_ids_as_a_fresh_map_would) {
     const int64_t span = 1 + static_cast<int64_t>(rng() % 5000);
     index.reset(expected);
     std::unordered_map<int64_t, int64_t> reference;
+    std::vector<int64_t> ids(static_cast<size_t>(n));
+    for (auto& id : ids) id = rng() % 7 == 0 ? -1 : static_cast<int64_t>(rng() % span) * 1000003;
+    std::vector<std::pair<int64_t, bool>> got;
+    if (use % 2) {  // by turns one at a time and in batches (of up to 3 parts: the table grows between)
+      for (int64_t id : ids) got.push_back(index.insert(id));
+    } else {
+      for (int64_t at = 0; at < n;) {
+        const int64_t part = std::min<int64_t>(n - at, 1 + static_cast<int64_t>(rng() % (n / 2 + 1)));
+        index.insert_all(ids.data() + at, part, [&](int64_t, int64_t slot, bool inserted) { got.emplace_back(slot, inserted); });
+        at += part;
+      }
+    }
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t id = rng() % 7 == 0 ? -1 : static_cast<int64_t>(rng() % span) * 1000003;
-      const auto [slot, inserted] = index.insert(id);
-      const auto [it, fresh] = reference.emplace(id, static_cast<int64_t>(reference.size()));
-      if (slot != it->second || inserted != fresh) {
-        CHECK(slot == it->second);
-        CHECK(inserted == fresh);
+      const auto [it, fresh] = reference.emplace(ids[i], static_cast<int64_t>(reference.size()));
+      if (got[i].first != it->second || got[i].second != fresh) {
+        CHECK(got[i].first == it->second);
+        CHECK(got[i].second == fresh);
         return;
       }
     }
@@ -65,26 +75,45 @@ TEST(an_id_index_reused_over_many_resets_numbers_ids_as_a_fresh_map_would) {
   }
 }
 
-TEST(an_id_index_numbers_extreme_ids_and_tolerates_prefetch_before_any_reset) {
-  IdIndex index;
-  index.prefetch(42);  // no table yet: a hint with nothing to hint at
+TEST(an_id_index_numbers_extreme_ids_alike_one_at_a_time_and_in_batches) {
   const int64_t lo = std::numeric_limits<int64_t>::min(), hi = std::numeric_limits<int64_t>::max();
-  for (int use = 0; use < 3; ++use) {  // reused: the extremes found fresh each time
-    index.reset(use == 0 ? 0 : 4);     // expected 0: the smallest table, grown as ids come
-    const std::vector<int64_t> ids = {hi, lo, -1, 0, hi - 1, lo + 1, -2, hi, lo, -1, 1, -1};
-    std::unordered_map<int64_t, int64_t> reference;
-    for (int64_t id : ids) {
-      index.prefetch(id);
-      const auto [slot, inserted] = index.insert(id);
-      const auto [it, fresh] = reference.emplace(id, static_cast<int64_t>(reference.size()));
-      CHECK(slot == it->second);
-      CHECK(inserted == fresh);
+  const std::vector<int64_t> ids = {hi, lo, -1, 0, hi - 1, lo + 1, -2, hi, lo, -1, 1, -1};
+  std::unordered_map<int64_t, int64_t> reference;
+  std::vector<std::pair<int64_t, bool>> expected;
+  for (int64_t id : ids) {
+    const auto [it, fresh] = reference.emplace(id, static_cast<int64_t>(reference.size()));
+    expected.emplace_back(it->second, fresh);
+  }
+  IdIndex never_reset;  // first use without reset(): the smallest table, grown as ids come
+  std::vector<std::pair<int64_t, bool>> got;
+  never_reset.insert_all(ids.data(), static_cast<int64_t>(ids.size()),
+                         [&](int64_t, int64_t slot, bool inserted) { got.emplace_back(slot, inserted); });
+  CHECK(got == expected);
+  IdIndex index;
+  for (int use = 0; use < 4; ++use) {  // reused, by turns one at a time and in a batch
+    index.reset(use % 2 ? 4 : 0);      // expected below the ids' count: grown as they come
+    got.clear();
+    if (use % 2) {
+      for (int64_t id : ids) got.push_back(index.insert(id));
+    } else {
+      int64_t next = 0;
+      index.insert_all(ids.data(), static_cast<int64_t>(ids.size()), [&](int64_t i, int64_t slot, bool inserted) {
+        CHECK(i == next++);
+        got.emplace_back(slot, inserted);
+      });
     }
+    CHECK(got == expected);
     CHECK(index.size() == 8);
   }
   index.reset(16);  // one id many times: one slot
-  for (int i = 0; i < 1000; ++i) CHECK((index.insert(7) == std::pair<int64_t, bool>(0, i == 0)));
-  CHECK(index.size() == 1);
+  const std::vector<int64_t> same(1000, 7);
+  int64_t fresh = 0;
+  index.insert_all(same.data(), 1000, [&](int64_t, int64_t slot, bool inserted) {
+    CHECK(slot == 0);
+    fresh += inserted;
+  });
+  CHECK(fresh == 1 && index.size() == 1);
+  index.insert_all(same.data(), 0, [&](int64_t, int64_t, bool) { CHECK(!"an empty batch visits nothing"); });
 }
 
 // The two-pass reference: deduplicate() then sum_duplicates().
