@@ -383,7 +383,7 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
     const int64_t slots = shard->num_slots();
     RowAggregator aggregator;
     GradientBuffer sums;  // the pushing rank's summed rows, reused request after request
-    Dedup d;              // its unique ids, likewise
+    std::vector<int64_t> distinct;  // its distinct ids, likewise
     aggregator.set_statistics(o.statistics);
     std::vector<double> step, client, server_sum, apply;
     for (int r = 0; r < o.repeats; ++r) {
@@ -394,10 +394,10 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
         // The pushing rank: its batch's duplicate ids' gradients summed, one row per distinct id.
         const auto c0 = Clock::now();
         const float* summed = deduplicate_and_sum("bench", ids.data(), static_cast<int64_t>(ids.size()), rows,
-                                                  grads.data(), dim, &d, &sums);
+                                                  grads.data(), dim, &distinct, &sums);
         // The shard: its sources' rows summed (one source here), then the rule on each row.
         const auto s0 = Clock::now();
-        aggregator.sum(dim, {{d.unique.data(), static_cast<int64_t>(d.unique.size()), summed}}, 1.0f);
+        aggregator.sum(dim, {{distinct.data(), static_cast<int64_t>(distinct.size()), summed}}, 1.0f);
         const auto s1 = Clock::now();
         shard->rule().begin_step();
         shard->apply(aggregator.rows(), aggregator.size(), aggregator.sums());

@@ -33,7 +33,7 @@ Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64
   out.inverse.reserve(static_cast<size_t>(n));  // (filled as it goes: no zero-fill first)
   IdIndex& index = thread_index();
   index.reset(static_cast<size_t>(n));
-  index.insert_all(ids, n, [&](int64_t i, int64_t slot, bool inserted) {
+  index.insert_all(ids, n, [&](int64_t i, int64_t slot, bool inserted) __attribute__((always_inline)) {
     if (inserted) out.unique.push_back(ids[i]);
     out.inverse.push_back(slot);
   });
@@ -65,13 +65,12 @@ HYBRIDSYNC_CLONED void add_up_duplicates(const int64_t* inverse, int64_t n, cons
 // new -- row k is then unique row k already -- and the rows so far are copied into `sums` only
 // at the first repeat: returns true when no id repeated, so `sums` was never written and the
 // sums are `grads` itself.
-HYBRIDSYNC_CLONED HYBRIDSYNC_INLINE_COPIES bool add_rows(const int64_t* ids, int64_t n, const float* grads, int64_t dim,
-                                                         IdIndex& index, std::vector<int64_t>& unique,
-                                                         std::vector<int64_t>* inverse, float* sums, bool in_place,
-                                                         bool statistics, double* sq) {
+HYBRIDSYNC_CLONED bool add_rows(const int64_t* ids, int64_t n, const float* grads, int64_t dim,
+                                IdIndex& index, std::vector<int64_t>& unique, std::vector<int64_t>* inverse,
+                                float* sums, bool in_place, bool statistics, double* sq) {
   double total = 0.0;
   bool copying = !in_place;  // rows go into sums (in place: from the first repeat on)
-  index.insert_all(ids, n, [&](int64_t i, int64_t slot, bool fresh) {
+  index.insert_all(ids, n, [&](int64_t i, int64_t slot, bool fresh) __attribute__((always_inline)) {
     const float* g = grads + i * dim;
     if (statistics) total += squared_norm(g, dim);
     if (inverse) inverse->push_back(slot);
@@ -83,7 +82,7 @@ HYBRIDSYNC_CLONED HYBRIDSYNC_INLINE_COPIES bool add_rows(const int64_t* ids, int
     }
     float* dst = sums + slot * dim;
     if (fresh) {
-      copy_row(dst, g, dim);
+      std::memcpy(dst, g, sizeof(float) * static_cast<size_t>(dim));
     } else {
       add_row(dst, g, dim);
     }
@@ -111,23 +110,19 @@ void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, Gradien
 }
 
 const float* deduplicate_and_sum(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows,
-                                 const float* grads, int64_t dim, Dedup* dedup, GradientBuffer* sums) {
+                                 const float* grads, int64_t dim, std::vector<int64_t>* unique, GradientBuffer* sums) {
   check_ids(table, ids, n, num_rows);
-  dedup->unique.clear();
-  dedup->inverse.clear();
-  dedup->unique.reserve(static_cast<size_t>(n));  // (filled as they go: no zero-fill first)
-  dedup->inverse.reserve(static_cast<size_t>(n));
+  unique->clear();
+  unique->reserve(static_cast<size_t>(n));  // (filled as it goes: no zero-fill first)
   IdIndex& index = thread_index();
   index.reset(static_cast<size_t>(n));
   sums->resize(static_cast<size_t>(n * dim));  // unique <= n rows (unwritten: nothing zero-filled)
   double unused = 0.0;
-  const bool in_place =
-      add_rows(ids, n, grads, dim, index, dedup->unique, &dedup->inverse, sums->data(), true, false, &unused);
-  if (in_place) {
+  if (add_rows(ids, n, grads, dim, index, *unique, nullptr, sums->data(), true, false, &unused)) {
     sums->clear();
     return grads;
   }
-  sums->resize(dedup->unique.size() * static_cast<size_t>(dim));
+  sums->resize(unique->size() * static_cast<size_t>(dim));
   return sums->data();
 }
 

@@ -57,11 +57,12 @@ void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, Gradien
 
 // deduplicate() and sum_duplicates() in one pass over the ids (a push's hot loop): each
 // gradient row is added into its unique row as its id is indexed, in input order, so the sums
-// are the floats sum_duplicates() gives. Returns the summed rows (unique x dim): `grads` itself
-// while no id repeats -- the rows before the first repeat are unique rows 0, 1, ... already, so
-// they are copied into *sums only when a repeat comes, and a batch without one copies nothing.
+// are the floats sum_duplicates() gives. *unique gets deduplicate()'s unique ids (no inverse: a
+// push maps no rows back). Returns the summed rows (unique x dim): `grads` itself while no id
+// repeats -- the rows before the first repeat are unique rows 0, 1, ... already, so they are
+// copied into *sums only when a repeat comes, and a batch without one copies nothing.
 const float* deduplicate_and_sum(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows,
-                                 const float* grads, int64_t dim, Dedup* dedup, GradientBuffer* sums);
+                                 const float* grads, int64_t dim, std::vector<int64_t>* unique, GradientBuffer* sums);
 
 // Gradient rows from one source (a worker's request, or a caller): rows[i] gets grads[i*dim...].
 struct GradientRows {

@@ -83,10 +83,12 @@ std::vector<Routed> route_batches(const detail::ClientState& c, const std::vecto
         continue;
       }
       // A push: ids deduplicated and their gradients summed in one pass (the input's own rows
-      // when no id repeats; the summed buffer's pointer survives the move into Routed).
+      // when no id repeats; the summed buffer's pointer survives the move into Routed). No
+      // inverse: nothing maps a push's rows back to its inputs.
       Dedup dd;
       GradientBuffer summed;
-      const float* rows = deduplicate_and_sum(t.spec.name, b.ids, b.n, t.part.num_rows(), b.grads, dim, &dd, &summed);
+      const float* rows =
+          deduplicate_and_sum(t.spec.name, b.ids, b.n, t.part.num_rows(), b.grads, dim, &dd.unique, &summed);
       Routed r{b.table, dim, route_unique(std::move(dd), t.part, c.size()), rows, std::move(summed), b.out};
       r.type = row_type_of(t.spec);
       routed.push_back(std::move(r));

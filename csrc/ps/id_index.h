@@ -53,10 +53,12 @@ class IdIndex {
   // insert() of ids[0..n) in order, calling visit(i, slot, inserted) for each: the loop of a
   // batch, with the line an id probes requested kAhead ids before its turn and the table's
   // fields kept in registers (visit's stores cannot make the loop reload them).
+  // Always inlined, so that a caller built for AVX2 / AVX-512 (HYBRIDSYNC_CLONED) gets the loop,
+  // and `visit` inlined into it, built alike -- not one baseline copy calling visit per id.
   template <class Visit>
-  void insert_all(const int64_t* ids, int64_t n, Visit&& visit) {
+  __attribute__((always_inline)) void insert_all(const int64_t* ids, int64_t n, Visit&& visit) {
     if (n <= 0) return;
-    while ((size_ + static_cast<size_t>(n) + 1) * 2 > entries_.size()) grow();  // room for all: no check per id
+    while ((size_ + static_cast<size_t>(n)) * 2 > entries_.size()) grow();  // room for all: no check per id
     constexpr int64_t kAhead = 8;
     Entry* const table = entries_.data();
     const size_t mask = mask_;
