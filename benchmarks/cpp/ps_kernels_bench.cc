@@ -4,8 +4,8 @@
 //   pull+dedup    deduplicate() of the raw ids, then the gather (a one-shard pull end to end)
 //   push <rule>   a push end to end, as one rank's push reaches one shard: "client", the
 //                 pushing rank's deduplicate_and_sum() (ids deduplicated and the gradients of
-//                 duplicate ids scatter-added in one pass, one row per distinct id); then the shard's RowAggregator::step
-//                 in its two halves, "sum" (the sources' rows summed per row; with --statistics
+//                 duplicate ids scatter-added in one pass, one row per distinct id); then the
+//                 shard's RowAggregator::step in its two halves, "sum" (the sources' rows summed per row; with --statistics
 //                 also the squared norms the adaptive batch size's noise scale reads, which a
 //                 shard computes only when asked) and "apply" (the rule -- sgd / adagrad / adam --
 //                 on each distinct row); each half also timed alone

@@ -78,8 +78,9 @@ std::vector<Routed> route_batches(const detail::ClientState& c, const std::vecto
         continue;
       }
       if (!with_grads) {
-        routed.push_back(Routed{b.table, dim, route_ids(t.spec.name, t.part, b.ids, b.n, c.size()), nullptr, {}, b.out});
-        routed.back().type = row_type_of(t.spec);
+        Routed r{b.table, dim, route_ids(t.spec.name, t.part, b.ids, b.n, c.size()), nullptr, {}, b.out};
+        r.type = row_type_of(t.spec);
+        routed.push_back(std::move(r));
         continue;
       }
       // A push: ids deduplicated and their gradients summed in one pass (the input's own rows

@@ -43,8 +43,8 @@ namespace {
 // A pull's gather: row local[i] (at base + local[i] * row_stride) into out row i, the rows a
 // prefetch distance ahead requested meanwhile (they are scattered over a table much larger than
 // the caches), each row copied inline.
-HYBRIDSYNC_CLONED HYBRIDSYNC_INLINE_COPIES void gather_rows(const float* base, int64_t row_stride, const int64_t* local, int64_t n, int64_t dim,
-                                   float* out) {
+HYBRIDSYNC_CLONED HYBRIDSYNC_INLINE_COPIES void gather_rows(const float* base, int64_t row_stride, const int64_t* local,
+                                                            int64_t n, int64_t dim, float* out) {
   const int64_t distance = prefetch_rows_ahead(static_cast<int64_t>(sizeof(float)) * dim);
   int64_t i = 0;
   for (; i + distance < n; ++i, out += dim) {

@@ -59,7 +59,8 @@ TEST(an_id_index_reused_over_many_resets_numbers_ids_as_a_fresh_map_would) {
     } else {
       for (int64_t at = 0; at < n;) {
         const int64_t part = std::min<int64_t>(n - at, 1 + static_cast<int64_t>(rng() % (n / 2 + 1)));
-        index.insert_all(ids.data() + at, part, [&](int64_t, int64_t slot, bool inserted) { got.emplace_back(slot, inserted); });
+        index.insert_all(ids.data() + at, part,
+                         [&](int64_t, int64_t slot, bool inserted) { got.emplace_back(slot, inserted); });
         at += part;
       }
     }
