@@ -3,9 +3,9 @@
 //   pull          Shard::gather of a request's unique rows (what a server does for a pull)
 //   pull+dedup    deduplicate() of the raw ids, then the gather (a one-shard pull end to end)
 //   push <rule>   a push end to end, as one rank's push reaches one shard: "client", the
-//                 pushing rank's deduplicate() and sum_duplicates() (gradients of duplicate ids
-//                 scatter-added, one row per distinct id); then the shard's RowAggregator::step
-//                 in its two halves, "sum" (the sources' rows summed per row; with --statistics
+//                 pushing rank's deduplicate_and_sum() (ids deduplicated and the gradients of
+//                 duplicate ids scatter-added in one pass, one row per distinct id); then the
+//                 shard's RowAggregator::step in its two halves, "sum" (the sources' rows summed per row; with --statistics
 //                 also the squared norms the adaptive batch size's noise scale reads, which a
 //                 shard computes only when asked) and "apply" (the rule -- sgd / adagrad / adam --
 //                 on each distinct row); each half also timed alone
@@ -383,6 +383,7 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
     const int64_t slots = shard->num_slots();
     RowAggregator aggregator;
     GradientBuffer sums;  // the pushing rank's summed rows, reused request after request
+    std::vector<int64_t> distinct;  // its distinct ids, likewise
     aggregator.set_statistics(o.statistics);
     std::vector<double> step, client, server_sum, apply;
     for (int r = 0; r < o.repeats; ++r) {
@@ -392,11 +393,11 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
         const auto& ids = requests.raw[q];
         // The pushing rank: its batch's duplicate ids' gradients summed, one row per distinct id.
         const auto c0 = Clock::now();
-        const Dedup d = deduplicate("bench", ids.data(), static_cast<int64_t>(ids.size()), rows);
-        sum_duplicates(d, grads.data(), dim, &sums);
+        const float* summed = deduplicate_and_sum("bench", ids.data(), static_cast<int64_t>(ids.size()), rows,
+                                                  grads.data(), dim, &distinct, &sums);
         // The shard: its sources' rows summed (one source here), then the rule on each row.
         const auto s0 = Clock::now();
-        aggregator.sum(dim, {{d.unique.data(), static_cast<int64_t>(d.unique.size()), sums.data()}}, 1.0f);
+        aggregator.sum(dim, {{distinct.data(), static_cast<int64_t>(distinct.size()), summed}}, 1.0f);
         const auto s1 = Clock::now();
         shard->rule().begin_step();
         shard->apply(aggregator.rows(), aggregator.size(), aggregator.sums());

@@ -17,17 +17,26 @@ void check_ids(const std::string& table, const int64_t* ids, int64_t n, int64_t 
   }
 }
 
+namespace {
+
+// Per thread: pulls and pushes may run on several threads' behalf.
+IdIndex& thread_index() {
+  thread_local IdIndex index;
+  return index;
+}
+
+}  // namespace
+
 Dedup deduplicate(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows) {
   check_ids(table, ids, n, num_rows);
   Dedup out;
   out.inverse.reserve(static_cast<size_t>(n));  // (filled as it goes: no zero-fill first)
-  thread_local IdIndex index;  // per thread: pulls may run on several threads' behalf
+  IdIndex& index = thread_index();
   index.reset(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    auto [slot, inserted] = index.insert(ids[i]);
+  index.insert_all(ids, n, [&](int64_t i, int64_t slot, bool inserted) __attribute__((always_inline)) {
     if (inserted) out.unique.push_back(ids[i]);
     out.inverse.push_back(slot);
-  }
+  });
   return out;
 }
 
@@ -49,36 +58,48 @@ HYBRIDSYNC_CLONED void add_up_duplicates(const int64_t* inverse, int64_t n, cons
   }
 }
 
-// One source's rows into the sums (a row's first gradient copied, the others added), new rows
-// appended to `rows`; the sum of the source rows' squared norms when `statistics`, else 0.
-HYBRIDSYNC_CLONED double add_source(const GradientRows& source, int64_t dim, bool statistics, IdIndex& index,
-                                    std::vector<int64_t>& rows, float* sums) {
-  double sq = 0.0;
-  for (int64_t k = 0; k < source.n; ++k) {
-    auto [slot, fresh] = index.insert(source.rows[k]);
+// Indexes ids[0..n) and adds their gradient rows into `sums` by slot in input order (a row's
+// first gradient copied, the others added); new ids are appended to `unique`, and, when
+// `inverse` is given, every id's slot to it. `sq` gets the sum of the rows' squared norms when
+// `statistics`. With `in_place` (the index empty on entry) nothing is copied while every id is
+// new -- row k is then unique row k already -- and the rows so far are copied into `sums` only
+// at the first repeat: returns true when no id repeated, so `sums` was never written and the
+// sums are `grads` itself.
+HYBRIDSYNC_CLONED bool add_rows(const int64_t* ids, int64_t n, const float* grads, int64_t dim,
+                                IdIndex& index, std::vector<int64_t>& unique, std::vector<int64_t>* inverse,
+                                float* sums, bool in_place, bool statistics, double* sq) {
+  double total = 0.0;
+  bool copying = !in_place;  // rows go into sums (in place: from the first repeat on)
+  index.insert_all(ids, n, [&](int64_t i, int64_t slot, bool fresh) __attribute__((always_inline)) {
+    const float* g = grads + i * dim;
+    if (statistics) total += squared_norm(g, dim);
+    if (inverse) inverse->push_back(slot);
+    if (fresh) unique.push_back(ids[i]);
+    if (!copying) {
+      if (fresh) return;  // row i is unique row i, where it is
+      std::memcpy(sums, grads, sizeof(float) * static_cast<size_t>(i * dim));  // rows 0..i-1: unique rows 0..i-1
+      copying = true;
+    }
     float* dst = sums + slot * dim;
-    const float* g = source.grads + k * dim;
-    if (statistics) sq += squared_norm(g, dim);
     if (fresh) {
-      rows.push_back(source.rows[k]);
-      std::memcpy(dst, g, dim * sizeof(float));
+      std::memcpy(dst, g, sizeof(float) * static_cast<size_t>(dim));
     } else {
       add_row(dst, g, dim);
     }
-  }
+  });
+  *sq = total;
+  return !copying;
+}
+
+// The sum of n rows' squared norms.
+HYBRIDSYNC_CLONED double squared_norms(const float* rows, int64_t n, int64_t dim) {
+  double sq = 0.0;
+  for (int64_t i = 0; i < n; ++i) sq += squared_norm(rows + i * dim, dim);
   return sq;
 }
 
-// The squared norm of n summed rows when `statistics` (else 0), then the rows times `scale`.
-HYBRIDSYNC_CLONED double finish_sums(float* sums, int64_t n, int64_t dim, float scale, bool statistics) {
-  double sq = 0.0;
-  if (statistics) {
-    for (int64_t i = 0; i < n; ++i) sq += squared_norm(sums + i * dim, dim);
-  }
-  if (scale != 1.0f) {
-    for (int64_t i = 0; i < n * dim; ++i) sums[i] *= scale;
-  }
-  return sq;
+HYBRIDSYNC_CLONED void scale_rows(float* values, int64_t count, float scale) {
+  for (int64_t i = 0; i < count; ++i) values[i] *= scale;
 }
 
 }  // namespace
@@ -88,10 +109,27 @@ void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, Gradien
   add_up_duplicates(dedup.inverse.data(), static_cast<int64_t>(dedup.inverse.size()), grads, dim, out->data());
 }
 
+const float* deduplicate_and_sum(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows,
+                                 const float* grads, int64_t dim, std::vector<int64_t>* unique, GradientBuffer* sums) {
+  check_ids(table, ids, n, num_rows);
+  unique->clear();
+  unique->reserve(static_cast<size_t>(n));  // (filled as it goes: no zero-fill first)
+  IdIndex& index = thread_index();
+  index.reset(static_cast<size_t>(n));
+  sums->resize(static_cast<size_t>(n * dim));  // unique <= n rows (unwritten: nothing zero-filled)
+  double unused = 0.0;
+  if (add_rows(ids, n, grads, dim, index, *unique, nullptr, sums->data(), true, false, &unused)) {
+    sums->clear();
+    return grads;
+  }
+  sums->resize(unique->size() * static_cast<size_t>(dim));
+  return sums->data();
+}
+
 void RowAggregator::step(Shard& shard, const std::vector<GradientRows>& sources, float scale) {
   sum(shard.dim(), sources, scale);
   shard.rule().begin_step();
-  shard.apply(rows_.data(), size(), sums_.data());
+  shard.apply(rows_.data(), size(), sums());
 }
 
 void RowAggregator::sum(int64_t dim, const std::vector<GradientRows>& sources, float scale) {
@@ -99,11 +137,25 @@ void RowAggregator::sum(int64_t dim, const std::vector<GradientRows>& sources, f
   for (const GradientRows& s : sources) expected += static_cast<size_t>(s.n);
   dim_ = dim;
   rows_.clear();
+  in_place_ = nullptr;
   sums_.resize(expected * static_cast<size_t>(dim_));
   index_.reset(expected);
   local_sq_ = 0.0;
-  for (const GradientRows& s : sources) local_sq_ += add_source(s, dim_, statistics_, index_, rows_, sums_.data());
-  combined_sq_ = finish_sums(sums_.data(), size(), dim_, scale, statistics_);
+  for (size_t k = 0; k < sources.size(); ++k) {
+    const GradientRows& s = sources[k];
+    double sq = 0.0;
+    // The first source's rows are left in place until one repeats (add_rows).
+    if (add_rows(s.rows, s.n, s.grads, dim_, index_, rows_, nullptr, sums_.data(), k == 0, statistics_, &sq)) {
+      if (sources.size() == 1 && scale == 1.0f) {
+        in_place_ = s.grads;  // the sums are the source's rows, read where they are
+      } else {  // later sources add into them, or the scale rewrites them
+        std::memcpy(sums_.data(), s.grads, sizeof(float) * static_cast<size_t>(s.n * dim_));
+      }
+    }
+    local_sq_ += sq;
+  }
+  combined_sq_ = statistics_ ? squared_norms(sums(), size(), dim_) : 0.0;
+  if (scale != 1.0f) scale_rows(sums_.data(), size() * dim_, scale);
 }
 
 }  // namespace hybridsync

@@ -55,6 +55,15 @@ using GradientBuffer = std::vector<float, Unzeroed<float>>;
 // copied, the others added: nothing is zero-filled first.
 void sum_duplicates(const Dedup& dedup, const float* grads, int64_t dim, GradientBuffer* out);
 
+// deduplicate() and sum_duplicates() in one pass over the ids (a push's hot loop): each
+// gradient row is added into its unique row as its id is indexed, in input order, so the sums
+// are the floats sum_duplicates() gives. *unique gets deduplicate()'s unique ids (no inverse: a
+// push maps no rows back). Returns the summed rows (unique x dim): `grads` itself while no id
+// repeats -- the rows before the first repeat are unique rows 0, 1, ... already, so they are
+// copied into *sums only when a repeat comes, and a batch without one copies nothing.
+const float* deduplicate_and_sum(const std::string& table, const int64_t* ids, int64_t n, int64_t num_rows,
+                                 const float* grads, int64_t dim, std::vector<int64_t>* unique, GradientBuffer* sums);
+
 // Gradient rows from one source (a worker's request, or a caller): rows[i] gets grads[i*dim...].
 struct GradientRows {
   const int64_t* rows = nullptr;
@@ -72,7 +81,10 @@ class RowAggregator {
   void step(Shard& shard, const std::vector<GradientRows>& sources, float scale);
   // The same sums and statistics without running the rule (a dynamic table runs its own step).
   void sum(int64_t dim, const std::vector<GradientRows>& sources, float scale);
-  const float* sums() const { return sums_.data(); }
+  // The sums of the last sum()/step(), size() x dim rows. While no row repeats in a lone source
+  // and scale is 1 these are that source's gradients, read in place (nothing copied): valid
+  // while the sources are.
+  const float* sums() const { return in_place_ ? in_place_ : sums_.data(); }
   // The distinct rows of the last step (first-seen order), e.g. to send replicas.
   int64_t size() const { return static_cast<int64_t>(rows_.size()); }
   const int64_t* rows() const { return rows_.data(); }
@@ -88,6 +100,7 @@ class RowAggregator {
   IdIndex index_;
   std::vector<int64_t> rows_;
   GradientBuffer sums_;  // (written in full before read: growing it zero-fills nothing)
+  const float* in_place_ = nullptr;  // the lone source's gradients, when they are the sums
   int64_t dim_ = 1;
   bool statistics_ = false;
   double local_sq_ = 0.0, combined_sq_ = 0.0;

@@ -77,15 +77,21 @@ std::vector<Routed> route_batches(const detail::ClientState& c, const std::vecto
         routed.push_back(std::move(done));
         continue;
       }
-      Routed r{b.table, dim, route_ids(t.spec.name, t.part, b.ids, b.n, c.size()), nullptr, {}, b.out};
-      r.type = row_type_of(t.spec);
-      const auto& dd = r.routing.dedup;
-      if (with_grads && static_cast<int64_t>(dd.unique.size()) == b.n) {
-        r.rows = b.grads;  // no duplicates: unique u is input u
-      } else if (with_grads) {
-        sum_duplicates(dd, b.grads, dim, &r.summed);
-        r.rows = r.summed.data();
+      if (!with_grads) {
+        Routed r{b.table, dim, route_ids(t.spec.name, t.part, b.ids, b.n, c.size()), nullptr, {}, b.out};
+        r.type = row_type_of(t.spec);
+        routed.push_back(std::move(r));
+        continue;
       }
+      // A push: ids deduplicated and their gradients summed in one pass (the input's own rows
+      // when no id repeats; the summed buffer's pointer survives the move into Routed). No
+      // inverse: nothing maps a push's rows back to its inputs.
+      Dedup dd;
+      GradientBuffer summed;
+      const float* rows =
+          deduplicate_and_sum(t.spec.name, b.ids, b.n, t.part.num_rows(), b.grads, dim, &dd.unique, &summed);
+      Routed r{b.table, dim, route_unique(std::move(dd), t.part, c.size()), rows, std::move(summed), b.out};
+      r.type = row_type_of(t.spec);
       routed.push_back(std::move(r));
     }
   } catch (const PSIndexError& e) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dedup.h"
@@ -20,11 +21,10 @@ struct Routing {
   int64_t count(int dest) const { return offset[dest + 1] - offset[dest]; }
 };
 
-// Validates and routes ids[0..n) of table `name`; throws PSIndexError naming a bad id.
-inline Routing route_ids(const std::string& name, const Partitioner& part, const int64_t* ids, int64_t n,
-                         int num_ranks) {
+// Routes the unique ids of `dedup` (validated already).
+inline Routing route_unique(Dedup dedup, const Partitioner& part, int num_ranks) {
   Routing r;
-  r.dedup = deduplicate(name, ids, n, part.num_rows());
+  r.dedup = std::move(dedup);
   const auto& unique = r.dedup.unique;
   std::vector<int> dest(unique.size());
   r.offset.assign(static_cast<size_t>(num_ranks) + 1, 0);
@@ -42,6 +42,12 @@ inline Routing route_ids(const std::string& name, const Partitioner& part, const
     r.local[at] = part.local_index(unique[u]);
   }
   return r;
+}
+
+// Validates and routes ids[0..n) of table `name`; throws PSIndexError naming a bad id.
+inline Routing route_ids(const std::string& name, const Partitioner& part, const int64_t* ids, int64_t n,
+                         int num_ranks) {
+  return route_unique(deduplicate(name, ids, n, part.num_rows()), part, num_ranks);
 }
 
 }  // namespace hybridsync

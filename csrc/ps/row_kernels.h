@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 // HYBRIDSYNC_CLONED on a function builds it once per instruction set -- AVX-512, AVX2 and the
 // baseline x86-64 -- and the dynamic loader picks the best one the CPU has, once (an ifunc): the
@@ -18,6 +19,14 @@
 #endif
 #ifndef HYBRIDSYNC_CLONED
 #define HYBRIDSYNC_CLONED
+#endif
+
+// HYBRIDSYNC_INLINE_COPIES on a function that calls copy_row keeps its copies inline: GCC would
+// otherwise recognise copy_row's loop as a copy and call memmove for every row anyway.
+#if defined(__GNUC__) && !defined(__clang__)
+#define HYBRIDSYNC_INLINE_COPIES __attribute__((optimize("no-tree-loop-distribute-patterns")))
+#else
+#define HYBRIDSYNC_INLINE_COPIES
 #endif
 
 namespace hybridsync {
@@ -47,6 +56,18 @@ inline void prefetch_row(const float* p, int64_t floats, bool write) {
       __builtin_prefetch(p + j, 0);
     }
   }
+}
+
+// dst[j] = src[j] for j < dim, inline: 64 bytes at a time as one vector value (moves as wide as
+// the clone has: one zmm, two ymm or four xmm), then the rest. A call to memcpy costs more than a
+// short row's copy. (Moves, not float arithmetic: every bit pattern is kept.) Callers carry
+// HYBRIDSYNC_INLINE_COPIES.
+inline void copy_row(float* __restrict dst, const float* __restrict src, int64_t dim) {
+  typedef float Line __attribute__((vector_size(64), aligned(4), may_alias));
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(float));
+  int64_t j = 0;
+  for (; j + kLine <= dim; j += kLine) *reinterpret_cast<Line*>(dst + j) = *reinterpret_cast<const Line*>(src + j);
+  if (j < dim) std::memcpy(dst + j, src + j, sizeof(float) * static_cast<size_t>(dim - j));
 }
 
 // dst[j] += src[j] for j < dim.

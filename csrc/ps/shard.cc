@@ -38,6 +38,24 @@ void ZeroPages<T>::deallocate(T* p, size_t n) noexcept {
   }
 }
 
+namespace {
+
+// A pull's gather: row local[i] (at base + local[i] * row_stride) into out row i, the rows a
+// prefetch distance ahead requested meanwhile (they are scattered over a table much larger than
+// the caches), each row copied inline.
+HYBRIDSYNC_CLONED HYBRIDSYNC_INLINE_COPIES void gather_rows(const float* base, int64_t row_stride, const int64_t* local,
+                                                            int64_t n, int64_t dim, float* out) {
+  const int64_t distance = prefetch_rows_ahead(static_cast<int64_t>(sizeof(float)) * dim);
+  int64_t i = 0;
+  for (; i + distance < n; ++i, out += dim) {
+    prefetch_row(base + local[i + distance] * row_stride, dim, false);
+    copy_row(out, base + local[i] * row_stride, dim);
+  }
+  for (; i < n; ++i, out += dim) copy_row(out, base + local[i] * row_stride, dim);
+}
+
+}  // namespace
+
 template struct ZeroPages<float>;
 template struct ZeroPages<uint16_t>;
 
@@ -184,10 +202,10 @@ void Shard::gather(const int64_t* local, int64_t n, float* out, int slot) const 
     for (int64_t i = 0; i < n; ++i) get_row(local[i], out + i * dim_);
     return;
   }
-  const int64_t distance = prefetch_rows_ahead(static_cast<int64_t>(sizeof(float)) * dim_);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + distance < n) prefetch_row(row_of(slot, local[i + distance]), dim_, false);
-    std::memcpy(out + i * dim_, row_of(slot, local[i]), sizeof(float) * dim_);
+  if (slot < 0) {
+    gather_rows(base_ + offset_ * dim_, stride_ * dim_, local, n, dim_, out);
+  } else {
+    gather_rows(slots_[slot].data(), dim_, local, n, dim_, out);
   }
 }
 
