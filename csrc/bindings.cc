@@ -501,8 +501,6 @@ PYBIND11_MODULE(_ps, m) {
         d["bytes_read"] = s.bytes_read;
         d["bytes_written"] = s.bytes_written;
         d["steps"] = s.steps;
-        d["spills"] = s.spills;
-        d["compactions"] = s.compactions;
         return d;
       }, py::arg("table"), "Local: the table's storage on this rank's shard (rows in memory / on disk, I/O).")
       .def("written_rows", [](PyEngine& e, int t, bool memory) {

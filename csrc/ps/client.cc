@@ -536,14 +536,12 @@ TierStats Client::tier_stats(int table) const {
     s.memory_share = t.tiered->arena_rows();
     s.hits = t.tiered->hits();
     s.loads = t.tiered->loads();
-    s.spills = t.tiered->spills();
   } else if (t.dynamic) {
     disk = t.dynamic->disk();
     s.memory_rows = t.dynamic->resident();
     s.memory_share = disk ? share_of(t.spec.storage.memory_rows, t.spec.num_shards, impl_->rank()) : 0;
     s.hits = t.dynamic->hits();
     s.loads = t.dynamic->loads();
-    s.spills = t.dynamic->spills();
   } else {
     s.memory_rows = t.shard->rows();
   }
@@ -552,7 +550,6 @@ TierStats Client::tier_stats(int table) const {
     s.disk_rows = disk->size();
     s.bytes_read = disk->bytes_read();
     s.bytes_written = disk->bytes_written();
-    s.compactions = disk->compactions();
   }
   return s;
 }

@@ -202,42 +202,16 @@ void DynamicStore::remove_on_disk(std::vector<int64_t> entries) {
   disk_last_.resize(static_cast<size_t>(disk_->size()));
 }
 
-bool DynamicStore::choose_spills(int64_t k, const std::vector<int64_t>& chosen) {
-  std::vector<uint8_t> taken;  // (rows this spill already chose: not chosen again)
-  if (!chosen.empty()) {
-    taken.assign(static_cast<size_t>(rows_.size()), 0);
-    for (const int64_t p : chosen) taken[static_cast<size_t>(p)] = 1;
-  }
-  const std::vector<int64_t> order = least(
-      rows_.size(), k, spec_.evict == "lfu",
-      [&](int64_t p) { return tick_[static_cast<size_t>(p)] != now_ && (taken.empty() || !taken[static_cast<size_t>(p)]); },
-      [&](int64_t p) { return static_cast<int64_t>(counts_[static_cast<size_t>(p)]); },
-      [&](int64_t p) { return static_cast<int64_t>(last_[static_cast<size_t>(p)]); },
-      [&](int64_t p) { return rows_.id(p); });
-  spill_queue_.clear();
-  spill_next_ = 0;
-  for (const int64_t p : order) spill_queue_.push_back({rows_.id(p), last_[static_cast<size_t>(p)]});
-  return !spill_queue_.empty();
-}
-
 void DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
   const int64_t held = rows_.size();
   if (!disk_ || held + incoming <= memory_) return;
-  // Exactly the rows that do not fit go, so each operation writes a few (steady, small appends)
-  // rather than every eighth operation a round of an eighth of memory; the choosing, a scan of
-  // memory, still happens an eighth of memory at a time (the queue), and a queued row that was
-  // touched since it was chosen, or that this operation needs, stays.
-  const auto need = static_cast<size_t>(held + incoming - memory_);
-  std::vector<int64_t> victims;  // positions
-  while (victims.size() < need) {
-    if (spill_next_ == spill_queue_.size() &&
-        !choose_spills(std::max(static_cast<int64_t>(need - victims.size()), memory_ / 8), victims)) {
-      break;  // (this operation needs every other row: it keeps them until the next one)
-    }
-    const auto [id, last] = spill_queue_[spill_next_++];
-    const int64_t p = rows_.find(id);
-    if (p >= 0 && tick_[static_cast<size_t>(p)] != now_ && last_[static_cast<size_t>(p)] == last) victims.push_back(p);
-  }
+  // An eighth of memory at least, so a full arena does not spill a few rows every round.
+  const int64_t k = std::max(held + incoming - memory_, memory_ / 8);
+  std::vector<int64_t> victims = least(
+      held, k, spec_.evict == "lfu", [&](int64_t p) { return tick_[static_cast<size_t>(p)] != now_; },
+      [&](int64_t p) { return static_cast<int64_t>(counts_[static_cast<size_t>(p)]); },
+      [&](int64_t p) { return static_cast<int64_t>(last_[static_cast<size_t>(p)]); },
+      [&](int64_t p) { return rows_.id(p); });
   if (victims.empty()) return;
   std::vector<int64_t> ids;
   std::vector<char> records(victims.size() * static_cast<size_t>(arena.record_size()));
@@ -248,12 +222,9 @@ void DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
   try {
     disk_->add(ids.data(), static_cast<int64_t>(ids.size()), records.data());  // all or nothing
   } catch (const PSError&) {
-    spill_queue_.clear();  // (chosen again by the next spill, with what it needs)
-    spill_next_ = 0;
     if (mode == SpillMode::kMust) throw;
     return;  // (nothing was added: the rows stay in memory)
   }
-  ++spills_;
   for (const int64_t p : victims) {
     disk_counts_.push_back(counts_[static_cast<size_t>(p)]);
     disk_last_.push_back(last_[static_cast<size_t>(p)]);
@@ -606,8 +577,6 @@ void DynamicStore::clear() {
   fresh_ids_.clear();
   fresh_rows_.clear();
   tick_.clear();
-  spill_queue_.clear();
-  spill_next_ = 0;
   if (disk_) {
     disk_->clear();
     disk_counts_.clear();
@@ -713,8 +682,7 @@ DynamicStats DynamicStore::stats(const Shard& arena) const {
                 listed * static_cast<int64_t>(sizeof(int64_t));
   if (disk_) {
     s.map_bytes += disk_->index_bytes() + static_cast<int64_t>((disk_counts_.capacity() + disk_last_.capacity()) * 4 +
-                                                               tick_.capacity() * 4) +
-                   static_cast<int64_t>(spill_queue_.capacity() * sizeof(spill_queue_[0]));
+                                                               tick_.capacity() * 4);
   }
   s.row_bytes = rows_.size() * arena.record_size();  // (in memory; rows on disk cost only their index)
   return s;

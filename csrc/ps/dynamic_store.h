@@ -23,8 +23,8 @@
 // tiers together, `memory` the arena alone). Only where rows are changes: a round, and a pull's
 // prefetch, first reads back the stored rows it touches, and if the arena would then hold more
 // than `memory` rows, rows it does not touch go to disk first (in the eviction order; LRU when
-// evict is none, chosen an eighth of `memory` at a time; see spill) -- so a disk that cannot take
-// them fails the pull before any row changes; a round keeps them in memory instead (SpillMode). Rows leave the disk only by expiry or eviction.
+// evict is none), an eighth of `memory` at a time -- so a disk that cannot take them fails the
+// pull before any row changes; a round keeps them in memory instead (SpillMode). Rows leave the disk only by expiry or eviction.
 #pragma once
 
 #include <algorithm>
@@ -92,8 +92,6 @@ class DynamicStore {
   // Lookups (prefetch, round) of stored rows found in memory, and read back from disk.
   int64_t hits() const { return hits_; }
   int64_t loads() const { return loads_; }
-  // Writes that moved rows from memory to disk.
-  int64_t spills() const { return spills_; }
   // The initial row of `id`: a pure function of (seed, id).
   void initial_row(int64_t id, float* out) const;
   // The initial rows of n ids into out (n x dim), computed together (see normal_pairs).
@@ -118,11 +116,8 @@ class DynamicStore {
   void load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode = SpillMode::kMust,
             std::vector<int64_t>* positions = nullptr);
   // Disk tier: rows of the arena not marked by the newest operation go to disk until
-  // `incoming` more rows fit `memory_`, taken from the spill queue.
+  // `incoming` more rows fit `memory_`.
   void spill(Shard& arena, int64_t incoming, SpillMode mode = SpillMode::kMust);
-  // Disk tier: fills the spill queue with the k rows first in the spill order (LRU or LFU) that
-  // the newest operation does not need and are not in `chosen` (positions); false if none is.
-  bool choose_spills(int64_t k, const std::vector<int64_t>& chosen);
   // Disk tier: back within `memory_` rows, any row a candidate to spill (restores, writes).
   void settle(Shard& arena) {
     ++now_;
@@ -146,11 +141,7 @@ class DynamicStore {
   std::vector<uint32_t> disk_counts_;  // per disk entry
   std::vector<int32_t> disk_last_;
   uint32_t now_ = 0;                   // operations so far (disk tier)
-  int64_t hits_ = 0, loads_ = 0, spills_ = 0;
-  // Disk tier: the rows to spill next, in order, each with the last touch it had when chosen
-  // (one that has been touched since stays in memory); entries before spill_next_ are done.
-  std::vector<std::pair<int64_t, int32_t>> spill_queue_;
-  size_t spill_next_ = 0;
+  int64_t hits_ = 0, loads_ = 0;
   IdMap pending_;  // seen, not admitted
   std::vector<uint32_t> pending_counts_;
   std::vector<int32_t> pending_last_;

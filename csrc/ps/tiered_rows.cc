@@ -62,7 +62,6 @@ void TieredRows::spill(Shard& arena, int64_t incoming, SpillMode mode) {
     if (mode == SpillMode::kMust) throw;
     return;  // (add changed nothing: the rows stay in memory)
   }
-  ++spills_;
   for (const auto& [from, to] : resident_.erase_many(std::move(eligible))) {
     arena.copy_row(from, to);
     tick_[static_cast<size_t>(to)] = tick_[static_cast<size_t>(from)];

@@ -62,8 +62,6 @@ class TieredRows {
   // Counters: lookups (prefetch, push, write) of rows found in memory, and read from disk.
   int64_t hits() const { return hits_; }
   int64_t loads() const { return loads_; }
-  // Times rows left memory (one disk write each, or none where all of them were unwritten).
-  int64_t spills() const { return spills_; }
   int64_t steps() const { return steps_; }
   int64_t index_bytes() const;
 
@@ -83,7 +81,7 @@ class TieredRows {
   std::vector<uint32_t> tick_;  // per position: the operation that last touched it
   std::vector<uint8_t> dirty_;  // per position: holds what its initial value would not give
   uint32_t now_ = 0;
-  int64_t hits_ = 0, loads_ = 0, spills_ = 0, steps_ = 0;
+  int64_t hits_ = 0, loads_ = 0, steps_ = 0;
 };
 
 }  // namespace hybridsync

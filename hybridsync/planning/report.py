@@ -187,18 +187,16 @@ def _dynamic_lines() -> list:
 
 def _tier_lines() -> list:
     """Per live table with a disk tier, this rank's shard: rows in memory (against its share) and
-    on disk, the share of lookups memory served, the tier's bytes read and written per step, and
-    its spills (writes to disk) and compactions so far."""
+    on disk, the share of lookups memory served, and the tier's bytes read and written per step."""
     rows = []
     for name, s in live_tier_statistics():
         lookups, steps = s["hits"] + s["loads"], max(s["steps"], 1)
         rows.append([name, s["dtype"], f"{s['memory_rows']}/{s['memory_share']}", str(s["disk_rows"]),
                      f"{s['hits'] / lookups:.1%}" if lookups else "-", human_bytes(s["bytes_read"] // steps),
-                     human_bytes(s["bytes_written"] // steps), str(s["spills"]), str(s["compactions"])])
+                     human_bytes(s["bytes_written"] // steps)])
     if not rows:
         return []
-    head = ["tiered table", "dtype", "memory/share", "on disk", "hit rate", "read/step", "written/step", "spills",
-            "compactions"]
+    head = ["tiered table", "dtype", "memory/share", "on disk", "hit rate", "read/step", "written/step"]
     return ["", "tables with a disk tier (this rank's shard):"] + format_table(head, rows)
 
 

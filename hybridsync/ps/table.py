@@ -54,8 +54,7 @@ class TableCore:
     def tier_stats(self) -> dict:
         """Local: this rank's shard's storage: {"dtype", "path" (its tier file), "memory_rows",
         "disk_rows", "memory_share", "hits" / "loads" (rows an operation found in memory / read
-        back from disk), "bytes_read", "bytes_written", "steps", "spills" (writes that moved rows
-        from memory to disk), "compactions" (of the tier file)}."""
+        back from disk), "bytes_read", "bytes_written", "steps"}."""
         return self.engine.tier_stats(self.handle)
 
     @property

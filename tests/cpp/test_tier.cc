@@ -10,14 +10,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
-#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "../../csrc/ps/tier.h"
-#include "ps/dynamic_store.h"
-#include "ps/update_rule.h"
 #include "check.h"
 #include "hybridsync/ps.h"
 
@@ -279,47 +276,5 @@ TEST(a_bulk_read_of_a_disk_tier_reads_right_and_later_reads_still_do) {
     std::vector<char> buf(bytes);
     tier.read(&e, 1, buf.data());
     CHECK(buf == expected[key]);
-  }
-}
-
-TEST(a_full_dynamic_cache_spills_just_the_rows_that_do_not_fit_and_trains_like_all_in_memory) {
-  // Memory for 64 rows and a disk tier: once memory is full, each round that brings new rows in
-  // moves exactly as many out, in one write (the cache stays full; a spill of an eighth of memory
-  // at a time left it 7/8 full and wrote every few rounds), and every row stays what a store
-  // all in memory holds.
-  ScratchDir scratch;
-  const int64_t dim = 2, memory = 64;
-  DynamicSpec lru, plain;
-  lru.on = plain.on = true;
-  lru.evict = "lru";
-  lru.seed = plain.seed = 7;
-  auto rule = [] { return make_update_rule("sgd", {{"lr", 0.5}}); };
-  auto arena = std::make_unique<Shard>("dyn", memory, dim, rule());
-  DynamicStore store("dyn", lru, 0, dim, memory, std::make_unique<DiskTier>("dyn", scratch.path, 0, arena->record_size(), nullptr));
-  DynamicStore all("dyn", plain, 0, dim);
-  auto all_arena = std::make_unique<Shard>("dyn", all.arena_rows(), dim, rule());
-  std::vector<int64_t> seen;
-  int64_t next = 1000, overflowing = 0;
-  for (int round = 0; round < 40; ++round) {
-    std::vector<int64_t> ids{1, 2, 3, 4};  // hot rows, and six new ones
-    for (int k = 0; k < 6; ++k) ids.push_back(next++);
-    seen.insert(seen.end(), ids.end() - 6, ids.end());
-    std::vector<float> grads(ids.size() * dim);
-    for (size_t i = 0; i < grads.size(); ++i) grads[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
-    const auto n = static_cast<int64_t>(ids.size());
-    overflowing += store.stored() + 6 > memory ? 1 : 0;
-    store.prefetch(arena, ids.data(), n);
-    store.step(arena, ids.data(), n, grads.data());
-    all.step(all_arena, ids.data(), n, grads.data());
-    CHECK(store.resident() == std::min(store.stored(), memory));
-  }
-  CHECK(store.stored() == 4 + 40 * 6 && store.disk()->size() == store.stored() - memory);
-  CHECK(overflowing > 0 && store.spills() == overflowing);  // one write per round that needed room
-  seen.insert(seen.end(), {1, 2, 3, 4});
-  for (const int64_t id : seen) {
-    std::vector<float> a(dim), b(dim);
-    store.read(*arena, &id, 1, a.data(), -1);
-    all.read(*all_arena, &id, 1, b.data(), -1);
-    CHECK(a == b);
   }
 }

@@ -78,8 +78,7 @@ struct StorageSpec {
 
 // A table's storage on this rank's shard: rows in memory and on disk, stored rows that lookups
 // (pull prefetches, pushes, writes) found in memory (hits) and read back from disk (loads), the
-// bytes its disk tier read and wrote, the spills (times rows left memory for disk) and file
-// compactions, and the push rounds (steps) so far.
+// bytes its disk tier read and wrote, and the push rounds (steps) so far.
 // How a fixed table's rows start before anything writes them: kind "zeros", "normal" (a, b: mean
 // and standard deviation) or "uniform" (a, b: low and high), a function of (seed, row id).
 struct RowInitSpec {
@@ -92,7 +91,6 @@ struct TierStats {
   std::string dtype = "float32", path;  // path: the disk tier's file ("" without one)
   int64_t memory_rows = 0, disk_rows = 0, memory_share = 0;
   int64_t hits = 0, loads = 0, bytes_read = 0, bytes_written = 0, steps = 0;
-  int64_t spills = 0, compactions = 0;  // times rows left memory for disk; compactions of the file
 };
 
 // A table registered with a Client; num_shards 0 means every rank holds a shard.
