@@ -181,6 +181,17 @@ def rank_stats_and_rules():
     rank_accumulation_is_the_mean()
 
 
+def _noisy_data():
+    """4,096 samples whose labels are noise far above the signal: a big batch is nearly free of
+    statistical cost, so the adaptive batch grows."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    n = 4096
+    return torch.utils.data.TensorDataset(torch.randint(0, ROWS, (n,), generator=g), torch.randn(n, FEATURES, generator=g),
+                                          200.0 * torch.randn(n, generator=g))
+
+
 def rank_loader(mode, path):
     """AdaptiveDataLoader on noise-dominated data (a big batch is nearly free of statistical
     cost): the batch grows past the base, by accumulation beyond local_bsz_bounds, the same on
@@ -195,10 +206,7 @@ def rank_loader(mode, path):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     model = _model()
-    g = torch.Generator().manual_seed(5)
-    n = 4096
-    data = torch.utils.data.TensorDataset(torch.randint(0, ROWS, (n,), generator=g), torch.randn(n, FEATURES, generator=g),
-                                          200.0 * torch.randn(n, generator=g))  # noise far above the signal
+    data = _noisy_data()
     # (a short `sync: auto` phase: the batch is decided only once the routes have settled)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5), model=model, adaptive=True,
                                    config={"auto_steps": 4, "auto_trial_steps": 3})
@@ -292,10 +300,7 @@ def rank_batch_waits_for_the_routes():
     hvd.init()
     size = hvd.size()
     model = _model()
-    g = torch.Generator().manual_seed(5)
-    n = 4096
-    data = torch.utils.data.TensorDataset(torch.randint(0, ROWS, (n,), generator=g), torch.randn(n, FEATURES, generator=g),
-                                          200.0 * torch.randn(n, generator=g))  # noise far above the signal
+    data = _noisy_data()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5), model=model, adaptive=True,
                                    config={"auto_steps": 6, "auto_trial_steps": 3})
     loader = hvd.AdaptiveDataLoader(data, batch_size=12, interval=2, warmup=2)
