@@ -29,7 +29,10 @@ def load(name: str) -> dict | None:
 def table(hybridsync: str, bench: dict | None, network: dict | None) -> str:
     one_host = {(s["system"], s["ranks"]): s for s in (bench or {}).get("summary", [])}
     links = {(s["rate"], s["per_host"], s["system"]): s for s in (network or {}).get("summary", [])}
-    columns = [hybridsync, BASELINE, TUNED, TORCHREC]
+    measured = {system for system, _ in one_host} | {system for _, _, system in links}
+    # A baseline neither run measured is left out rather than shown as a column of gaps.
+    columns = [hybridsync] + [s for s in (BASELINE, TUNED, TORCHREC) if s in measured or s == TORCHREC]
+    titles = {BASELINE: "Horovod allgather", TUNED: "Horovod at its best", TORCHREC: "TorchRec CPU"}
 
     def rate(s):
         return f"{s['samples_per_s']:,.0f}" if s and s.get("samples_per_s") else MISSING
@@ -44,7 +47,8 @@ def table(hybridsync: str, bench: dict | None, network: dict | None) -> str:
                         ("4 ranks, one host (2 per core)", lambda system: one_host.get((system, 4))),
                         ("2 hosts x 2 ranks, 1 Gbit links", lambda system: links.get(("1gbit", 2, system)))):
         found = [pick(system) for system in columns]
-        rows.append(f"| {label} | " + " | ".join(rate(s) for s in found) + f" | {versus(found[0], found[2:])} |")
+        best = [s for system, s in zip(columns, found) if system in (TUNED, TORCHREC)]
+        rows.append(f"| {label} | " + " | ".join(rate(s) for s in found) + f" | {versus(found[0], best)} |")
     memory = [one_host.get((system, 4)) for system in columns]
     mib = [f"{s['peak_rss_per_rank'] / 2**20:,.0f} MiB" if s else MISSING for s in memory]
     saved = memory[0]["rss_saved_vs_horovod"] if memory[0] and memory[0].get("rss_saved_vs_horovod") is not None else None
@@ -57,17 +61,18 @@ def table(hybridsync: str, bench: dict | None, network: dict | None) -> str:
             "allgather\nwith `OMPI_MCA_mpi_yield_when_idle=1`; TorchRec is its DistributedModelParallel on CPU "
             "(benchmarks/torchrec_dlrm.py).\n\"vs best\" is hybridsync over the faster of Horovod at its best and "
             "TorchRec; memory: tables' worth less than Horovod.")
-    return "\n".join([head, "", f"| setting | hybridsync ({hybridsync.removeprefix('hybridsync-')}) | Horovod allgather | "
-                      "Horovod at its best | TorchRec CPU | vs best |",
-                      "| --- | ---: | ---: | ---: | ---: | ---: |", *rows])
+    header = " | ".join([f"hybridsync ({hybridsync.removeprefix('hybridsync-')})"] + [titles[s] for s in columns[1:]])
+    return "\n".join([head, "", f"| setting | {header} | vs best |", "| --- |" + " ---: |" * (len(columns) + 1), *rows])
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hybridsync", default="hybridsync-sharded", help="the hybridsync system of the first column")
     p.add_argument("--print", action="store_true", help="print the table; leave README.md as it is")
+    p.add_argument("--bench", default="latest.json", help="benchmarks/results/ file of the one-host rows (bench.py)")
+    p.add_argument("--network", default="network.json", help="benchmarks/results/ file of the 2-host row (network.py)")
     args = p.parse_args()
-    text = table(args.hybridsync, load("latest.json"), load("network.json"))
+    text = table(args.hybridsync, load(args.bench), load(args.network))
     if args.print:
         print(text)
         return

@@ -57,6 +57,8 @@ def parse_args():
                    help="hybridsync-sharded: how the shards store the tables' rows (storage: dtype)")
     p.add_argument("--rounding", choices=("nearest", "stochastic"), default="nearest",
                    help="hybridsync-sharded with 16-bit rows: storage: rounding")
+    p.add_argument("--timeline", default=None,
+                   help="hybridsync systems: record a Chrome-trace timeline of every step here (HYBRIDSYNC_TIMELINE)")
     p.add_argument("--eval-batches", type=int, default=0,
                    help="after training: the loss on this many held-out batches (same teacher, other samples)")
     return p.parse_args()
@@ -68,6 +70,22 @@ def wire_bytes(iface):
         return None
     stats = Path("/sys/class/net") / iface / "statistics"
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def thread_cpu_ticks() -> dict:
+    """{thread name: CPU clock ticks (user + system) so far} of this process's threads, threads of
+    one name summed, the main thread as "main": which thread spends a rank's core (the trainer,
+    the PS server, MPI's and Horovod's background threads)."""
+    ticks, main_thread = {}, str(os.getpid())
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = "main" if task.name == main_thread else stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        ticks[name] = ticks.get(name, 0) + int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks
 
 
 def measure_checkpoint(path, model, opt, comm):
@@ -269,6 +287,8 @@ def main():
         os.environ["HYBRIDSYNC_AUTO"] = "off"  # what defines this system; before hybridsync reads its settings
     elif args.system == "hybridsync-default":
         os.environ.pop("HYBRIDSYNC_AUTO", None)  # the default, whatever the caller's environment says
+    if args.timeline:
+        os.environ["HYBRIDSYNC_TIMELINE"] = args.timeline  # read once, at hybridsync's first settings()
     if args.system.startswith("hybridsync"):
         import hybridsync
 
@@ -306,6 +326,7 @@ def main():
     comm.barrier()
     phases[:] = 0
     wire_start = wire_bytes(args.wire_iface)
+    cpu_start, process_cpu_start = thread_cpu_ticks(), time.process_time()
     start = time.perf_counter()
     for b in batches[args.warmup:]:
         step(*b)
@@ -313,6 +334,10 @@ def main():
         engine.flush()
     comm.barrier()
     elapsed = time.perf_counter() - start
+    process_cpu = time.process_time() - process_cpu_start
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+    cpu_end = thread_cpu_ticks()
+    thread_cpu_ms = {name: (cpu_end[name] - cpu_start.get(name, 0)) * tick_ms / args.steps for name in cpu_end}
     wire_end = wire_bytes(args.wire_iface)
     local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
     local_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
@@ -332,6 +357,8 @@ def main():
         "rss": training_peak_rss,
         "wrap_rss": wrap_peak_rss,
         "phases_ms": (phases / args.steps * 1e3).tolist(),
+        "cpu_ms_per_step": process_cpu / args.steps * 1e3,
+        "thread_cpu_ms_per_step": {k: v for k, v in thread_cpu_ms.items() if v > 0},
         "wire": wire,
         "loss": float(np.mean(losses[-20:])),
         "eval_loss": eval_loss,
@@ -360,6 +387,8 @@ def main():
             "unique_row_min_bytes_per_rank_step": (unique_row_minimum(ids_all, args, size, sample)
                                                    if traffic and not args.global_ranks else None),
             "table_bytes": args.tables * args.rows * args.dim * 4,
+            "cpu_ms_per_step_per_rank": [e["cpu_ms_per_step"] for e in everyone],
+            "thread_cpu_ms_per_step_per_rank": [e["thread_cpu_ms_per_step"] for e in everyone],
             "phases_ms": dict(zip(("forward", "backward", "step"),
                                   np.mean([e["phases_ms"] for e in everyone], axis=0).tolist())),
         }

@@ -67,3 +67,43 @@ def test_cachegrind_counts_are_summed_per_function():
     counts = kernels.per_function(text)
     assert counts["???:hybridsync::RowAggregator::add(hybridsync::GradientRows const&)"] == {"Ir": 150, "D1mr": 2, "DLmr": 1}
     assert [kernels.short_name(f) for f in counts] == ["RowAggregator::add", "SGDRule::apply"]
+
+
+def test_the_headline_leaves_out_a_baseline_neither_run_measured():
+    bench_results, network = _results(with_torchrec=True)
+    bench_results["summary"] = [s for s in bench_results["summary"] if s["system"] != "horovod-allgather"]
+    text = headline.table("hybridsync-sharded", bench_results, network)
+    header = next(line for line in text.splitlines() if line.startswith("| setting"))
+    assert "Horovod allgather" not in header and "Horovod at its best" in header and "TorchRec CPU" in header
+    two = next(line for line in text.splitlines() if line.startswith("| 2 ranks, one host")).split(" | ")
+    assert two[1:4] == ["200,000", "150,000", "250,000"]
+    assert two[4].startswith("0.80x")  # against TorchRec, the fastest baseline of the row
+
+
+def _span(name, start_us, dur_us, cat="phase"):
+    return {"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": 0, "ts": float(start_us), "dur": float(dur_us)}
+
+
+def test_the_profile_cuts_each_timed_step_into_its_phases():
+    from benchmarks import profile_step
+
+    def one_step(t):  # a 10,000 us step starting at t
+        return [_span("forward", t, 3000), _span("pull (8 tables)", t + 100, 800, "ps"),
+                _span("backward", t + 3000, 4000), _span("all-reduce start (6 tensors fused)", t + 6500, 300, "dense"),
+                _span("synchronize", t + 7000, 2000), _span("push (8 tables)", t + 7100, 500, "ps"),
+                _span("all-reduce wait (6 tensors fused, mpi)", t + 7700, 1000, "dense"),
+                _span("optimizer update (dense)", t + 9000, 600),
+                _span("serve pulls", t + 200, 50, "server"), _span("server apply", t + 7300, 150, "server")]
+
+    warmup = [_span("forward", -50_000, 20_000), _span("pull embeddings.0.weight", -49_000, 9000, "ps")]
+    events = warmup + one_step(0) + one_step(10_000)
+    phases = profile_step.phases_of_trace(events, steps=2)
+    expected = {"forward (model)": 2.2, "PS pull": 0.8, "backward (model)": 3.7, "dense all-reduce": 1.3, "PS push": 0.5,
+                "rest of synchronize": 0.5, "dense update": 0.6, "server: serve pulls": 0.05,
+                "server: apply pushes": 0.15}
+    for phase, ms in expected.items():
+        assert phases[phase] == pytest.approx(ms), phase
+    # the last step ends with its dense update: 19,600 us for two steps, 0.4 ms each outside the spans
+    assert phases["around the optimizer"] == pytest.approx((19_600 - 2 * 9_600) / 1e3 / 2)
+    with pytest.raises(ValueError, match="fewer than the 3 timed steps"):
+        profile_step.phases_of_trace(one_step(0), steps=3)
