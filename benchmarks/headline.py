@@ -2,11 +2,13 @@
 
     python benchmarks/headline.py                # README.md between <!-- headline:start/end -->
     python benchmarks/headline.py --print        # the table only
-    python benchmarks/headline.py --hybridsync hybridsync-default   # another hybridsync column
+    python benchmarks/headline.py --hybridsync hybridsync-sharded   # another hybridsync column
+    python benchmarks/headline.py --bench torchrec-side-by-side.json --network network-torchrec.json  # other runs
 
 Reads benchmarks/results/latest.json (benchmarks/bench.py: 2 and 4 ranks on one host, memory) and
 network.json (benchmarks/network.py: 2 hosts x 2 ranks at 1 Gbit). A system a results file does
-not have (TorchRec before a run that included it) shows as "not yet measured".
+not have (TorchRec before a run that included it) shows as "not yet measured"; a Horovod column
+that neither file has is left out.
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ def table(hybridsync: str, bench: dict | None, network: dict | None) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hybridsync", default="hybridsync-sharded", help="the hybridsync system of the first column")
+    p.add_argument("--hybridsync", default="hybridsync-default",
+                   help="the hybridsync system of the first column (default: what a script gets as written)")
     p.add_argument("--print", action="store_true", help="print the table; leave README.md as it is")
     p.add_argument("--bench", default="latest.json", help="benchmarks/results/ file of the one-host rows (bench.py)")
     p.add_argument("--network", default="network.json", help="benchmarks/results/ file of the 2-host row (network.py)")
