@@ -11,7 +11,10 @@ dense all-reduce, PS push, the rest of synchronize, the dense update and the loo
 optimizer; the PS server thread's spans (serving pulls, applying pushes) are summed beside them.
 "Waiting" is the step's wall time less the trainer thread's CPU time: the time the trainer spent
 blocked (on the other rank, the network, or a core busy with another thread). With 2 ranks on
-2 cores the limit is twice one rank's samples/s; the table prints the fraction reached.
+2 cores the limit is twice one rank's samples/s; the table prints the fraction reached, and
+what two independent 1-rank trainings started together reach (no MPI job between them: the two
+cores' shared cache and memory bandwidth are all they have in common), the limit this hardware
+sets before any synchronisation.
 Writes benchmarks/results/<name>.{json,md,png} and docs/performance.md's profile section.
 """
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +32,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchmarks.bench as bench  # noqa: E402
-from benchmarks.bench import RESULTS, load_average, median, results_image, rounds_table, run, update_docs  # noqa: E402
+from benchmarks.bench import (RESULTS, ROOT, free_port, load_average, median, results_image, rounds_table,  # noqa: E402
+                              run, update_docs)
 
 TRAINER_PHASES = ("forward (model)", "PS pull", "backward (model)", "dense all-reduce", "PS push",
                   "rest of synchronize", "dense update", "around the optimizer")
@@ -98,6 +104,28 @@ def profile_run(system: str, ranks: int, steps: int, warmup: int) -> dict:
     return {**result, "traced_phases_ms": {k: sum(r[k] for r in per_rank) / ranks for k in per_rank[0]}}
 
 
+def independent_pair(system: str, steps: int, warmup: int, timeout: float = 600) -> dict:
+    """Two 1-rank trainings of `system` started together, each its own process and MPI job:
+    their summed samples/s is what the two cores give with nothing synchronised."""
+    cmd = lambda: bench.mpirun(1) + [sys.executable, str(ROOT / "benchmarks" / "run_one.py"), "--system", system,
+                                     "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port())]
+    procs = [subprocess.Popen(cmd(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             for _ in range(2)]
+    results = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return {"system": system, "ranks": 2, "error": f"timed out after {timeout} s"}
+        found = re.search(r"BENCH-RESULT (\{.*\})", out)
+        if proc.returncode != 0 or not found:
+            return {"system": system, "ranks": 2, "error": out[-2000:]}
+        results.append(json.loads(found.group(1)))
+    return {"system": system, "ranks": 2, "samples_per_s": sum(r["samples_per_s"] for r in results),
+            "ms_per_step": median([r["ms_per_step"] for r in results])}
+
+
 def plan(args) -> list[tuple]:
     runs = []
     for round_ in range(args.repeats):
@@ -105,6 +133,8 @@ def plan(args) -> list[tuple]:
         for system in args.systems[k:] + args.systems[:k]:
             for ranks in args.ranks:
                 runs += [("plain", system, ranks, round_), ("traced", system, ranks, round_)]
+        if 2 in args.ranks:
+            runs.append(("independent", args.systems[0].split("@")[0], 2, round_))
     return runs
 
 
@@ -120,8 +150,9 @@ def thread_split(result: dict) -> dict:
 
 def summarise(raw: list[dict]) -> list[dict]:
     groups = {}
+    pairs = [r["samples_per_s"] for r in raw if r["kind"] == "independent" and "error" not in r]
     for r in raw:
-        if "error" not in r:
+        if "error" not in r and r["kind"] != "independent":
             groups.setdefault((r["system"], r["ranks"]), {"plain": [], "traced": []})[r["kind"]].append(r)
     summary = []
     for (system, ranks), runs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -144,6 +175,10 @@ def summarise(raw: list[dict]) -> list[dict]:
         if one and s["ranks"] > 1:
             s["scaling"] = s["samples_per_s"] / one["samples_per_s"]
             s["of_core_limit"] = s["scaling"] / min(s["ranks"], 2)  # this machine's 2 cores
+            if pairs and s["ranks"] == 2:
+                s["independent_pair_samples_per_s"] = median(pairs)
+                s["of_independent_pair"] = s["samples_per_s"] / median(pairs)
+                s["independent_pair_of_core_limit"] = median(pairs) / (2 * one["samples_per_s"])
     return summary
 
 
@@ -160,6 +195,9 @@ def markdown(summary: list[dict], meta: dict, raw: list[dict]) -> str:
     row("**step (plain run)**", [s["ms_per_step"] for s in summary])
     row("samples/s", [s["samples_per_s"] for s in summary], "{:,.0f}")
     row("2 ranks / (2 x 1 rank): of the 2-core limit", [s.get("of_core_limit") for s in summary], "{:.2f}")
+    row("2 independent 1-rank runs at once / (2 x 1 rank)", [s.get("independent_pair_of_core_limit") for s in summary],
+        "{:.2f}")
+    row("2 ranks / 2 independent 1-rank runs", [s.get("of_independent_pair") for s in summary], "{:.2f}")
     row("step with the timeline on", [s["traced_ms_per_step"] for s in summary])
     for phase in TRAINER_PHASES:
         row(f"trainer: {phase}", [s["phases_ms"][phase] for s in summary])
@@ -213,7 +251,9 @@ def main():
         if loadavg:
             seen.add(round_)
             tqdm.write(f"round {round_ + 1}/{args.repeats}: load average {' / '.join(map(str, loadavg))}")
-        if kind == "plain":
+        if kind == "independent":
+            result = independent_pair(system, args.steps, args.warmup)
+        elif kind == "plain":
             result = run(system, ranks, args.steps, args.warmup)
         else:
             result = profile_run(system, ranks, args.steps, args.warmup)
