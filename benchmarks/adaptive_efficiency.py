@@ -21,6 +21,7 @@ fixed global batches, e.g. 512 and 4096, with the learning rate written for 512 
              optimizers)
       post   the same with the accumulator the step divided by (it holds the step's own g^2,
              which biases |P g_B|^2 down)
+      seen   as pre, leaving out the elements never updated before (P = 0 there)
     Also each variable group's own phi (the MLP, all-reduced in the benchmark; the tables, on
     the PS there).
 (c) Predicted efficiency of M, over the base run up to the target: the base run's samples over
@@ -59,7 +60,7 @@ from torch_dlrm import DLRM, SyntheticCriteo  # noqa: E402
 TABLES, ROWS, DIM, TRAIN, HELD_OUT, LR = 8, 20_000, 16, 400_000, 32768, 0.05  # benchmarks/adaptive.py's DLRM
 EPS = 1e-10  # torch.optim.Adagrad's (and the PS rule's) default
 GROUPS = ("dense", "tables")  # the MLP (all-reduced in the benchmark) and the embedding tables (on the PS)
-KINDS = ("plain", "pre", "post")  # the gradients as they are; preconditioned by the accumulator before / after the step
+KINDS = ("plain", "pre", "post", "seen")  # the gradients as they are; preconditioned by the accumulator before / after the step
 
 
 def data():
@@ -158,7 +159,9 @@ def train(batch, seed, targets, eval_every, max_samples, micro, measure, train_s
                             "post": [1.0 / (a.sqrt() + EPS) for a in after],
                             # the accumulator before the step (independent of its gradients); an
                             # element never updated before has none: the step's own there
-                            "pre": [1.0 / (torch.where(b > 0, b, a).sqrt() + EPS) for b, a in zip(before, after)]}
+                            "pre": [1.0 / (torch.where(b > 0, b, a).sqrt() + EPS) for b, a in zip(before, after)],
+                            # the same, leaving out (P = 0) the elements never updated before
+                            "seen": [torch.where(b > 0, 1.0 / (b.sqrt() + EPS), torch.zeros_like(b)) for b in before]}
                 norms = pairs.norms(params, micro_grads, batch_grads, preconds)
                 for kind in stats:
                     stats[kind].observe_step([(group, s, size, big, batch, 1.0)
