@@ -1,7 +1,7 @@
 """Which noise scale predicts Adagrad's statistical efficiency? One process, no engine.
 
 benchmarks/adaptive.py's DLRM (examples/torch_dlrm.py's model and SyntheticCriteo, the same
-sizes, seeds, Adagrad learning rate and held-out set) trained in one process with plain
+sizes, seeds, Adagrad learning rate and held-out set; or its word2vec, --model word2vec) trained in one process with plain
 torch.optim.Adagrad (sparse nn.Embedding tables: the same update as the PS's Adagrad rule), at
 fixed global batches, e.g. 512 and 4096, with the learning rate written for 512 and left unscaled
 (the benchmark's `auto` rule for Adagrad).
@@ -33,8 +33,14 @@ fixed global batches, e.g. 512 and 4096, with the learning rate written for 512 
                                                    scaling.py's derivation)
     each with each kind of phi (and 'sgd' with each group's own phi alone).
 
-    python benchmarks/adaptive_efficiency.py                       # 512 vs 2048 and 4096, 3 seeds
+    python benchmarks/adaptive_efficiency.py                       # DLRM: 512 vs 1024/2048/4096, 3 seeds, forks
+    python benchmarks/adaptive_efficiency.py --model word2vec --seeds 2   # 1024 vs 2048/4096/8192
     python benchmarks/adaptive_efficiency.py --batches 512 4096 --seeds 1 --targets 0.26
+
+(d) Forks (DLRM by default): the local efficiency at a state of the base run -- from its model and
+    accumulators at `--forks` samples, `--fork-span` samples at the bigger batch, against the base
+    batch's samples from the same state to the same held-out loss -- and the predictions from
+    that state's smoothed noise scales.
 """
 from __future__ import annotations
 
@@ -57,21 +63,61 @@ sys.path.insert(0, str(ROOT / "examples"))
 from hybridsync.adaptive.gns import GradientStats  # noqa: E402
 from torch_dlrm import DLRM, SyntheticCriteo  # noqa: E402
 
-TABLES, ROWS, DIM, TRAIN, HELD_OUT, LR = 8, 20_000, 16, 400_000, 32768, 0.05  # benchmarks/adaptive.py's DLRM
+HELD_OUT = 32768  # benchmarks/adaptive.py's held-out set
 EPS = 1e-10  # torch.optim.Adagrad's (and the PS rule's) default
-GROUPS = ("dense", "tables")  # the MLP (all-reduced in the benchmark) and the embedding tables (on the PS)
-KINDS = ("plain", "pre", "post", "seen")  # the gradients as they are; preconditioned by the accumulator before / after the step
+GROUPS = ("dense", "tables")  # the dense layers (all-reduced in the benchmark) and the embedding tables (on the PS)
+KINDS = ("plain", "pre", "post", "seen")  # see (b) above
 
 
-def data():
-    train = SyntheticCriteo(TRAIN, TABLES, ROWS, seed=1).batch()
-    held = SyntheticCriteo(HELD_OUT, TABLES, ROWS, seed=2).batch()
-    return train, held
+class DlrmProblem:
+    """benchmarks/adaptive.py's DLRM: sizes, data seeds, initial model and Adagrad LR."""
+    lr, batches, targets, forks, max_samples = 0.05, [512, 1024, 2048, 4096], [0.26, 0.22], [32768, 98304, 196608], 400_000
+
+    def data(self):
+        tables, rows = 8, 20_000
+        return (SyntheticCriteo(400_000, tables, rows, seed=1).batch(),
+                SyntheticCriteo(HELD_OUT, tables, rows, seed=2).batch())
+
+    def model(self):
+        torch.manual_seed(0)
+        return DLRM(8, 20_000, 16)
+
+    def loss(self, model, batch):
+        dense, sparse, label = batch
+        return F.binary_cross_entropy_with_logits(model(dense, sparse), label)
+
+
+class Word2vecProblem:
+    """benchmarks/adaptive.py's word2vec (skip-gram, two sparse tables, no dense layer)."""
+    lr, batches, targets, forks, max_samples = 0.2, [1024, 2048, 4096, 8192], [2.38, 2.37], [], 1_600_000
+
+    def data(self):
+        from torch_word2vec import SkipGramBatches
+        from zipf_text import ZipfText
+
+        text = ZipfText(20_000, 3_000_000, 1.1, seed=0)
+        pairs = SkipGramBatches(text, window=3, negatives=5, seed=0)
+        n = 2_000_000
+        return pairs.batch(0, n, 0, n), pairs.batch(0, HELD_OUT, 0, HELD_OUT, held_out=True)
+
+    def model(self):
+        from torch_word2vec import SkipGram
+
+        torch.manual_seed(0)
+        return SkipGram(20_000, 32)
+
+    def loss(self, model, batch):
+        from torch_word2vec import negative_sampling_loss
+
+        return negative_sampling_loss(model(*batch))
+
+
+PROBLEMS = {"dlrm": DlrmProblem, "word2vec": Word2vecProblem}
+PROBLEM = DlrmProblem()  # main() sets the one asked for
 
 
 def loss_of(model, batch):
-    dense, sparse, label = batch
-    return F.binary_cross_entropy_with_logits(model(dense, sparse), label)
+    return PROBLEM.loss(model, batch)
 
 
 def _crossing(curve, target):
@@ -87,7 +133,7 @@ class NormPairs:
     preconditioned, per variable group ('dense', 'tables')."""
 
     def __init__(self, model):
-        self.tables = {id(e.weight) for e in model.embeddings}
+        self.tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
 
     def group(self, p):
         return "tables" if id(p) in self.tables else "dense"
@@ -117,9 +163,8 @@ class NormPairs:
 
 
 def train(batch, seed, targets, eval_every, max_samples, micro, measure, train_set, held, forks=()):
-    torch.manual_seed(0)  # the benchmark's initial model
-    model = DLRM(TABLES, ROWS, DIM)
-    opt = torch.optim.Adagrad(model.parameters(), lr=LR)
+    model = PROBLEM.model()  # the benchmark's initial model
+    opt = torch.optim.Adagrad(model.parameters(), lr=PROBLEM.lr)
     params = [p for p in model.parameters()]
     pairs = NormPairs(model)
     stats = {kind: GradientStats(0.8) for kind in KINDS}
@@ -168,7 +213,7 @@ def train(batch, seed, targets, eval_every, max_samples, micro, measure, train_s
                                               for (k2, group), (s, big) in sorted(norms.items()) if k2 == kind])
                 steps.append({"samples": seen + batch,
                               **{kind: stats[kind].summary()["noise_scale"] for kind in stats},
-                              **{f"{kind}_{g}": _phi(stats[kind].summary()["by_variable"][g])
+                              **{f"{kind}_{g}": _phi(stats[kind].summary()["by_variable"].get(g, {"sqr": math.nan, "var": math.nan}))
                                  for kind in stats for g in GROUPS}})
             else:
                 opt.zero_grad()
@@ -196,9 +241,9 @@ def fork(saved, base, batch, span, seed, train_set, held, eval_every):
     _, model_state, opt_state, _ = saved
 
     def resume():
-        model = DLRM(TABLES, ROWS, DIM)
+        model = PROBLEM.model()
         model.load_state_dict(model_state)
-        opt = torch.optim.Adagrad(model.parameters(), lr=LR)
+        opt = torch.optim.Adagrad(model.parameters(), lr=PROBLEM.lr)
         opt.load_state_dict(copy.deepcopy(opt_state))
         return model, opt
 
@@ -231,7 +276,9 @@ def fork(saved, base, batch, span, seed, train_set, held, eval_every):
 
 
 def _phi(v):
-    """A variable group's own noise scale from its smoothed {"sqr", "var"}."""
+    """A variable group's own noise scale from its smoothed {"sqr", "var"} (nan: no such group)."""
+    if math.isnan(v["sqr"]):
+        return math.nan
     return max(v["var"], 0.0) / v["sqr"] if v["sqr"] > 0 else math.inf
 
 
@@ -251,19 +298,28 @@ def predicted(base_run, base, batch, target_samples, kind, model):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[512, 1024, 2048, 4096], help="the first is the base")
+    ap.add_argument("--model", choices=sorted(PROBLEMS), default="dlrm")
+    ap.add_argument("--batches", type=int, nargs="+", help="the first is the base (default: the model's)")
     ap.add_argument("--seeds", type=int, default=3, help="data orders per batch size")
-    ap.add_argument("--targets", type=float, nargs="+", default=[0.26, 0.22])
+    ap.add_argument("--targets", type=float, nargs="+", help="held-out losses (default: the benchmark's two)")
     ap.add_argument("--eval-every", type=int, default=4096)
-    ap.add_argument("--max-samples", type=int, default=400_000)
+    ap.add_argument("--max-samples", type=int, help="the most samples a run trains (default: DLRM 400k, word2vec 1.6M)")
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per base step for the statistics")
-    ap.add_argument("--forks", type=int, nargs="*", default=[32768, 98304, 196608],
-                    help="samples of the base run at which to measure the local efficiency (forks)")
+    ap.add_argument("--forks", type=int, nargs="*",
+                    help="samples of the base run at which to measure the local efficiency (forks; default: "
+                         "DLRM 32768 98304 196608, word2vec none)")
     ap.add_argument("--fork-span", type=int, default=32768, help="samples each fork trains at the bigger batch")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "adaptive_efficiency.json"))
+    ap.add_argument("--out", help="JSON (default: benchmarks/results/adaptive_efficiency[-word2vec].json)")
     args = ap.parse_args()
+    global PROBLEM
+    PROBLEM = PROBLEMS[args.model]()
+    for key in ("batches", "targets", "forks", "max_samples"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(PROBLEM, key))
+    args.out = args.out or str(ROOT / "benchmarks" / "results" /
+                               ("adaptive_efficiency.json" if args.model == "dlrm" else f"adaptive_efficiency-{args.model}.json"))
     torch.set_num_threads(1)
-    train_set, held = data()
+    train_set, held = PROBLEM.data()
     base = args.batches[0]
     runs = []
     for seed in range(args.seeds):
