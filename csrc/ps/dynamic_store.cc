@@ -202,9 +202,9 @@ void DynamicStore::remove_on_disk(std::vector<int64_t> entries) {
   disk_last_.resize(static_cast<size_t>(disk_->size()));
 }
 
-void DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
+bool DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
   const int64_t held = rows_.size();
-  if (!disk_ || held + incoming <= memory_) return;
+  if (!disk_ || held + incoming <= memory_) return false;
   // An eighth of memory at least, so a full arena does not spill a few rows every round.
   const int64_t k = std::max(held + incoming - memory_, memory_ / 8);
   std::vector<int64_t> victims = least(
@@ -212,7 +212,7 @@ void DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
       [&](int64_t p) { return static_cast<int64_t>(counts_[static_cast<size_t>(p)]); },
       [&](int64_t p) { return static_cast<int64_t>(last_[static_cast<size_t>(p)]); },
       [&](int64_t p) { return rows_.id(p); });
-  if (victims.empty()) return;
+  if (victims.empty()) return false;
   std::vector<int64_t> ids;
   std::vector<char> records(victims.size() * static_cast<size_t>(arena.record_size()));
   for (size_t v = 0; v < victims.size(); ++v) {
@@ -223,13 +223,14 @@ void DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
     disk_->add(ids.data(), static_cast<int64_t>(ids.size()), records.data());  // all or nothing
   } catch (const PSError&) {
     if (mode == SpillMode::kMust) throw;
-    return;  // (nothing was added: the rows stay in memory)
+    return false;  // (nothing was added: the rows stay in memory)
   }
   for (const int64_t p : victims) {
     disk_counts_.push_back(counts_[static_cast<size_t>(p)]);
     disk_last_.push_back(last_[static_cast<size_t>(p)]);
   }
   remove_rows(arena, std::move(victims));
+  return true;
 }
 
 void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode,
@@ -260,7 +261,7 @@ void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   }
   // Absent ids not stored may be admitted by the round: room for them too. Spilling and
   // reading come before anything changes: a failure leaves the shard as it was.
-  spill(*arena, static_cast<int64_t>(absent.size()), mode);
+  const bool spilled = spill(*arena, static_cast<int64_t>(absent.size()), mode);
   const int64_t size = arena->record_size();
   std::vector<char> records(found.size() * static_cast<size_t>(size));
   disk_->read(found.data(), static_cast<int64_t>(found.size()), records.data());
@@ -270,8 +271,11 @@ void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
     arena->set_record(pos, records.data() + k * size);
   }
   loads_ += static_cast<int64_t>(found.size());
+  const bool loaded = !found.empty();
   remove_on_disk(std::move(found));
-  if (positions) {  // (spilling and loading moved rows)
+  if (positions && !spilled && !loaded) {  // (no row moved: `at` holds them; a round after its pull's prefetch)
+    *positions = std::move(at);
+  } else if (positions) {  // (spilling and loading moved rows)
     positions->resize(static_cast<size_t>(n));
     rows_.find_many(ids, n, positions->data());
   }
@@ -463,10 +467,21 @@ void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float
   // Disk tier: rows stored on disk, read together (memory does not change).
   std::vector<int64_t> entry, on_disk;
   if (disk_ && disk_->size() > 0) {
-    entry.assign(static_cast<size_t>(n), -1);
+    // The ids memory lacks, looked up on disk together: the disk's index is the table's size,
+    // far beyond the caches, and a lookup at a time waits on memory for each (find_many
+    // prefetches). After a pull's prefetch these are the ids not stored at all.
+    std::vector<int64_t> missing, missing_at;
     for (int64_t i = 0; i < n; ++i) {
-      if (pos[static_cast<size_t>(i)] < 0) entry[static_cast<size_t>(i)] = disk_->find(ids[i]);
-      if (entry[static_cast<size_t>(i)] >= 0) on_disk.push_back(entry[static_cast<size_t>(i)]);
+      if (pos[static_cast<size_t>(i)] >= 0) continue;
+      missing.push_back(ids[i]);
+      missing_at.push_back(i);
+    }
+    std::vector<int64_t> found(missing.size());
+    disk_->find_many(missing.data(), static_cast<int64_t>(missing.size()), found.data());
+    entry.assign(static_cast<size_t>(n), -1);
+    for (size_t k = 0; k < found.size(); ++k) {
+      entry[static_cast<size_t>(missing_at[k])] = found[k];
+      if (found[k] >= 0) on_disk.push_back(found[k]);
     }
   }
   const int64_t size = arena.record_size();

@@ -116,8 +116,8 @@ class DynamicStore {
   void load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode = SpillMode::kMust,
             std::vector<int64_t>* positions = nullptr);
   // Disk tier: rows of the arena not marked by the newest operation go to disk until
-  // `incoming` more rows fit `memory_`.
-  void spill(Shard& arena, int64_t incoming, SpillMode mode = SpillMode::kMust);
+  // `incoming` more rows fit `memory_`. Whether any went (rows of the arena moved).
+  bool spill(Shard& arena, int64_t incoming, SpillMode mode = SpillMode::kMust);
   // Disk tier: back within `memory_` rows, any row a candidate to spill (restores, writes).
   void settle(Shard& arena) {
     ++now_;

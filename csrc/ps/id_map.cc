@@ -78,6 +78,26 @@ int64_t IdMap::insert(int64_t id) {
   return pos;
 }
 
+void IdMap::insert_many(const int64_t* ids, int64_t n) {
+  if (n <= 0) return;
+  const size_t total = ids_.size() + static_cast<size_t>(n);
+  if (total > static_cast<size_t>(INT32_MAX)) throw PSError("a dynamic shard holds at most 2^31 - 1 ids");
+  if (total * 2 > buckets_.size()) {
+    size_t want = std::max<size_t>(16, buckets_.size());
+    while (total * 2 > want) want <<= 1;
+    rehash(want);
+  }
+  constexpr int64_t ahead = 8;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + ahead < n) __builtin_prefetch(&buckets_[home(ids[i + ahead])], 1);
+    const auto pos = static_cast<int32_t>(ids_.size());
+    ids_.push_back(ids[i]);
+    size_t at = home(ids[i]);
+    while (buckets_[at] >= 0) at = (at + 1) & mask_;
+    buckets_[at] = pos;
+  }
+}
+
 void IdMap::unlink(size_t gap) {
   // Backward-shift deletion (no tombstones): later entries of the probe run move up into the
   // gap unless their home lies cyclically in (gap, their bucket].

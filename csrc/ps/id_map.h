@@ -23,6 +23,9 @@ class IdMap {
   void find_many(const int64_t* ids, int64_t n, int64_t* out) const;
   // Appends an absent id; its position.
   int64_t insert(int64_t id);
+  // Appends n absent, distinct ids in order (positions size() .. size()+n-1), buckets
+  // prefetched ahead: a spill adds an eighth of a shard to a disk tier's map of the table's size.
+  void insert_many(const int64_t* ids, int64_t n);
   // Removes the entry at `pos`; the position whose entry moved into `pos` (-1: none moved).
   int64_t erase_at(int64_t pos);
   // Removes the entries at `victims` (positions) at once, lookups prefetched ahead (an

@@ -200,10 +200,8 @@ void DiskTier::add(const int64_t* keys, int64_t n, const char* payloads) {
     error = append(payloads, n);
   }
   if (error) fail("could not take " + megabytes(n * slot_bytes_) + " (" + std::to_string(n) + " rows)", error);
-  for (int64_t i = 0; i < n; ++i) {
-    keys_.insert(keys[i]);
-    slot_.push_back(end_++);
-  }
+  keys_.insert_many(keys, n);
+  for (int64_t i = 0; i < n; ++i) slot_.push_back(end_++);
   bytes_written_ += n * slot_bytes_;
   if (tracer_) tracer_->record("tier write", start, n);
 }

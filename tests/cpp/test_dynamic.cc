@@ -104,6 +104,30 @@ TEST(id_map_erase_many_removes_exactly_the_victims_and_keeps_positions_dense) {
   }
 }
 
+TEST(id_map_insert_many_equals_inserts_one_at_a_time_across_growth_and_erases) {
+  std::mt19937_64 gen(9);
+  IdMap one, many;
+  std::vector<int64_t> pool;  // distinct ids, some sharing their home bucket's run (multiples of 2^40)
+  for (int64_t i = 0; i < 3000; ++i) pool.push_back(i % 3 == 0 ? i << 40 : static_cast<int64_t>(gen()) | 1);
+  size_t next = 0;
+  while (next < pool.size()) {
+    const auto n = std::min<size_t>(pool.size() - next, 1 + gen() % 300);  // batches that cross rehashes
+    for (size_t i = 0; i < n; ++i) one.insert(pool[next + i]);
+    many.insert_many(pool.data() + next, static_cast<int64_t>(n));
+    next += n;
+    CHECK(many.ids() == one.ids());  // the same positions, in order
+    std::vector<int64_t> victims;
+    for (int64_t p = 0; p < one.size(); ++p) {
+      if (gen() % 5 == 0) victims.push_back(p);
+    }
+    CHECK(many.erase_many(victims) == one.erase_many(victims));
+    for (int64_t p = 0; p < many.size(); ++p) CHECK(many.find(many.id(p)) == p);
+  }
+  many.insert_many(pool.data(), 0);  // (nothing)
+  CHECK(many.ids() == one.ids());
+  for (const int64_t id : pool) CHECK(many.find(id) == one.find(id));
+}
+
 TEST(initial_rows_in_a_batch_equal_those_made_one_at_a_time) {
   for (int64_t dim : {1, 5, 16}) {
     DynamicStore store("dyn", dyn(), 0, dim);
