@@ -20,6 +20,9 @@
 // d floats in t seconds does u * 4d / t ("row GB/s"); pushes also count their optimizer slots
 // ("row+slot GB/s": u * 4d * (1 + slots) / t). Each row is counted once, though it is read and
 // (pushes) written. STREAM counts its arrays as STREAM does (copy 2 x 8 B per element, triad 3 x 8).
+// "all GB/s" adds the other row-sized buffers a kernel streams through, each once: the pull's
+// output rows; a push's raw gradient rows (one per id, not per distinct id: the pushing rank reads
+// --batch of them) and its summed rows; the apply's summed gradient rows.
 // Every figure is the median over --repeats passes of --rounds requests of --batch ids; every pass
 // of every kernel draws ids of its own (rows a pass touched are not found warm by the next).
 //
@@ -274,24 +277,27 @@ struct Result {
   int64_t rows = 0, dim = 0, slots = 0;
   double unique_per_request = 0;  // distinct rows per request (mean)
   double seconds_per_request = 0;  // median pass / rounds
-  double row_gbps = 0, row_slot_gbps = 0, ns_per_row = 0;
+  double row_gbps = 0, row_slot_gbps = 0, all_gbps = 0, ns_per_row = 0;
 };
 
 std::vector<Result> results;
 
 void record(const std::string& kernel, const std::string& dist, const std::string& rule, int64_t rows, int64_t dim,
-            int64_t slots, double unique_per_request, const std::vector<double>& pass_seconds, int64_t rounds) {
+            int64_t slots, double unique_per_request, const std::vector<double>& pass_seconds, int64_t rounds,
+            double other_bytes = 0) {
   Result r{kernel, dist, rule, rows, dim, slots, unique_per_request};
   const double t = median(pass_seconds) / static_cast<double>(rounds);
   const double row_bytes = unique_per_request * static_cast<double>(dim) * sizeof(float);
   r.seconds_per_request = t;
   r.row_gbps = row_bytes / t / 1e9;
   r.row_slot_gbps = row_bytes * static_cast<double>(1 + slots) / t / 1e9;
+  r.all_gbps = (row_bytes * static_cast<double>(1 + slots) + other_bytes) / t / 1e9;
   r.ns_per_row = t * 1e9 / unique_per_request;
   results.push_back(r);
-  std::printf("  %-15s %-8s %-8s %9lld x %-4lld %10.0f %10.2f %9.2f %9.2f %9.1f\n", kernel.c_str(), dist.c_str(),
-              rule.empty() ? "-" : rule.c_str(), static_cast<long long>(rows), static_cast<long long>(dim),
-              unique_per_request, t * 1e6, r.row_gbps, r.row_slot_gbps, r.ns_per_row);
+  std::printf("  %-15s %-8s %-8s %9lld x %-4lld %10.0f %10.2f %9.2f %9.2f %9.2f %9.1f\n", kernel.c_str(),
+              dist.c_str(), rule.empty() ? "-" : rule.c_str(), static_cast<long long>(rows),
+              static_cast<long long>(dim), unique_per_request, t * 1e6, r.row_gbps, r.row_slot_gbps, r.all_gbps,
+              r.ns_per_row);
   std::fflush(stdout);
 }
 
@@ -346,6 +352,8 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
   const Requests requests = draw_requests(o, dist, rows, 1000 + static_cast<uint64_t>(rows) + static_cast<uint64_t>(dim),
                                           2 + static_cast<int>(o.rules.size()));
   const double unique = requests.mean_unique;
+  const double row_size = static_cast<double>(dim) * sizeof(float);
+  const double distinct_rows_bytes = unique * row_size, raw_rows_bytes = static_cast<double>(o.batch) * row_size;
   std::vector<float> out(static_cast<size_t>(o.batch * dim));
   if (o.wants("pull") || o.wants("pull+dedup")) {
     auto shard = resident_shard(rows, dim, "sgd");
@@ -369,8 +377,10 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
       }
       dedup_gather.push_back(seconds_since(t0));
     }
-    if (o.wants("pull")) record("pull", dist, "", rows, dim, 0, unique, gather, o.rounds);
-    if (o.wants("pull+dedup")) record("pull+dedup", dist, "", rows, dim, 0, unique, dedup_gather, o.rounds);
+    if (o.wants("pull")) record("pull", dist, "", rows, dim, 0, unique, gather, o.rounds, distinct_rows_bytes);
+    if (o.wants("pull+dedup")) {
+      record("pull+dedup", dist, "", rows, dim, 0, unique, dedup_gather, o.rounds, distinct_rows_bytes);
+    }
   }
   if (!o.wants("push")) return;
   std::mt19937 rng(11);
@@ -410,10 +420,11 @@ void bench_fixed(const Options& o, int64_t rows, int64_t dim, const std::string&
       server_sum.push_back(summing);
       apply.push_back(applying);
     }
-    record("push", dist, rule, rows, dim, slots, unique, step, o.rounds);
-    record("  push: client", dist, rule, rows, dim, 0, unique, client, o.rounds);
+    // Beyond the table's rows: the raw gradients (push, client) and the summed rows (push, apply).
+    record("push", dist, rule, rows, dim, slots, unique, step, o.rounds, raw_rows_bytes + distinct_rows_bytes);
+    record("  push: client", dist, rule, rows, dim, 0, unique, client, o.rounds, raw_rows_bytes);
     record("  push: sum", dist, rule, rows, dim, 0, unique, server_sum, o.rounds);
-    record("  push: apply", dist, rule, rows, dim, slots, unique, apply, o.rounds);
+    record("  push: apply", dist, rule, rows, dim, slots, unique, apply, o.rounds, distinct_rows_bytes);
   }
 }
 
@@ -475,7 +486,8 @@ void bench_dynamic(const Options& o, int64_t rows, int64_t dim, const std::strin
     read.push_back(seconds_since(t0));
   }
   record("dyn lookup", dist, "", rows, dim, 0, unique, lookup, o.rounds);
-  record("dyn pull", dist, "", rows, dim, 0, unique, read, o.rounds);
+  const double out_bytes = unique * static_cast<double>(dim) * sizeof(float);  // the rows read out
+  record("dyn pull", dist, "", rows, dim, 0, unique, read, o.rounds, out_bytes);
 }
 
 void write_json(const Options& o, int cpu, const Stream& s) {
@@ -498,7 +510,8 @@ void write_json(const Options& o, int cpu, const Stream& s) {
         << r.dist << "\", \"rule\": \"" << r.rule << "\", \"rows\": " << r.rows << ", \"dim\": " << r.dim
         << ", \"slots\": " << r.slots << ", \"unique_per_request\": " << r.unique_per_request
         << ", \"us_per_request\": " << r.seconds_per_request * 1e6 << ", \"row_gbps\": " << r.row_gbps
-        << ", \"row_slot_gbps\": " << r.row_slot_gbps << ", \"ns_per_row\": " << r.ns_per_row << "}";
+        << ", \"row_slot_gbps\": " << r.row_slot_gbps << ", \"all_gbps\": " << r.all_gbps
+        << ", \"ns_per_row\": " << r.ns_per_row << "}";
   }
   out << "\n  ]\n}\n";
 }
@@ -518,8 +531,8 @@ int main(int argc, char** argv) {
   }
   std::printf("requests of %lld ids, %lld per pass, median of %d passes\n", static_cast<long long>(o.batch),
               static_cast<long long>(o.rounds), o.repeats);
-  std::printf("  %-15s %-8s %-8s %16s %10s %10s %9s %9s %9s\n", "kernel", "ids", "rule", "table", "rows/req",
-              "us/req", "row GB/s", "+slots", "ns/row");
+  std::printf("  %-15s %-8s %-8s %16s %10s %10s %9s %9s %9s %9s\n", "kernel", "ids", "rule", "table", "rows/req",
+              "us/req", "row GB/s", "+slots", "all GB/s", "ns/row");
   for (const auto& [rows, dim] : o.tables) {
     for (const std::string& dist : o.dists) {
       if (o.only != "dyn") bench_fixed(o, rows, dim, dist);
