@@ -8,7 +8,7 @@ import math
 from . import scaling
 from .decision import BatchDecider
 from .gns import GradientStats
-from .goodput import BatchChoice, ThroughputModel, allowed, choose_batch, efficiency, nearest_allowed
+from .goodput import BatchChoice, ThroughputModel, allowed, choose_batch, efficiency, efficiency_model_for, nearest_allowed
 from .rows import RowCounts
 
 
@@ -84,6 +84,9 @@ class Adaptive:
     def __init__(self, config: AdaptiveConfig, optimizer_class_name: str, world_size: int):
         self.config = config
         self.rule = None if config.scaling_rule is None else scaling.rule_for(config.scaling_rule, optimizer_class_name)
+        # Which statistical-efficiency formula goodput uses: fixed here, from what every rank
+        # wraps alike (the optimizer's class and the rule), so every rank decides with the same.
+        self.efficiency_model, self.efficiency_reason = efficiency_model_for(optimizer_class_name, self.rule)
         self.stats = GradientStats(config.smoothing)
         self.throughput = ThroughputModel()
         self.rows = RowCounts()  # how the PS tables' rows are hit as the batch grows (rows.py)
@@ -159,11 +162,12 @@ class Adaptive:
         return self.stats.ready() and (self._loaded_observations is None
                                        or self.stats.observations > self._loaded_observations)
 
-    def efficiency_of(self, noise_scale: float):
-        """efficiency(global batch): the statistical efficiency against the base batch at this
-        noise scale."""
-        base = self.base_batch
-        return lambda batch: efficiency(batch, base, noise_scale)
+    def efficiency_of(self, noise_scale: float, base_batch: int | None = None):
+        """efficiency(global batch): the statistical efficiency against the base batch (or
+        `base_batch`) at this noise scale, under this optimizer's efficiency model -- the one
+        place the controller computes it."""
+        base, model = base_batch or self.base_batch, self.efficiency_model
+        return lambda batch: efficiency(batch, base, noise_scale, model)
 
     def tables(self, batch: int, statistics: dict) -> dict:
         """Per PS table whose rows were counted, at global batch `batch`: rows pushed per distinct
@@ -179,7 +183,7 @@ class Adaptive:
             phi = max(v["var"], 0.0) / v["sqr"] if v["sqr"] > 0 else math.inf
             row_scale = self.rows.effective_batch(name, batch, base) / base
             out[name] = {"duplicates": self.rows.duplicates(name), "growth": self.rows.growth(name, batch),
-                         "row_scale": row_scale, "noise_scale": phi, "efficiency": efficiency(batch, base, phi),
+                         "row_scale": row_scale, "noise_scale": phi, "efficiency": self.efficiency_of(phi, base)(batch),
                          "lr_factor": self._table_factor(batch / base, row_scale)}
         return out
 
@@ -290,7 +294,8 @@ class Adaptive:
                 "accumulation": self.accumulation, "global_batch": self.global_batch(), "base_batch": self.base_batch,
                 "scale": self.scale(), "gain": self.last_gain, "lr_factor": self.last_factor, "rule": self.rule,
                 "progress": self.progress, "steps": self.steps, "nonfinite_steps": s["nonfinite_steps"],
-                "efficiency": efficiency(batch, base, s["noise_scale"]),
+                "efficiency": self.efficiency_of(s["noise_scale"], base)(batch),
+                "efficiency_model": self.efficiency_model, "efficiency_reason": self.efficiency_reason,
                 "tables": self.tables(batch, s)}
 
     def state_dict(self) -> dict:

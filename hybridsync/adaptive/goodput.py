@@ -24,8 +24,12 @@ the batch instead would never explore: a job whose steps are mostly per-step ove
 at its first batch.)
 
 Statistical efficiency of a global batch M against the base M0 is the AdaScale gain per unit of
-scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale -- for embedding tables
-too: a table's row-update frequency is in its noise scale (docs/adaptive.md, "Embedding tables").
+scale, (phi + M0) / (phi + M) with phi = tr(Sigma)/|G|^2 the noise scale (the 'goodput' model) --
+for embedding tables too: a table's row-update frequency is in its noise scale (docs/adaptive.md,
+"Embedding tables"). Under Adagrad at an unscaled learning rate that undervalues big batches, and
+its square root, sqrt((phi + M0) / (phi + M)) (the 'sqrt' model), is used instead: an empirical
+fit, measured on DLRM and word2vec only (docs/adaptive.md, "Statistical efficiency under
+Adagrad"). efficiency_model_for() decides which, once per optimizer.
 """
 from __future__ import annotations
 
@@ -34,17 +38,42 @@ import math
 
 import numpy as np
 
+from . import scaling
+
 OUTLIER = 4.0  # a step further than this many (scaled) median absolute deviations from its size's median is dropped
 MIN_SAMPLES = 3  # steps of a batch size before its median counts as measured
 PER_SIZE = 32  # newest steps kept per batch size
 
 
-def efficiency(batch: float, base_batch: float, noise_scale: float) -> float:
-    """Progress per sample at global batch `batch` relative to `base_batch` (<= 1 above it)."""
+EFFICIENCY_MODELS = ("goodput", "sqrt")
+
+
+def efficiency(batch: float, base_batch: float, noise_scale: float, model: str = "goodput") -> float:
+    """Progress per sample at global batch `batch` relative to `base_batch` (<= 1 above it), under
+    the efficiency model `model` (EFFICIENCY_MODELS; see the module doc)."""
+    if model not in EFFICIENCY_MODELS:
+        raise ValueError(f"efficiency model '{model}' is not one of {', '.join(EFFICIENCY_MODELS)}")
     if not math.isfinite(noise_scale):
         return 1.0
     phi = max(noise_scale, 0.0)
-    return (phi + base_batch) / (phi + batch)
+    ratio = (phi + base_batch) / (phi + batch)
+    return math.sqrt(ratio) if model == "sqrt" else ratio
+
+
+def efficiency_model_for(optimizer_class_name: str, rule: str | None) -> tuple[str, str]:
+    """(model, why) for an optimizer under a resolved scaling rule (None: statistics only, the LR
+    left alone). 'sqrt' exactly where it was measured to fit: an accumulate-forever preconditioner
+    (Adagrad) at an unscaled LR, whose steps already grow with a less noisy gradient; 'goodput'
+    for everything else (SGD, Adam, ..., and Adagrad under a rule that scales its LR)."""
+    named = f"rule {rule}" if rule else "no rule: statistics only"
+    formula = "(phi + M0) / (phi + M)"
+    if not scaling.accumulates_forever(optimizer_class_name):
+        return "goodput", f"{formula}, for {optimizer_class_name} ({named})"
+    if scaling.leaves_lr_unscaled(rule):
+        return "sqrt", (f"sqrt({formula}), for {optimizer_class_name} at an unscaled LR ({named}): "
+                        "the form measured to fit Adagrad there (docs/adaptive.md)")
+    return "goodput", (f"{formula}, for {optimizer_class_name} with its LR scaled ({named}): "
+                       "the square root was measured at an unscaled LR only")
 
 
 def robust_median(values) -> tuple[float, float, int]:

@@ -24,6 +24,7 @@ def describe(s: dict) -> list[str]:
         f"  gain {_num(s['gain'], '.3f')} base steps per step (statistical efficiency {_num(s['efficiency'], '.1%')}); "
         f"rule {s['rule'] or 'none'}, LR x {_num(s['lr_factor'], '.3f')}; progress {_num(s['progress'], '.1f')} "
         f"base steps in {s['steps']} steps",
+        f"  efficiency model {s.get('efficiency_model', 'goodput')}: {s.get('efficiency_reason', '')}",
         f"  non-finite steps left out of the statistics: {s.get('nonfinite_steps', 0)} (inf / NaN gradients, "
         "e.g. an overflowed loss-scaled step)",
         *tables,

@@ -73,12 +73,24 @@ RULES = {"adascale": adascale, "sqrt": sqrt, "adagrad": adagrad, "none": none, "
 _ADAPTIVE_OPTIMIZERS = ("adam", "adagrad", "rmsprop", "adadelta", "adamax", "nadam", "lamb", "adafactor")
 
 
+def accumulates_forever(optimizer_class_name: str) -> bool:
+    """Whether the optimizer divides by the sum of *all* past squared gradients (Adagrad: torch's,
+    Keras's, the PS's 'adagrad' server rule that a wrapped Adagrad gives its tables), rather than
+    by a moving average (Adam, RMSprop) or not at all (SGD)."""
+    return "adagrad" in optimizer_class_name.lower()
+
+
+def leaves_lr_unscaled(rule: str | None) -> bool:
+    """Whether the rule (a resolved name, or None: statistics only) keeps the base learning rate."""
+    return rule in (None, "none")
+
+
 def rule_for(name: str | None, optimizer_class_name: str) -> str:
     """The rule's name: `name` when given ('auto' or None: adascale for SGD-like optimizers,
     none for Adagrad, sqrt for the other adaptive ones)."""
     if name in (None, "auto"):
         lowered = optimizer_class_name.lower()
-        if "adagrad" in lowered:
+        if accumulates_forever(optimizer_class_name):
             return "none"
         return "sqrt" if any(k in lowered for k in _ADAPTIVE_OPTIMIZERS) else "adascale"
     if name not in RULES:

@@ -175,10 +175,38 @@ def rank_accumulation_is_the_mean():
         torch.testing.assert_close(model.lin.weight.detach(), whole[1], rtol=1e-5, atol=1e-6)
 
 
+def rank_efficiency_model_is_everyones():
+    """The efficiency model, fixed when the optimizer is wrapped: the square root for Adagrad
+    (its tables on the PS's adagrad rule) at its unscaled LR, the goodput formula for SGD and for
+    Adagrad under a scaling rule -- the same on every rank, and named by explain()."""
+    import io
+    import json
+
+    import torch
+
+    import hybridsync
+    import hybridsync.torch as hvd
+
+    models = {}
+    for name, make, cfg in (("adagrad", torch.optim.Adagrad, {"local_batch_size": 4}),
+                            ("adagrad-sqrt", torch.optim.Adagrad, {"local_batch_size": 4, "scaling_rule": "sqrt"}),
+                            ("sgd", torch.optim.SGD, {"local_batch_size": 4})):
+        model = _model()
+        opt = hvd.DistributedOptimizer(make(model.parameters(), lr=0.05), model=model, adaptive=cfg)
+        models[name] = (opt.adaptive.efficiency_model, opt.adaptive.efficiency_reason)
+        plans = json.loads(hybridsync.explain(file=io.StringIO(), as_json=True))  # (one per optimizer)
+        shown = [(p["adaptive"]["efficiency_model"], p["adaptive"]["efficiency_reason"]) for p in plans if "adaptive" in p]
+        assert models[name] in shown, (models[name], shown)
+    assert {k: m for k, (m, _) in models.items()} == {"adagrad": "sqrt", "adagrad-sqrt": "goodput", "sgd": "goodput"}
+    everyone = hvd.allgather_object(models)
+    assert all(e == everyone[0] for e in everyone), everyone
+
+
 def rank_stats_and_rules():
     rank_noise_scale()
     rank_rules_reach_both_paths()
     rank_accumulation_is_the_mean()
+    rank_efficiency_model_is_everyones()
 
 
 def _noisy_data():

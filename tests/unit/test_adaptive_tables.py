@@ -125,13 +125,17 @@ def _train_table_only(rows: int, beta: float, fixed_s: float, per_sample_s: floa
 
 def test_a_table_only_model_goes_where_its_noise_scale_says_and_no_further():
     """A model whose only parameters are a uniform table of 2,000 rows (beta 1: noise scale
-    3,999): with step time a + c M the batch climbs to M* = sqrt(a B / c) (6,324) within 25%,
-    never turning back; where a bigger batch buys no throughput (no per-step cost) it gains
-    nothing, and the batch ends where it started (after one probe)."""
+    3,999), trained with Adagrad at its unscaled LR (the PS's adagrad rule; the 'sqrt'
+    efficiency model): with step time a + c M the batch climbs to that model's closed-form
+    goodput optimum (15,243; test_adaptive_decision.goodput_optimum) within 25%, never turning
+    back; where a bigger batch buys no throughput (no per-step cost) it gains nothing, and the
+    batch ends where it started (after one probe)."""
+    from tests.unit.test_adaptive_decision import goodput_optimum
+
     trace = _train_table_only(2000, 1.0, 0.02, 2e-6, 300, seed=0)
     changes = [m for i, m in enumerate(trace) if i == 0 or m != trace[i - 1]]
     assert changes == sorted(changes), changes
-    assert trace[-1] == pytest.approx(math.sqrt(0.02 * 3999 / 2e-6), rel=0.25), changes
+    assert trace[-1] == pytest.approx(goodput_optimum(0.02, 2e-6, 3999, "sqrt"), rel=0.25), changes
     flat = _train_table_only(2000, 1.0, 0.0, 2e-6, 120, seed=1)
     # (one probe, measured worse, and back to the base -- give or take the size grid's step)
     assert flat[-1] < 1.05 * 256 and max(flat) <= 2 * 256, [m for i, m in enumerate(flat) if i == 0 or m != flat[i - 1]]
