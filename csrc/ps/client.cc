@@ -205,17 +205,6 @@ void detail::ClientState::throw_errors(const std::vector<ErrorNote>& errors, int
 
 void detail::ClientState::send_request(int dest, std::vector<char> payload) {
   transport->send(dest, kTagRequest, std::move(payload));
-  wake_server();
-}
-
-void detail::ClientState::wake_server() {
-  if (!serving.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lock(wake_mu);
-    if (wake_pending) return;
-    wake_pending = true;
-  }
-  wake_cv.notify_one();
 }
 
 int detail::ClientState::late_rank() const {
@@ -250,13 +239,7 @@ void detail::ClientState::serve_in_background() {
       sleep_us = kServeMinSleepUs;
       continue;
     }
-    std::unique_lock<std::mutex> wake(wake_mu);
-    if (wake_cv.wait_for(wake, std::chrono::duration<double, std::micro>(sleep_us),
-                         [&] { return wake_pending || stopping.load(); })) {
-      wake_pending = false;
-      sleep_us = kServeMinSleepUs;  // a round started here: poll now, then at the shortest interval
-      continue;
-    }
+    std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(sleep_us));
     sleep_us = std::min(sleep_us * 2.0, kServeMaxSleepUs);
   }
 }
@@ -278,10 +261,6 @@ Client::~Client() { close(); }
 
 void Client::close() {
   impl_->stopping = true;
-  {
-    std::lock_guard<std::mutex> lock(impl_->wake_mu);  // not between the thread's check and its wait
-  }
-  impl_->wake_cv.notify_one();
   if (impl_->serving.joinable()) impl_->serving.join();
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->broken) {

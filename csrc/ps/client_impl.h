@@ -7,7 +7,6 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <map>
@@ -123,15 +122,6 @@ struct detail::ClientState {
   std::vector<std::vector<ErrorNote>> deferred;     // per destination: failed pushes to report next
   std::thread serving;
   std::atomic<bool> stopping{false};
-  // Rung when this rank sends a request: the peers' requests of the same round (their halves of
-  // a push round, above all) follow within microseconds, so the serving thread wakes and polls
-  // at its shortest interval again instead of finishing an idle sleep of up to a millisecond --
-  // a push round is then applied while this rank waits in its dense all-reduce, not at the
-  // start of the next pull.
-  std::mutex wake_mu;
-  std::condition_variable wake_cv;
-  bool wake_pending = false;
-  void wake_server();
 
   int rank() const { return transport->rank(); }
   int size() const { return transport->size(); }
