@@ -107,8 +107,10 @@ def profile_run(system: str, ranks: int, steps: int, warmup: int) -> dict:
 def independent_pair(system: str, steps: int, warmup: int, timeout: float = 600) -> dict:
     """Two 1-rank trainings of `system` started together, each its own process and MPI job:
     their summed samples/s is what the two cores give with nothing synchronised."""
+    scratch = tempfile.TemporaryDirectory(prefix="hybridsync-pair-")
     cmd = lambda: bench.mpirun(1) + [sys.executable, str(ROOT / "benchmarks" / "run_one.py"), "--system", system,
-                                     "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port())]
+                                     "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port()),
+                                     "--start-together", f"{scratch.name}:2"]  # timed steps overlap
     procs = [subprocess.Popen(cmd(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
              for _ in range(2)]
     results = []

@@ -59,6 +59,9 @@ def parse_args():
                    help="hybridsync-sharded with 16-bit rows: storage: rounding")
     p.add_argument("--timeline", default=None,
                    help="hybridsync systems: record a Chrome-trace timeline of every step here (HYBRIDSYNC_TIMELINE)")
+    p.add_argument("--start-together", default=None, metavar="DIR:N",
+                   help="separate 1-rank jobs run side by side: wait after the warm-up until N of them are ready "
+                        "(a file each in DIR), so their timed steps overlap")
     p.add_argument("--eval-batches", type=int, default=0,
                    help="after training: the loss on this many held-out batches (same teacher, other samples)")
     return p.parse_args()
@@ -86,6 +89,17 @@ def thread_cpu_ticks() -> dict:
         fields = stat[stat.rindex(")") + 2:].split()
         ticks[name] = ticks.get(name, 0) + int(fields[11]) + int(fields[12])  # utime, stime
     return ticks
+
+
+def start_together(spec: str, timeout_s: float = 300.0) -> None:
+    """Marks this process ready in DIR and waits until N processes are (no MPI job joins them)."""
+    folder, count = spec.rsplit(":", 1)
+    Path(folder, f"ready.{os.getpid()}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(Path(folder).glob("ready.*"))) < int(count):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"--start-together {spec}: fewer than {count} jobs ready after {timeout_s:.0f} s")
+        time.sleep(0.001)
 
 
 def measure_checkpoint(path, model, opt, comm):
@@ -324,6 +338,8 @@ def main():
         engine.flush()
         engine.reset_traffic()
     comm.barrier()
+    if args.start_together:
+        start_together(args.start_together)
     phases[:] = 0
     wire_start = wire_bytes(args.wire_iface)
     cpu_start, process_cpu_start = thread_cpu_ticks(), time.process_time()
