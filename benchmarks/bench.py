@@ -121,6 +121,30 @@ def run(system, ranks, steps, warmup, global_ranks=0, timeout=900, cluster=None,
     return {**json.loads(found.group(1)), "system": label}
 
 
+def run_separately(commands: list[list[str]], timeout: float = 900) -> list[dict] | str:
+    """Starts every command at once, each a run_one.py job of its own (no MPI job joins them; give
+    them run_one's --start-together so their timed steps overlap): their BENCH-RESULT dicts, in
+    order, or what went wrong with the first that failed."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             for cmd in commands]
+    results = []
+    try:
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return f"timed out after {timeout} s"
+            found = re.search(r"BENCH-RESULT (\{.*\})", out)
+            if proc.returncode != 0 or not found:
+                return out[-2000:]
+            results.append(json.loads(found.group(1)))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return results
+
+
 def plan_runs(args):
     """(kind, system, ranks, steps, warmup, global_ranks, round) of every run, in order; round is
     the interleaved round (None: the single-process references after them)."""

@@ -26,16 +26,15 @@ import argparse
 import datetime
 import json
 import os
-import re
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench import (RESULTS, ROOT, SIDE_BY_SIDE, TORCHREC, free_port, load_average, median,  # noqa: E402
-                              results_image, rounds_table, run, update_docs, use_torchrec)
+                              results_image, rounds_table, run, run_separately, update_docs, use_torchrec)
 from launch.cluster import Cluster  # noqa: E402
 
 SYSTEMS = ["hybridsync-default", "hybridsync-ps", "hybridsync-sharded", "hybridsync-replicated", "horovod-allgather",
@@ -48,23 +47,15 @@ FLOOR = "2 independent 1-rank runs on 1 core"
 
 def shared_core_floor(jobs: int, steps: int, warmup: int, timeout: float = 900, extra=()) -> dict:
     """`jobs` independent 1-rank trainings started together on CPU 0 (no MPI job between them,
-    so no synchronisation): their median ms/step is the compute of a host whose `jobs` ranks
-    share one core, cache and memory bandwidth included."""
-    cmd = lambda: ["taskset", "-c", "0", sys.executable, str(ROOT / "benchmarks" / "run_one.py"), "--system",
-                   FLOOR_SYSTEM, "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port()), *extra]
-    procs = [subprocess.Popen(cmd(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-             for _ in range(jobs)]
-    results = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return {"system": FLOOR, "error": f"timed out after {timeout} s"}
-        found = re.search(r"BENCH-RESULT (\{.*\})", out)
-        if proc.returncode != 0 or not found:
-            return {"system": FLOOR, "error": out[-2000:]}
-        results.append(json.loads(found.group(1)))
+    so no synchronisation; their timed steps start together): their median ms/step is the compute
+    of a host whose `jobs` ranks share one core, cache and memory bandwidth included."""
+    with tempfile.TemporaryDirectory(prefix="hybridsync-floor-") as scratch:
+        cmd = lambda: ["taskset", "-c", "0", sys.executable, str(ROOT / "benchmarks" / "run_one.py"), "--system",
+                       FLOOR_SYSTEM, "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port()),
+                       "--start-together", f"{scratch}:{jobs}", *extra]
+        results = run_separately([cmd() for _ in range(jobs)], timeout)
+    if isinstance(results, str):
+        return {"system": FLOOR, "error": results}
     ms = median([r["ms_per_step"] for r in results])
     return {"system": FLOOR, "ranks": jobs, "ms_per_step": ms, "samples_per_s": results[0]["batch"] * jobs * 1e3 / ms,
             "phases_ms": {p: median([r["phases_ms"][p] for r in results]) for p in ("forward", "backward", "step")},

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -107,23 +105,13 @@ def profile_run(system: str, ranks: int, steps: int, warmup: int) -> dict:
 def independent_pair(system: str, steps: int, warmup: int, timeout: float = 600) -> dict:
     """Two 1-rank trainings of `system` started together, each its own process and MPI job:
     their summed samples/s is what the two cores give with nothing synchronised."""
-    scratch = tempfile.TemporaryDirectory(prefix="hybridsync-pair-")
-    cmd = lambda: bench.mpirun(1) + [sys.executable, str(ROOT / "benchmarks" / "run_one.py"), "--system", system,
-                                     "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port()),
-                                     "--start-together", f"{scratch.name}:2"]  # timed steps overlap
-    procs = [subprocess.Popen(cmd(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-             for _ in range(2)]
-    results = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return {"system": system, "ranks": 2, "error": f"timed out after {timeout} s"}
-        found = re.search(r"BENCH-RESULT (\{.*\})", out)
-        if proc.returncode != 0 or not found:
-            return {"system": system, "ranks": 2, "error": out[-2000:]}
-        results.append(json.loads(found.group(1)))
+    with tempfile.TemporaryDirectory(prefix="hybridsync-pair-") as scratch:
+        cmd = lambda: bench.mpirun(1) + [sys.executable, str(ROOT / "benchmarks" / "run_one.py"), "--system", system,
+                                         "--steps", str(steps), "--warmup", str(warmup), "--port", str(free_port()),
+                                         "--start-together", f"{scratch}:2"]
+        results = bench.run_separately([cmd(), cmd()], timeout)
+    if isinstance(results, str):
+        return {"system": system, "ranks": 2, "error": results}
     return {"system": system, "ranks": 2, "samples_per_s": sum(r["samples_per_s"] for r in results),
             "ms_per_step": median([r["ms_per_step"] for r in results])}
 
