@@ -110,8 +110,11 @@ def _wrap(model, adaptive=True):
     os.makedirs(TIER_DIR, exist_ok=True)
 
     opt = torch.optim.Adagrad(model.parameters(), lr=LR)
-    return hvd.DistributedOptimizer(opt, model=model, config=CONFIG,
-                                    adaptive={"scaling_rule": "auto"} if adaptive else None)
+    wrapped = hvd.DistributedOptimizer(opt, model=model, config=CONFIG,
+                                       adaptive={"scaling_rule": "auto"} if adaptive else None)
+    if adaptive:  # Adagrad at its unscaled LR ('auto'): the square-root statistical efficiency
+        assert wrapped.adaptive.efficiency_model == "sqrt", wrapped.adaptive.efficiency_reason
+    return wrapped
 
 
 # -- what a run logs, and the snapshot of everything it holds ------------------------------------------

@@ -131,6 +131,8 @@ def _wrap(model):
                                    model=model)
     assert isinstance(model.get_layer("moved"), ShardedKerasEmbedding)
     assert type(model.get_layer("small")) is keras.layers.Embedding  # its config rule keeps it (allreduce-as-dense)
+    # Keras's Adagrad at its unscaled LR ('auto') gets the square-root statistical efficiency too
+    assert opt.adaptive.efficiency_model == "sqrt", opt.adaptive.efficiency_reason
     model.compile(optimizer=opt)  # (so that model.save() keeps the optimizer)
     return opt
 
