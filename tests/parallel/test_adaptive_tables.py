@@ -74,7 +74,10 @@ def rank_tables():
             assert pushed[-1] == pytest.approx({k: LR * f for k, f in step_factors.items()}, rel=1e-6), \
                 (pushed[-1], step_factors)
             checked += 1
-        if adaptive.steps >= 50:
+        # 50 steps, then on until the batch has more than doubled: how soon it does depends on the
+        # step times this machine gives (a loaded CI machine climbs later); the global batch is
+        # agreed, so every rank leaves at the same step
+        if adaptive.steps >= 50 and (adaptive.global_batch() > 16 * size or adaptive.steps >= 400):
             break
     ps_routes.push = real_push
     tables = {short(n): t for n, t in adaptive.summary()["tables"].items()}
@@ -88,7 +91,7 @@ def rank_tables():
     assert checked > 40 and len(decider.log) >= 1, (checked, decider.log)
     batch, factor, last = factors[-1]
     scale = batch / (8 * size)
-    assert scale > 2 and factor == pytest.approx(math.sqrt(scale)), factors[-1]
+    assert scale > 2 and factor == pytest.approx(math.sqrt(scale)), (factors[-1], decider.log)
     assert 1.0 <= last["rare"] < 1.1, factors[-1]  # hit ~once per batch at any size: its LR stays
     assert last["hot"] == pytest.approx(factor, rel=0.05), factors[-1]  # every row in every batch: the dense factor
     assert tables["rare"]["duplicates"] == pytest.approx(1.0, abs=0.05) and tables["hot"]["duplicates"] == pytest.approx(size, rel=0.1)
