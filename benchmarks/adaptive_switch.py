@@ -1,0 +1,89 @@
+"""What a batch switch costs under Adagrad at an unscaled LR: samples to the held-out targets
+along a batch *schedule*, against the fixed batches. One process, no engine.
+
+    python benchmarks/adaptive_switch.py                  # DLRM, the schedules below, 2 data orders (~3-5 min)
+    python benchmarks/adaptive_switch.py --seeds 3 --schedules 4096 512:15360,1024:20480,4096
+
+benchmarks/adaptive_efficiency.py's DLRM (the benchmark's sizes, data, initial model, Adagrad LR
+0.05 written for 512 and left unscaled, held-out loss every 4,096 samples). A schedule is
+`batch:until_samples,...,batch` (the last batch runs to the target): `512:15360,1024:20480,3232` is
+the median adaptive run of benchmarks/adaptive.py (30 steps at 512, 5 at 1024, then ~3,236).
+
+Any efficiency model of the form eff(phi, M) <= 1, decreasing in M, puts a schedule's samples
+between the smallest and the largest batch's. Under Adagrad the step is lr / sqrt(accumulator),
+and the accumulator sums every past step's squared gradient: a small-batch prefix adds many
+noisy steps early, while |G|^2 is large, and the big batch that follows steps at the learning
+rate that history left -- so the prefix costs samples after the switch, which no statistic of the
+current gradients carries.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import adaptive_efficiency as ae  # noqa: E402
+
+
+def parse(schedule: str) -> list[tuple[int, float]]:
+    """'512:15360,1024:20480,3232' -> [(512, 15360), (1024, 20480), (3232, inf)]."""
+    phases = []
+    for part in schedule.split(","):
+        batch, _, until = part.partition(":")
+        phases.append((int(batch), float(until) if until else float("inf")))
+    if phases[-1][1] != float("inf"):
+        raise ValueError(f"schedule '{schedule}': the last phase needs no ':until' (it runs to the target)")
+    return phases
+
+
+def run(phases, seed, targets, train_set, held, eval_every=4096, max_samples=400_000):
+    model = ae.PROBLEM.model()
+    opt = torch.optim.Adagrad(model.parameters(), lr=ae.PROBLEM.lr)
+    rng = np.random.default_rng(seed)
+    n = len(train_set[0])
+    seen, next_eval = 0, eval_every
+    with torch.no_grad():
+        curve = [(0, ae.loss_of(model, held).item())]
+    order, pos = torch.from_numpy(rng.permutation(n)), 0
+    low = min(targets)
+    while seen < max_samples and curve[-1][1] > low:
+        batch = next(b for b, until in phases if seen < until)
+        if pos + batch > n:
+            order, pos = torch.from_numpy(rng.permutation(n)), 0
+        idx = order[pos:pos + batch]
+        pos += batch
+        opt.zero_grad()
+        ae.loss_of(model, tuple(t[idx] for t in train_set)).backward()
+        opt.step()
+        seen += batch
+        if seen >= next_eval:
+            next_eval += eval_every
+            with torch.no_grad():
+                curve.append((seen, ae.loss_of(model, held).item()))
+    return {str(t): ae._crossing(curve, t) for t in targets}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--schedules", nargs="+",
+                    default=["512", "3232", "4096", "512:15360,1024:20480,3232", "512:15360,1024:20480,4096"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="data orders")
+    ap.add_argument("--targets", type=float, nargs="+", default=[0.26, 0.22])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    train_set, held = ae.PROBLEM.data()
+    print("schedule | seed | samples to " + " / ".join(map(str, args.targets)), flush=True)
+    for seed in args.seeds:
+        for schedule in args.schedules:
+            got = run(parse(schedule), seed, args.targets, train_set, held)
+            print(f"{schedule} | {seed} | " + " / ".join(f"{got[str(t)]:.0f}" if got[str(t)] else "-"
+                                                         for t in args.targets), flush=True)
+
+
+if __name__ == "__main__":
+    main()
