@@ -3,6 +3,7 @@ along a batch *schedule*, against the fixed batches. One process, no engine.
 
     python benchmarks/adaptive_switch.py                  # DLRM, the schedules below, 2 data orders (~3-5 min)
     python benchmarks/adaptive_switch.py --seeds 3 --schedules 4096 512:15360,1024:20480,4096
+    python benchmarks/adaptive_switch.py --swap-accumulators --schedules 512:15360,1024:20480,3232
 
 benchmarks/adaptive_efficiency.py's DLRM (the benchmark's sizes, data, initial model, Adagrad LR
 0.05 written for 512 and left unscaled, held-out loss every 4,096 samples). A schedule is
@@ -14,7 +15,8 @@ between the smallest and the largest batch's. Under Adagrad the step is lr / sqr
 and the accumulator sums every past step's squared gradient: a small-batch prefix adds many
 noisy steps early, while |G|^2 is large, and the big batch that follows steps at the learning
 rate that history left -- so the prefix costs samples after the switch, which no statistic of the
-current gradients carries.
+current gradients carries. --swap-accumulators tests that: at the switch, the path's Adagrad
+accumulators are replaced by a fixed run's at the final batch (same samples), the parameters kept.
 """
 from __future__ import annotations
 
@@ -41,7 +43,11 @@ def parse(schedule: str) -> list[tuple[int, float]]:
     return phases
 
 
-def run(phases, seed, targets, train_set, held, eval_every=4096, max_samples=400_000):
+def run(phases, seed, targets, train_set, held, eval_every=4096, max_samples=400_000, swap=False):
+    """Samples to each target along `phases`. With `swap`, when the last phase starts, Adagrad's
+    accumulators are replaced by those of a run at the last phase's batch from the first step,
+    trained on as many samples (to the nearest step): the parameters keep the path, the
+    learning rates lose its history."""
     model = ae.PROBLEM.model()
     opt = torch.optim.Adagrad(model.parameters(), lr=ae.PROBLEM.lr)
     rng = np.random.default_rng(seed)
@@ -51,8 +57,14 @@ def run(phases, seed, targets, train_set, held, eval_every=4096, max_samples=400
         curve = [(0, ae.loss_of(model, held).item())]
     order, pos = torch.from_numpy(rng.permutation(n)), 0
     low = min(targets)
+    last_batch, switch = phases[-1][0], (phases[-2][1] if len(phases) > 1 else 0)
     while seen < max_samples and curve[-1][1] > low:
         batch = next(b for b, until in phases if seen < until)
+        if swap and switch and seen == switch:
+            steps = max(1, round(switch / last_batch))
+            sums = accumulators(last_batch, steps, seed, train_set)
+            for p, total in zip(model.parameters(), sums):
+                opt.state[p]["sum"].copy_(total)
         if pos + batch > n:
             order, pos = torch.from_numpy(rng.permutation(n)), 0
         idx = order[pos:pos + batch]
@@ -68,19 +80,34 @@ def run(phases, seed, targets, train_set, held, eval_every=4096, max_samples=400
     return {str(t): ae._crossing(curve, t) for t in targets}
 
 
+def accumulators(batch, steps, seed, train_set):
+    """Adagrad's accumulators after `steps` steps at a fixed `batch` from the initial model."""
+    model = ae.PROBLEM.model()
+    opt = torch.optim.Adagrad(model.parameters(), lr=ae.PROBLEM.lr)
+    order = torch.from_numpy(np.random.default_rng(1000 + seed).permutation(len(train_set[0])))
+    for step in range(steps):
+        idx = order[step * batch:(step + 1) * batch]
+        opt.zero_grad()
+        ae.loss_of(model, tuple(t[idx] for t in train_set)).backward()
+        opt.step()
+    return [opt.state[p]["sum"].clone() for p in model.parameters()]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--schedules", nargs="+",
                     default=["512", "3232", "4096", "512:15360,1024:20480,3232", "512:15360,1024:20480,4096"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="data orders")
     ap.add_argument("--targets", type=float, nargs="+", default=[0.26, 0.22])
+    ap.add_argument("--swap-accumulators", action="store_true",
+                    help="at the last phase's start, Adagrad's accumulators of a run at that batch from the first step")
     args = ap.parse_args()
     torch.set_num_threads(1)
     train_set, held = ae.PROBLEM.data()
     print("schedule | seed | samples to " + " / ".join(map(str, args.targets)), flush=True)
     for seed in args.seeds:
         for schedule in args.schedules:
-            got = run(parse(schedule), seed, args.targets, train_set, held)
+            got = run(parse(schedule), seed, args.targets, train_set, held, swap=args.swap_accumulators)
             print(f"{schedule} | {seed} | " + " / ".join(f"{got[str(t)]:.0f}" if got[str(t)] else "-"
                                                          for t in args.targets), flush=True)
 
