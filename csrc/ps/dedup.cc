@@ -74,36 +74,40 @@ HYBRIDSYNC_CLONED void add_up_duplicates(const int64_t* inverse, int64_t n, cons
 }
 
 // Indexes ids[0..n) and adds their gradient rows into `sums` by slot in input order (a row's
-// first gradient copied, the others added); new ids are appended to `unique`, and, when
-// `inverse` is given, every id's slot to it. `sq` gets the sum of the rows' squared norms when
-// `statistics`. With `in_place` (the index empty on entry) nothing is copied while every id is
-// new -- row k is then unique row k already -- and the rows so far are copied into `sums` only
-// at the first repeat: returns true when no id repeated, so `sums` was never written and the
-// sums are `grads` itself.
-HYBRIDSYNC_CLONED bool add_rows(const int64_t* ids, int64_t n, const float* grads, int64_t dim,
-                                IdIndex& index, std::vector<int64_t>& unique, std::vector<int64_t>* inverse,
-                                float* sums, bool in_place, bool statistics, double* sq) {
-  double total = 0.0;
-  bool copying = !in_place;  // rows go into sums (in place: from the first repeat on)
-  index.insert_all(ids, n, [&](int64_t i, int64_t slot, bool fresh) __attribute__((always_inline)) {
-    const float* g = grads + i * dim;
-    if (statistics) total += squared_norm(g, dim);
-    if (inverse) inverse->push_back(slot);
-    if (fresh) unique.push_back(ids[i]);
-    if (!copying) {
-      if (fresh) return;  // row i is unique row i, where it is
-      std::memcpy(sums, grads, sizeof(float) * static_cast<size_t>(i * dim));  // rows 0..i-1: unique rows 0..i-1
-      copying = true;
-    }
-    float* dst = sums + slot * dim;
-    if (fresh) {
-      std::memcpy(dst, g, sizeof(float) * static_cast<size_t>(dim));
-    } else {
-      add_row(dst, g, dim);
-    }
+// first gradient copied, the others added); new ids are appended to `unique`. `sq` gets the sum
+// of the rows' squared norms when `statistics`. With `in_place` (the index empty on entry)
+// nothing is copied while every id is new -- row k is then unique row k already -- and the rows
+// so far are copied into `sums` only at the first repeat: returns true when no id repeated, so
+// `sums` was never written and the sums are `grads` itself. Built per common row width
+// (with_row_width): a raw id costs its probe and one row's few vector adds (or copies, inline),
+// not a generic loop over dim.
+HYBRIDSYNC_CLONED HYBRIDSYNC_INLINE_COPIES bool add_rows(const int64_t* ids, int64_t n, const float* grads,
+                                                         int64_t dim, IdIndex& index, std::vector<int64_t>& unique,
+                                                         float* sums, bool in_place, bool statistics, double* sq) {
+  return with_row_width(dim, [&](auto width) __attribute__((always_inline)) {
+    constexpr int64_t kWidth = decltype(width)::value;
+    const int64_t d = kWidth ? kWidth : dim;
+    double total = 0.0;
+    bool copying = !in_place;  // rows go into sums (in place: from the first repeat on)
+    index.insert_all(ids, n, [&](int64_t i, int64_t slot, bool fresh) __attribute__((always_inline)) {
+      const float* g = grads + i * d;
+      if (statistics) total += squared_norm(g, d);
+      if (fresh) unique.push_back(ids[i]);
+      if (!copying) {
+        if (fresh) return;  // row i is unique row i, where it is
+        std::memcpy(sums, grads, sizeof(float) * static_cast<size_t>(i * d));  // rows 0..i-1: unique rows 0..i-1
+        copying = true;
+      }
+      float* dst = sums + slot * d;
+      if (fresh) {
+        copy_row(dst, g, d);
+      } else {
+        add_row(dst, g, d);
+      }
+    });
+    *sq = total;
+    return !copying;
   });
-  *sq = total;
-  return !copying;
 }
 
 // The sum of n rows' squared norms.
@@ -133,7 +137,7 @@ const float* deduplicate_and_sum(const std::string& table, const int64_t* ids, i
   index.reset(static_cast<size_t>(n));
   sums->resize(static_cast<size_t>(n * dim));  // unique <= n rows (unwritten: nothing zero-filled)
   double unused = 0.0;
-  if (add_rows(ids, n, grads, dim, index, *unique, nullptr, sums->data(), true, false, &unused)) {
+  if (add_rows(ids, n, grads, dim, index, *unique, sums->data(), true, false, &unused)) {
     sums->clear();
     return grads;
   }
@@ -160,7 +164,7 @@ void RowAggregator::sum(int64_t dim, const std::vector<GradientRows>& sources, f
     const GradientRows& s = sources[k];
     double sq = 0.0;
     // The first source's rows are left in place until one repeats (add_rows).
-    if (add_rows(s.rows, s.n, s.grads, dim_, index_, rows_, nullptr, sums_.data(), k == 0, statistics_, &sq)) {
+    if (add_rows(s.rows, s.n, s.grads, dim_, index_, rows_, sums_.data(), k == 0, statistics_, &sq)) {
       if (sources.size() == 1 && scale == 1.0f) {
         in_place_ = s.grads;  // the sums are the source's rows, read where they are
       } else {  // later sources add into them, or the scale rewrites them

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // HYBRIDSYNC_CLONED on a function builds it once per instruction set -- AVX-512, AVX2 and the
 // baseline x86-64 -- and the dynamic loader picks the best one the CPU has, once (an ifunc): the
@@ -74,6 +75,27 @@ inline void copy_row(float* __restrict dst, const float* __restrict src, int64_t
   if (j < dim) std::memcpy(dst + j, src + j, sizeof(float) * static_cast<size_t>(dim - j));
 }
 
+// Calls body(width) with width a std::integral_constant<int64_t, W>: W == dim for the common row
+// widths, so a loop over rows that inlines its per-row work builds it for a known width (unrolled
+// into a few vector operations, no trip-count or remainder code per row), and W == 0 for any other
+// width (body then reads the runtime dim). Always inlined: a HYBRIDSYNC_CLONED caller gets every
+// width built for its instruction set. The floats are the same at any width (elementwise math).
+template <class Body>
+__attribute__((always_inline)) inline auto with_row_width(int64_t dim, Body&& body) {
+  switch (dim) {
+    case 16:
+      return body(std::integral_constant<int64_t, 16>{});
+    case 32:
+      return body(std::integral_constant<int64_t, 32>{});
+    case 64:
+      return body(std::integral_constant<int64_t, 64>{});
+    case 128:
+      return body(std::integral_constant<int64_t, 128>{});
+    default:
+      return body(std::integral_constant<int64_t, 0>{});
+  }
+}
+
 // dst[j] += src[j] for j < dim.
 inline void add_row(float* __restrict dst, const float* __restrict src, int64_t dim) {
   for (int64_t j = 0; j < dim; ++j) dst[j] += src[j];
@@ -86,12 +108,12 @@ inline void add_row(float* __restrict dst, const float* __restrict src, int64_t 
 inline double squared_norm(const float* __restrict x, int64_t dim) {
   constexpr int kLanes = 16;
   float lane[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= dim; j += kLanes) {
+  const int64_t whole = dim - dim % kLanes;  // (two loops over known bounds: no tail code for a known dim)
+  for (int64_t j = 0; j < whole; j += kLanes) {
     for (int k = 0; k < kLanes; ++k) lane[k] += x[j + k] * x[j + k];
   }
   double total = 0.0;
-  for (; j < dim; ++j) total += static_cast<double>(x[j]) * x[j];
+  for (int64_t j = whole; j < dim; ++j) total += static_cast<double>(x[j]) * x[j];
   for (int k = 0; k < kLanes; ++k) total += lane[k];
   return total;
 }

@@ -134,7 +134,7 @@ TEST(deduplicate_and_sum_gives_the_two_pass_ids_and_floats_bit_for_bit) {
   GradientBuffer sums;
   const int64_t lo = std::numeric_limits<int64_t>::min(), hi = std::numeric_limits<int64_t>::max();
   for (int use = 0; use < 400; ++use) {
-    const int64_t dim = std::vector<int64_t>{1, 7, 32, 128}[use % 4];
+    const int64_t dim = std::vector<int64_t>{1, 7, 16, 32, 37, 64, 128}[use % 7];  // (16-128: widths built apart)
     const int64_t n = use % 50 == 0 ? 0 : static_cast<int64_t>(1 + rng() % 600);
     const bool dynamic = use % 3 == 0;
     const int64_t num_rows = dynamic ? -1 : 1000;

@@ -113,7 +113,7 @@ TEST(a_batch_of_rows_gets_the_same_floats_as_one_apply_per_row) {
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> value(-1.0f, 1.0f);
   for (const auto& [rule, hparams] : rules) {
-    for (int64_t dim : {1, 7, 32, 37, 128}) {
+    for (int64_t dim : {1, 7, 16, 32, 37, 64, 128}) {  // (the widths built apart: 16, 32, 64, 128)
       for (bool attached : {false, true}) {
         const int64_t rows = 40;
         std::vector<float> init(static_cast<size_t>(rows * dim));

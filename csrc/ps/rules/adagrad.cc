@@ -29,12 +29,12 @@ inline void adagrad_row(float* __restrict row, float* __restrict acc, const floa
 HYBRIDSYNC_CLONED void adagrad_rows(const RowBatch& batch, float clr, float eps, bool eps_in_sqrt) {
   float* const acc = batch.slots[0];
   if (eps_in_sqrt) {  // (decided once per batch: each loop inlines one form)
-    for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
-      adagrad_row(row, acc + at, grad, batch.dim, clr, eps, true);
+    for_each_row(batch, [&](float* row, int64_t at, const float* grad, int64_t dim) __attribute__((always_inline)) {
+      adagrad_row(row, acc + at, grad, dim, clr, eps, true);
     });
   } else {
-    for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
-      adagrad_row(row, acc + at, grad, batch.dim, clr, eps, false);
+    for_each_row(batch, [&](float* row, int64_t at, const float* grad, int64_t dim) __attribute__((always_inline)) {
+      adagrad_row(row, acc + at, grad, dim, clr, eps, false);
     });
   }
 }

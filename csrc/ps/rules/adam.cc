@@ -24,8 +24,8 @@ inline void adam_row(float* __restrict row, float* __restrict m, float* __restri
 HYBRIDSYNC_CLONED void adam_rows(const RowBatch& batch, float step_size, float b1, float b2, float eps) {
   float* const m = batch.slots[0];
   float* const v = batch.slots[1];
-  for_each_row(batch, [&](float* row, int64_t at, const float* grad) {
-    adam_row(row, m + at, v + at, grad, batch.dim, step_size, b1, b2, eps);
+  for_each_row(batch, [&](float* row, int64_t at, const float* grad, int64_t dim) __attribute__((always_inline)) {
+    adam_row(row, m + at, v + at, grad, dim, step_size, b1, b2, eps);
   });
 }
 

@@ -12,7 +12,9 @@ inline void sgd_row(float* __restrict row, const float* __restrict grad, int64_t
 }
 
 HYBRIDSYNC_CLONED void sgd_rows(const RowBatch& batch, float lr) {
-  for_each_row(batch, [&](float* row, int64_t, const float* grad) { sgd_row(row, grad, batch.dim, lr); });
+  for_each_row(batch, [&](float* row, int64_t, const float* grad, int64_t dim) __attribute__((always_inline)) {
+    sgd_row(row, grad, dim, lr);
+  });
 }
 
 class SGDRule : public UpdateRule {

@@ -10,7 +10,7 @@ namespace hybridsync {
 
 void UpdateRule::apply_rows(const RowBatch& batch) const {
   std::vector<float*> slots(static_cast<size_t>(batch.num_slots));
-  for_each_row(batch, [&](float* row, int64_t offset, const float* grad) {
+  for_each_row(batch, [&](float* row, int64_t offset, const float* grad, int64_t) {
     for (int k = 0; k < batch.num_slots; ++k) slots[k] = batch.slots[k] + offset;
     apply(row, slots.data(), grad, batch.dim);
   });
