@@ -18,7 +18,12 @@ void IdMap::rehash(size_t buckets) {
   buckets_.assign(size_t{1} << bits, -1);
   mask_ = buckets_.size() - 1;
   shift_ = 64 - bits;
+  // Every id goes to a random bucket of an array far larger than the caches: the buckets of
+  // ids a few ahead are requested meanwhile (growing a disk tier's map of 8M ids took a
+  // whole step of seconds without).
+  constexpr size_t ahead = 16;
   for (size_t pos = 0; pos < ids_.size(); ++pos) {
+    if (pos + ahead < ids_.size()) __builtin_prefetch(&buckets_[home(ids_[pos + ahead])], 1);
     size_t at = home(ids_[pos]);
     while (buckets_[at] >= 0) at = (at + 1) & mask_;
     buckets_[at] = static_cast<int32_t>(pos);
