@@ -234,7 +234,7 @@ bool DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
 }
 
 void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode,
-                        std::vector<int64_t>* positions) {
+                        std::vector<int64_t>* positions, bool distinct) {
   ++now_;
   std::vector<int64_t> at(static_cast<size_t>(n));
   rows_.find_many(ids, n, at.data());
@@ -252,8 +252,10 @@ void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
     if (positions) *positions = std::move(at);
     return;
   }
-  std::sort(absent.begin(), absent.end());
-  absent.erase(std::unique(absent.begin(), absent.end()), absent.end());
+  if (!distinct) {  // (a round's ids are distinct already: a pull's repeat across ranks)
+    std::sort(absent.begin(), absent.end());
+    absent.erase(std::unique(absent.begin(), absent.end()), absent.end());
+  }
   std::vector<int64_t> entry(absent.size()), found;
   disk_->find_many(absent.data(), static_cast<int64_t>(absent.size()), entry.data());
   for (const int64_t e : entry) {
@@ -358,7 +360,7 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   // SpillMode); the rules below then find every touched stored row in the arena.
   std::vector<int64_t> at(static_cast<size_t>(n));  // positions in the arena, -1: not stored
   if (disk_) {
-    load(arena, ids, n, SpillMode::kIfRoom, &at);
+    load(arena, ids, n, SpillMode::kIfRoom, &at, /*distinct=*/true);
   } else {
     rows_.find_many(ids, n, at.data());
   }

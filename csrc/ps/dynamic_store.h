@@ -113,8 +113,9 @@ class DynamicStore {
   // Disk tier: brings the stored rows of ids (which may repeat) into the arena (making room
   // first); the rows ids name are marked as this operation's, so nothing spills them.
   // positions (if given): the ids' positions in the arena afterwards (-1: not stored).
+  // distinct: the ids do not repeat (a round's), so they need no sorting out.
   void load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, SpillMode mode = SpillMode::kMust,
-            std::vector<int64_t>* positions = nullptr);
+            std::vector<int64_t>* positions = nullptr, bool distinct = false);
   // Disk tier: rows of the arena not marked by the newest operation go to disk until
   // `incoming` more rows fit `memory_`. Whether any went (rows of the arena moved).
   bool spill(Shard& arena, int64_t incoming, SpillMode mode = SpillMode::kMust);

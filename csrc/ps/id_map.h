@@ -11,10 +11,11 @@ namespace hybridsync {
 
 // ids -> dense positions 0 .. size-1 (insertion appends; erase moves the last entry into the
 // gap). Buckets hold positions (4 bytes) and compare through the dense id array, so an entry
-// costs 8 bytes of id plus 8-16 of buckets at a load factor of 1/4 to 1/2.
+// costs 8 bytes of id plus 8-16 of buckets at a load factor of 1/4 to 1/2 (16 of buckets in a
+// map reserved for its size, see reserve()).
 class IdMap {
  public:
-  // Buckets for `n` entries without growing.
+  // Buckets for `n` entries without growing, at a load factor of 1/4 at most.
   void reserve(int64_t n);
   // The position of `id`, or -1.
   int64_t find(int64_t id) const;
