@@ -79,6 +79,31 @@ def run_ranks(script: str, scenario: str, np_: int, *args: str, timeout: float =
     return out
 
 
+EVENT_MARK = "HYBRIDSYNC-EVENT"
+
+
+def mark_event(name: str) -> None:
+    """Rank side: prints when `name` happened (wall clock, which every process on this machine
+    shares), for seconds_since_event. Call it just before the event (a rank freezing, dying)."""
+    import time
+
+    print(f"{EVENT_MARK} {name} at={time.time():.3f}", flush=True)
+
+
+def seconds_since_event(out: str, name: str) -> float:
+    """Test side, right after the job ended: seconds since a rank marked `name`. A bound on how
+    soon a job ends after an event is measured from the event, not from the launch: starting
+    mpirun and importing torch take as long as the machine's load makes them."""
+    import time
+
+    import pytest
+
+    found = re.findall(rf"{EVENT_MARK} {re.escape(name)} at=([0-9.]+)", out)
+    if not found:
+        pytest.fail(f"no rank marked the event {name!r}\n{out}")
+    return time.time() - float(found[0])
+
+
 def rank_main(namespace: dict) -> None:
     """The rank side: runs the scenario named by argv[1] with the remaining argv."""
     import hybridsync

@@ -10,8 +10,12 @@
 import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.step_clock import StepClock
 
 ROWS, DIM, FEATURES, DATA = 12, 3, 5, 96
+# What a (micro-)step costs on the step clock of the loader scenarios (step_clock.py): a fixed
+# cost that a bigger batch shares, so the batch grows at the same steps on any machine.
+STEP_COST_S, SAMPLE_COST_S = 0.01, 1e-5
 
 
 def _model():
@@ -247,9 +251,11 @@ def rank_loader(mode, path):
         assert opt.progress == pytest.approx(float(open(f"{path}.progress").read()))
         assert opt.adaptive.world == size
     history, first_step = [], opt.adaptive.steps
+    clock = StepClock.install()
     for ids, x, y in loader:
         opt.zero_grad()
         ((model(ids, x) - y) ** 2).mean().backward()
+        clock.spend(STEP_COST_S + SAMPLE_COST_S * len(x))
         opt.step()
         history.append(opt.adaptive.sizes())
         if opt.adaptive.steps - first_step >= 24:  # steps, not micro-steps: re-chosen at least twice
@@ -293,9 +299,11 @@ def rank_resume_at_one(path):
         loader.autoscale_batch_size(384, local_bsz_bounds=(2, 384), gradient_accumulation=accumulate)
         hybridsync.load_checkpoint(path, model, opt)
         restored, first_step, history = opt.adaptive.stats.observations, opt.adaptive.steps, []
+        clock = StepClock.install()
         for ids, x, y in loader:
             opt.zero_grad()
             ((model(ids, x) - y) ** 2).mean().backward()
+            clock.spend(STEP_COST_S + SAMPLE_COST_S * len(x))
             opt.step()
             if opt.adaptive.partial_step_of is None:  # (an epoch's remainder is one smaller step of its own)
                 history.append(opt.adaptive.sizes())
@@ -334,9 +342,11 @@ def rank_batch_waits_for_the_routes():
     loader = hvd.AdaptiveDataLoader(data, batch_size=12, interval=2, warmup=2)
     loader.autoscale_batch_size(96, local_bsz_bounds=(2, 12), gradient_accumulation=True)
     history = []
+    clock = StepClock.install()
     for ids, x, y in loader:
         opt.zero_grad()
         ((model(ids, x) - y) ** 2).mean().backward()
+        clock.spend(STEP_COST_S + SAMPLE_COST_S * len(x))
         opt.step()
         history.append(opt.adaptive.sizes())
         if opt.adaptive.steps >= 40:

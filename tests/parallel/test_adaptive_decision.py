@@ -2,7 +2,8 @@
 
 Each rank's steps take a different time (the last rank is the slow one, and its time grows with
 the batch, so there is an optimum to find) and each rank reads different samples, so their
-gradients differ. The decision state -- the batch, every decision with its kind, gain and
+gradients differ. The steps are timed by a clock each rank advances by its own cost
+(step_clock.py), so the decisions are the same on a loaded machine as on an idle one. The decision state -- the batch, every decision with its kind, gain and
 threshold, and the hysteresis it leaves (sizes barred, direction, a probe under way) -- must
 still be identical everywhere: every rank proposes from the gathered statistics and step times,
 and the exchange makes the lowest stepping rank's proposal everyone's.
@@ -15,11 +16,10 @@ FEATURES, DATA = 6, 1 << 15
 
 
 def rank_decisions():
-    import time
-
     import torch
 
     import hybridsync.torch as hvd
+    from tests.parallel.step_clock import StepClock
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -32,12 +32,13 @@ def rank_decisions():
                                    adaptive={"min_gain": 1.02})
     loader = hvd.AdaptiveDataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8 * size, interval=4, warmup=4)
     loader.autoscale_batch_size(1024 * size, local_bsz_bounds=(4, 1024))
+    clock = StepClock.install()
     history = []
     for xb, yb in loader:
         opt.zero_grad()
         ((model(xb).squeeze(1) - yb) ** 2).mean().backward()
-        if rank == size - 1:  # the slow rank: 3 ms per step plus 10 us per sample
-            time.sleep(0.003 + 1e-5 * len(xb))
+        # the slow rank: 3 ms per step plus 10 us per sample; the others 1 ms plus 1 us per sample
+        clock.spend(0.003 + 1e-5 * len(xb) if rank == size - 1 else 0.001 + 1e-6 * len(xb))
         opt.step()
         history.append(opt.adaptive.sizes())
         if opt.adaptive.steps >= 60:

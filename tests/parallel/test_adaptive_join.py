@@ -89,8 +89,12 @@ def _uneven_steps_then_join(hvd, rank, size):
 
 def _loader_rechooses_while_a_rank_joined(hvd, rank, size):
     """An AdaptiveDataLoader whose batch is re-chosen every 4 steps; rank 0 leaves its loop
-    after 6 steps and joins while the others go on: they still re-choose, all alike."""
+    after 6 steps and joins while the others go on: they still re-choose, all alike. Steps are
+    timed by a clock the loop advances (step_clock.py): a step costs 10 ms plus 10 us per sample,
+    so a bigger batch pays and the batch grows after the join on any machine, loaded or not."""
     import torch
+
+    from tests.parallel.step_clock import StepClock
 
     x, y = _data()
     y = y + 100.0 * torch.randn(DATA, generator=torch.Generator().manual_seed(3))  # noise-dominated: grows
@@ -101,10 +105,12 @@ def _loader_rechooses_while_a_rank_joined(hvd, rank, size):
     loader = hvd.AdaptiveDataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8 * size, interval=4, warmup=4,
                                     optimizer=opt)
     loader.autoscale_batch_size(64 * size, local_bsz_bounds=(4, 64))
+    clock = StepClock.install()
     history = []
     for xb, yb in loader:
         opt.zero_grad()
         ((model(xb).squeeze(1) - yb) ** 2).mean().backward()
+        clock.spend(0.01 + 1e-5 * len(xb))
         opt.step()
         history.append(opt.adaptive.sizes())
         if len(history) == (6 if rank == 0 else 30):
@@ -115,11 +121,10 @@ def _loader_rechooses_while_a_rank_joined(hvd, rank, size):
     assert everyone[0] == everyone[1][:6], everyone
     changes = hvd.allgather_object(loader.changes)
     assert all(changes[r] == changes[1] for r in range(1, size)), changes
-    # Re-choosing is judging the batch at the due steps, all alike; whether a judgement changes
-    # the size depends on the step times measured, i.e. on the machine's load.
     judged = hvd.allgather_object([j["step"] for j in opt.adaptive.decider.judgements])
     assert all(judged[r] == judged[1] for r in range(1, size)), judged
     assert any(step > 6 for step in judged[1]), ("no re-choice after rank 0 joined", judged, changes)
+    assert any(step > 6 for step, _, _ in changes[1]), ("the batch did not change after rank 0 joined", changes)
     print(f"rank {rank} np {size}: batch changes {loader.changes}", flush=True)
 
 

@@ -284,24 +284,23 @@ def rank_checkpoints(tmp):
     _same(_weights(plain), saved, "a plain Keras model loading the weights file")
 
 
-@pytest.mark.parametrize("np_", [1, 2, 3])
+@pytest.mark.parametrize("np_", [1, 3])
 def test_moved_embedding_parity(np_):
     run_ranks(__file__, "rank_parity", np_)
 
 
-def rank_what_stays():
+def rank_parity_what_stays_and_checkpoints(tmp):
+    """At 2 ranks, one launch (starting ranks that import TensorFlow costs seconds each time):
+    the parity, then what the config rules and warnings keep, then the checkpoints (re-sharding
+    across world sizes: test_keras_composition.py). Each builds its own models."""
+    rank_parity()
     rank_config_keeps_the_variable()
     rank_kept_with_a_warning()
+    rank_checkpoints(tmp)
 
 
-@pytest.mark.parametrize("np_", [2])
-def test_config_rules_and_warnings_decide_what_stays(np_):
-    run_ranks(__file__, "rank_what_stays", np_)
-
-
-@pytest.mark.parametrize("np_", [2])  # (re-sharding across world sizes: test_keras_composition.py)
-def test_checkpoints(tmp_path, np_):
-    run_ranks(__file__, "rank_checkpoints", np_, str(tmp_path))
+def test_moved_embedding_parity_what_stays_and_checkpoints_at_two_ranks(tmp_path):
+    run_ranks(__file__, "rank_parity_what_stays_and_checkpoints", 2, str(tmp_path))
 
 
 if __name__ == "__main__":

@@ -530,14 +530,16 @@ def test_disk_rows_bounds_a_dynamic_table_like_a_capacity(tmp_path):
     run_ranks(__file__, "rank_dynamic_disk_bound", 3, str(tmp_path))  # (3: uneven shares)
 
 
-@pytest.mark.parametrize("np_", [1, 2, 3])
-def test_fixed_table_with_a_tiny_cache_trains_like_all_in_memory(np_, tmp_path):
-    run_ranks(__file__, "rank_fixed_tier_parity", np_, str(tmp_path))
+def rank_fixed_and_dynamic_tier_parity(tmp):
+    """Both parities in one launch per world size (a launch costs seconds; their tier files are
+    in directories of their own)."""
+    rank_fixed_tier_parity(tmp)
+    rank_dynamic_tier_parity(tmp)
 
 
 @pytest.mark.parametrize("np_", [1, 2, 3])
-def test_dynamic_table_with_a_tiny_cache_trains_like_all_in_memory(np_, tmp_path):
-    run_ranks(__file__, "rank_dynamic_tier_parity", np_, str(tmp_path))
+def test_fixed_and_dynamic_tables_with_a_tiny_cache_train_like_all_in_memory(np_, tmp_path):
+    run_ranks(__file__, "rank_fixed_and_dynamic_tier_parity", np_, str(tmp_path))
 
 
 # -- checkpoints of a table larger than memory: only the rows written --------------------------

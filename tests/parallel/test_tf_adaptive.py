@@ -5,8 +5,13 @@ the base batch trains exactly as plain training at twice the learning rate."""
 import pytest
 
 from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.step_clock import StepClock
 
 ROWS, DIM, FEATURES, DATA = 12, 3, 5, 96
+# What a (micro-)step costs on the AdaptiveDataset scenarios' step clock (step_clock.py): a fixed
+# cost that a bigger batch shares, so the batch grows at the same steps on any machine (on wall
+# time, a new batch shape's tf.function retrace and the machine's load made its steps look slow).
+STEP_COST_S, SAMPLE_COST_S = 0.01, 1e-5
 
 
 def _model(sharded):
@@ -157,7 +162,9 @@ def rank_keras_adaptive():
     dataset.autoscale_batch_size(32 * size, local_bsz_bounds=(2, 32))
     history = []
     step = _stepper(model, opt)
+    clock = StepClock.install()
     for batch in dataset:
+        clock.spend(STEP_COST_S + SAMPLE_COST_S * len(batch[0]))
         step(*batch)
         history.append(opt.adaptive.sizes())
         if len(history) >= 30:
@@ -212,9 +219,11 @@ def rank_keras_accumulation():
         model, opt, dataset = _noisy_dataset(8)
         dataset.autoscale_batch_size(64, local_bsz_bounds=(2, 32), gradient_accumulation=True)
         step = _stepper(model, opt)
+        clock = StepClock.install()
         for i, batch in enumerate(dataset):
             if i == 0:
                 assert opt.adaptive.sizes() == (4, 2), opt.adaptive.sizes()
+            clock.spend(STEP_COST_S + SAMPLE_COST_S * len(batch[0]))
             step(*batch)
             if opt.adaptive.steps >= 24:
                 break

@@ -440,14 +440,25 @@ def rank_fewer_shards():
     print(f"rank {rank}: keras {name}, replicated block table and dense layers on the PS: matches", flush=True)
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_keras_parity_fit_and_tape(np_):
-    run_ranks(__file__, "rank_parity", np_, timeout=420)
+# Several scenarios share one mpirun launch per world size: starting ranks that import
+# TensorFlow costs seconds each time, the scenarios need nothing of each other (each builds its
+# own models and tables), and a failing one is named by its traceback and its last printed line.
+
+def rank_parity_and_tape():
+    rank_parity()
+    rank_distributed_tape()
+
+
+def rank_sharded_adam_allgather_and_fewer_shards():
+    rank_sharded_parity()
+    rank_adam_beside_allreduce()
+    rank_allgather_more()
+    rank_fewer_shards()
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_keras_sharded_layer_parity(np_):
-    run_ranks(__file__, "rank_sharded_parity", np_, timeout=300)
+def test_keras_parity_fit_and_tape_and_the_distributed_gradient_tape(np_):
+    run_ranks(__file__, "rank_parity_and_tape", np_, timeout=420)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
@@ -455,23 +466,12 @@ def test_keras_adam_allgather_and_fewer_partitions(np_):
     run_ranks(__file__, "rank_more_routes", np_, timeout=420)
 
 
-def test_distributed_gradient_tape():
-    run_ranks(__file__, "rank_distributed_tape", 2, timeout=240)
-
-
 @pytest.mark.parametrize("np_", [2, 3])
-def test_keras_adam_dense_allreduce_beside_ps(np_):
-    run_ranks(__file__, "rank_adam_beside_allreduce", np_, timeout=300)
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_keras_allgather_yaml_defaults_tape_and_adam(np_):
-    run_ranks(__file__, "rank_allgather_more", np_, timeout=300)
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_keras_fewer_shards_sharded_block_and_dense_on_ps(np_):
-    run_ranks(__file__, "rank_fewer_shards", np_, timeout=300)
+def test_keras_sharded_layer_adam_beside_ps_allgather_yaml_and_fewer_shards(np_):
+    """The sharded PS-backed layer's parity; Adam on the dense all-reduce beside the PS; the
+    all-gather from YAML defaults, a tape loop and Adam; PS-backed layers on fewer shards than
+    ranks and dense variables on the PS."""
+    run_ranks(__file__, "rank_sharded_adam_allgather_and_fewer_shards", np_, timeout=600)
 
 
 if __name__ == "__main__":
