@@ -20,6 +20,9 @@ def before_load(model, optimizer, manifest: dict) -> None:
     the kinds the checkpoint's plan recorded for them, so a model loads right after compile()."""
     if getattr(optimizer, "_hs_plan", None) is not None or not hasattr(optimizer, "_hs_plan_ahead"):
         return
+    # The model is handed over here as fit's BroadcastGlobalVariablesCallback hands it over: its
+    # plain Keras Embeddings move to the shards now (the checkpoint holds them moved), not later.
+    optimizer._hs_adopt_model(model)
     variables = list(model.trainable_variables)
     if not variables:
         raise ValueError("the model has no variables yet: build it (call it once, or give it an Input) before "

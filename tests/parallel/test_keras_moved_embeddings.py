@@ -16,7 +16,8 @@
   the layer; code reading a moved layer's `.embeddings` gets an error naming it.
 - Checkpoints: hybridsync.save_checkpoint / load_checkpoint and Horovod's rank-0
   model.save_weights / load_weights carry the moved table; the weights file loads into a plain
-  Keras model.
+  Keras model. A checkpoint of moved tables loads into a fresh model right after compile()
+  (before fit's callback or a step moves its layers), at another world size.
 """
 import pytest
 
@@ -284,6 +285,59 @@ def rank_checkpoints(tmp):
     _same(_weights(plain), saved, "a plain Keras model loading the weights file")
 
 
+def _fit_model(rank):
+    """Horovod's Keras idiom: no model=, compile, the tables move when fit's callback runs."""
+    import hybridsync.tensorflow as hvd
+
+    model = _model(ROOT_SEED + rank)
+    opt = hvd.DistributedOptimizer(_optimizer("adagrad"))
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    return model, opt
+
+
+def _fit(model, rank, size):
+    import hybridsync.tensorflow as hvd
+
+    ids, y = _my_rows(size, rank)
+    model.fit(ids, y, batch_size=LOCAL, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+
+def rank_save_fitted(tmp):
+    """Trains with fit (tables moved by the callback), saves the checkpoint and its weights."""
+    import os
+
+    import numpy as np
+
+    import hybridsync
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    model, opt = _fit_model(rank)
+    _fit(model, rank, size)
+    assert hasattr(model.get_layer("emb"), "ps_anchor")  # moved by the callback
+    hybridsync.save_checkpoint(os.path.join(tmp, "ckpt"), model, opt)
+    if rank == 0:
+        np.savez(os.path.join(tmp, "saved.npz"), *_weights(model))
+
+
+def rank_load_into_fresh_model(tmp):
+    """A new process builds the same script's model and loads the checkpoint right after
+    compile(), as docs/checkpoints-and-elastic.md says works: its layers are still plain Keras
+    Embeddings, so the load moves them as the callback would, then fills them."""
+    import os
+
+    import numpy as np
+
+    import hybridsync
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    model, opt = _fit_model(rank)
+    hybridsync.load_checkpoint(os.path.join(tmp, "ckpt"), model, opt)
+    saved = np.load(os.path.join(tmp, "saved.npz"))
+    _same(_weights(model), [saved[f"arr_{k}"] for k in range(len(saved.files))], "load into a fresh model")
+    _fit(model, rank, size)  # and training goes on from there
+
+
 @pytest.mark.parametrize("np_", [1, 2, 3])
 def test_moved_embedding_parity(np_):
     run_ranks(__file__, "rank_parity", np_)
@@ -302,6 +356,12 @@ def test_config_rules_and_warnings_decide_what_stays(np_):
 @pytest.mark.parametrize("np_", [2])  # (re-sharding across world sizes: test_keras_composition.py)
 def test_checkpoints(tmp_path, np_):
     run_ranks(__file__, "rank_checkpoints", np_, str(tmp_path))
+
+
+@pytest.mark.parametrize("save_np, load_np", [(2, 3)])
+def test_checkpoint_loads_into_a_fresh_model(tmp_path, save_np, load_np):
+    run_ranks(__file__, "rank_save_fitted", save_np, str(tmp_path))
+    run_ranks(__file__, "rank_load_into_fresh_model", load_np, str(tmp_path))
 
 
 if __name__ == "__main__":
