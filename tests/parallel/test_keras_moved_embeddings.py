@@ -191,6 +191,24 @@ def rank_config_keeps_the_variable():
     assert (row.placement.value, row.shards, row.partition) == ("sharded", 1, "block"), row
     assert model.get_layer("emb").table.layout == (1, "block")
 
+    # A rule's storage (docs/storage.md) likewise: 16-bit rows and a disk tier, from rank 0's rows.
+    import os
+    import tempfile
+
+    import ml_dtypes
+    import numpy as np
+
+    model = _model(ROOT_SEED)
+    initial = hvd.broadcast_object(model.get_layer("emb").get_weights()[0], root_rank=0)
+    tier = os.path.join(tempfile.gettempdir(), f"hs-moved-tier-{os.getpid()}")
+    config = {"variables": [{"match": "emb*", "storage": {"dtype": "bfloat16", "memory_rows": 2 * size,
+                                                          "path": tier}}]}
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.0), model=model, config=config)  # (rows stay put)
+    _loop(model, opt, rank, size)
+    stats = model.get_layer("emb").table.tier_stats()
+    assert stats["dtype"] == "bfloat16" and stats["path"].startswith(tier), stats
+    np.testing.assert_array_equal(model.get_layer("emb").get_table(), initial.astype(ml_dtypes.bfloat16).astype(np.float32))
+
 
 def rank_kept_with_a_warning():
     """What the shards cannot do exactly keeps its variable, and rank 0 is told which layer and why."""
