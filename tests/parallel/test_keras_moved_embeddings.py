@@ -337,11 +337,24 @@ def rank_save_fitted(tmp):
     if rank == 0:
         np.savez(os.path.join(tmp, "saved.npz"), *_weights(model))
 
+    # A custom loop without model= keeps its table a variable (with a warning): so does its checkpoint.
+    import warnings
+
+    kept, opt = _fit_model(rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _loop(kept, opt, rank, size)
+    assert not hasattr(kept.get_layer("emb"), "ps_anchor")
+    hybridsync.save_checkpoint(os.path.join(tmp, "kept"), kept, opt)
+    if rank == 0:
+        np.savez(os.path.join(tmp, "kept.npz"), *_weights(kept))
+
 
 def rank_load_into_fresh_model(tmp):
     """A new process builds the same script's model and loads the checkpoint right after
     compile(), as docs/checkpoints-and-elastic.md says works: its layers are still plain Keras
-    Embeddings, so the load moves them as the callback would, then fills them."""
+    Embeddings, so the load moves those the checkpoint holds on the shards, as the callback
+    would, then fills them; a table the saving run kept as a variable stays one."""
     import os
 
     import numpy as np
@@ -354,6 +367,12 @@ def rank_load_into_fresh_model(tmp):
     saved = np.load(os.path.join(tmp, "saved.npz"))
     _same(_weights(model), [saved[f"arr_{k}"] for k in range(len(saved.files))], "load into a fresh model")
     _fit(model, rank, size)  # and training goes on from there
+
+    kept, opt = _fit_model(rank)  # a checkpoint whose table stayed a variable: it stays one
+    hybridsync.load_checkpoint(os.path.join(tmp, "kept"), kept, opt)
+    assert not hasattr(kept.get_layer("emb"), "ps_anchor")
+    saved = np.load(os.path.join(tmp, "kept.npz"))
+    _same(_weights(kept), [saved[f"arr_{k}"] for k in range(len(saved.files))], "load of a kept table")
 
 
 @pytest.mark.parametrize("np_", [1, 2, 3])
