@@ -85,10 +85,13 @@ void TieredRows::locate(Shard& arena, const int64_t* local, int64_t n, std::vect
     }
   }
   hits_ += n - incoming;
-  if (incoming == 0) return;
+  // Memory over its share (an earlier operation touched more rows than it holds: a write of the
+  // whole shard) spills here even when every row this operation needs is already in memory.
+  if (incoming == 0 && resident_.size() <= memory_) return;
   const int64_t before = resident_.size();
   spill(arena, incoming, mode);
   if (resident_.size() != before) resident_.find_many(local, n, pos->data());  // spilling moved rows
+  if (incoming == 0) return;
   // The distinct rows missing, and those of them on disk: read before anything changes.
   std::vector<int64_t> missing;
   {

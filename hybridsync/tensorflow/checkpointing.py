@@ -9,7 +9,7 @@ import numpy as np
 from ..array_files import RawBits
 from ..checkpoint import check_dense_match
 from ..types import GradKind, Placement
-from . import adaptive
+from . import adaptive, keras_embeddings
 from .names import variable_name
 from .table_weight import TableWeight
 
@@ -20,6 +20,7 @@ def before_load(model, optimizer, manifest: dict) -> None:
     the kinds the checkpoint's plan recorded for them, so a model loads right after compile()."""
     if getattr(optimizer, "_hs_plan", None) is not None or not hasattr(optimizer, "_hs_plan_ahead"):
         return
+    _move_embeddings_as_saved(model, optimizer, manifest)
     variables = list(model.trainable_variables)
     if not variables:
         raise ValueError("the model has no variables yet: build it (call it once, or give it an Input) before "
@@ -35,6 +36,17 @@ def before_load(model, optimizer, manifest: dict) -> None:
             raise ValueError(f"variable '{name}' is not in the checkpoint's plan (a checkpoint of another model?)")
         kinds.append(GradKind(saved[name]))
     optimizer._hs_plan_ahead(variables, kinds)
+
+
+def _move_embeddings_as_saved(model, optimizer, manifest: dict) -> None:
+    """Collective: the plain Keras Embeddings that the run which saved had moved to the shards
+    (fit's callback or model= moved them there; only a moved layer's variable is on the sharded
+    PS) move now, before the plan, as they would have at train begin. The others stay: a
+    checkpoint of a loop that kept its tables holds them as variables."""
+    saved = (manifest.get("plan") or {}).get("variables", [])
+    sharded = {v["name"] for v in saved if v.get("route") == "ps" and v.get("placement") == "sharded"}
+    optimizer._hs_move_embeddings([layer for layer in keras_embeddings.plain_embeddings(model)
+                                   if layer.built and variable_name(layer._embeddings) in sharded])
 
 
 def _dense_variables(model, optimizer, variables):

@@ -16,7 +16,8 @@
   the layer; code reading a moved layer's `.embeddings` gets an error naming it.
 - Checkpoints: hybridsync.save_checkpoint / load_checkpoint and Horovod's rank-0
   model.save_weights / load_weights carry the moved table; the weights file loads into a plain
-  Keras model.
+  Keras model. A checkpoint of moved tables loads into a fresh model right after compile()
+  (before fit's callback or a step moves its layers), at another world size.
 """
 import pytest
 
@@ -190,6 +191,24 @@ def rank_config_keeps_the_variable():
     assert (row.placement.value, row.shards, row.partition) == ("sharded", 1, "block"), row
     assert model.get_layer("emb").table.layout == (1, "block")
 
+    # A rule's storage (docs/storage.md) likewise: 16-bit rows and a disk tier, from rank 0's rows.
+    import os
+    import tempfile
+
+    import ml_dtypes
+    import numpy as np
+
+    model = _model(ROOT_SEED)
+    initial = hvd.broadcast_object(model.get_layer("emb").get_weights()[0], root_rank=0)
+    tier = os.path.join(tempfile.gettempdir(), f"hs-moved-tier-{os.getpid()}")
+    config = {"variables": [{"match": "emb*", "storage": {"dtype": "bfloat16", "memory_rows": 2 * size,
+                                                          "path": tier}}]}
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.0), model=model, config=config)  # (rows stay put)
+    _loop(model, opt, rank, size)
+    stats = model.get_layer("emb").table.tier_stats()
+    assert stats["dtype"] == "bfloat16" and stats["path"].startswith(tier), stats
+    np.testing.assert_array_equal(model.get_layer("emb").get_table(), initial.astype(ml_dtypes.bfloat16).astype(np.float32))
+
 
 def rank_kept_with_a_warning():
     """What the shards cannot do exactly keeps its variable, and rank 0 is told which layer and why."""
@@ -284,6 +303,78 @@ def rank_checkpoints(tmp):
     _same(_weights(plain), saved, "a plain Keras model loading the weights file")
 
 
+def _fit_model(rank):
+    """Horovod's Keras idiom: no model=, compile, the tables move when fit's callback runs."""
+    import hybridsync.tensorflow as hvd
+
+    model = _model(ROOT_SEED + rank)
+    opt = hvd.DistributedOptimizer(_optimizer("adagrad"))
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    return model, opt
+
+
+def _fit(model, rank, size):
+    import hybridsync.tensorflow as hvd
+
+    ids, y = _my_rows(size, rank)
+    model.fit(ids, y, batch_size=LOCAL, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+
+def rank_save_fitted(tmp):
+    """Trains with fit (tables moved by the callback), saves the checkpoint and its weights."""
+    import os
+
+    import numpy as np
+
+    import hybridsync
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    model, opt = _fit_model(rank)
+    _fit(model, rank, size)
+    assert hasattr(model.get_layer("emb"), "ps_anchor")  # moved by the callback
+    hybridsync.save_checkpoint(os.path.join(tmp, "ckpt"), model, opt)
+    if rank == 0:
+        np.savez(os.path.join(tmp, "saved.npz"), *_weights(model))
+
+    # A custom loop without model= keeps its table a variable (with a warning): so does its checkpoint.
+    import warnings
+
+    kept, opt = _fit_model(rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _loop(kept, opt, rank, size)
+    assert not hasattr(kept.get_layer("emb"), "ps_anchor")
+    hybridsync.save_checkpoint(os.path.join(tmp, "kept"), kept, opt)
+    if rank == 0:
+        np.savez(os.path.join(tmp, "kept.npz"), *_weights(kept))
+
+
+def rank_load_into_fresh_model(tmp):
+    """A new process builds the same script's model and loads the checkpoint right after
+    compile(), as docs/checkpoints-and-elastic.md says works: its layers are still plain Keras
+    Embeddings, so the load moves those the checkpoint holds on the shards, as the callback
+    would, then fills them; a table the saving run kept as a variable stays one."""
+    import os
+
+    import numpy as np
+
+    import hybridsync
+
+    rank, size = hybridsync.rank(), hybridsync.size()
+    model, opt = _fit_model(rank)
+    hybridsync.load_checkpoint(os.path.join(tmp, "ckpt"), model, opt)
+    saved = np.load(os.path.join(tmp, "saved.npz"))
+    _same(_weights(model), [saved[f"arr_{k}"] for k in range(len(saved.files))], "load into a fresh model")
+    _fit(model, rank, size)  # and training goes on from there
+
+    kept, opt = _fit_model(rank)  # a checkpoint whose table stayed a variable: it stays one
+    hybridsync.load_checkpoint(os.path.join(tmp, "kept"), kept, opt)
+    assert not hasattr(kept.get_layer("emb"), "ps_anchor")
+    saved = np.load(os.path.join(tmp, "kept.npz"))
+    _same(_weights(kept), [saved[f"arr_{k}"] for k in range(len(saved.files))], "load of a kept table")
+
+
 @pytest.mark.parametrize("np_", [1, 3])
 def test_moved_embedding_parity(np_):
     run_ranks(__file__, "rank_parity", np_)
@@ -301,6 +392,12 @@ def rank_parity_what_stays_and_checkpoints(tmp):
 
 def test_moved_embedding_parity_what_stays_and_checkpoints_at_two_ranks(tmp_path):
     run_ranks(__file__, "rank_parity_what_stays_and_checkpoints", 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("save_np, load_np", [(2, 3)])
+def test_checkpoint_loads_into_a_fresh_model(tmp_path, save_np, load_np):
+    run_ranks(__file__, "rank_save_fitted", save_np, str(tmp_path))
+    run_ranks(__file__, "rank_load_into_fresh_model", load_np, str(tmp_path))
 
 
 if __name__ == "__main__":

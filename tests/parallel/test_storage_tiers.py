@@ -537,6 +537,41 @@ def rank_fixed_and_dynamic_tier_parity(tmp):
     rank_dynamic_tier_parity(tmp)
 
 
+def rank_memory_returns_to_its_share(tmp):
+    """A write of the whole table (load_from_root: how an nn.Embedding or a Keras Embedding
+    moves onto the shards) holds every row of the shard in memory; the next operation must
+    spill down to the share even when every row it touches is already in memory."""
+    import numpy as np
+
+    import hybridsync
+    from hybridsync.ps.table import PSTable, pull
+
+    hybridsync.init()
+    size = hybridsync.size()
+    ids = np.arange(ROWS, dtype=np.int64)
+    values = np.random.default_rng(3).standard_normal((ROWS, DIM)).astype(np.float32)
+    table = PSTable("share", ROWS, DIM, rule={"name": "sgd", "lr": 0.5},
+                    storage={"memory_rows": 3 * size, "path": _tier_dir(tmp, "share")})
+    table.load_from_root(values if hybridsync.rank() == 0 else None, 0)
+    held = table.tier_stats()
+    assert held["memory_rows"] == len(range(hybridsync.rank(), ROWS, size)), held  # the whole shard
+    few = ids[:2 * size]  # rows already in memory on every shard
+    for _ in range(2):
+        (unique, inverse, rows), = pull([table], [few])
+        np.testing.assert_array_equal(rows[inverse], values[few])
+        table.engine.push([table.handle], [few], [np.zeros((len(few), DIM), np.float32)])
+    stats = table.tier_stats()
+    assert stats["memory_rows"] <= stats["memory_share"] + 2, stats  # (the share, or what one operation touches)
+    assert stats["disk_rows"] > 0, stats
+    np.testing.assert_array_equal(table.read_rows(ids), values)  # nothing lost on the way to disk
+    table.drop()
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_memory_returns_to_its_share_after_a_whole_table_write(np_, tmp_path):
+    run_ranks(__file__, "rank_memory_returns_to_its_share", np_, str(tmp_path))
+
+
 @pytest.mark.parametrize("np_", [1, 2, 3])
 def test_fixed_and_dynamic_tables_with_a_tiny_cache_train_like_all_in_memory(np_, tmp_path):
     run_ranks(__file__, "rank_fixed_and_dynamic_tier_parity", np_, str(tmp_path))
