@@ -126,7 +126,7 @@ class GradientStats:
 
     def __init__(self, smoothing: float = 0.8):
         if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+            raise ValueError(f"adaptive: smoothing must be in [0, 1), got {smoothing}")
         self.smoothing = smoothing
         self._by_variable: dict[str, _Moments] = {}
         self._steady: dict[str, _Moments] = {}

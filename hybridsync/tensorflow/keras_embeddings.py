@@ -89,7 +89,9 @@ def why_not_movable(layer) -> str | None:
     if layer.lora_enabled or layer.quantization_mode is not None:
         return "it is LoRA-enabled or quantized"
     if np.dtype(layer._embeddings.dtype) != np.float32:
-        return f"its table is {layer._embeddings.dtype} and the parameter server holds float32 rows"
+        return (f"its table is {layer._embeddings.dtype} and the parameter server holds float32 rows (a "
+                "'mixed_float16' / 'mixed_bfloat16' policy keeps float32 variables; storage: {dtype: ...} "
+                "stores rows in 16 bits)")
     return None
 
 

@@ -274,7 +274,8 @@ class _DistributedKerasOptimizer(HorovodMethods):
                 raise ValueError(
                     f"variable '{vp.name}' is {vp.dtype} (Keras mixed-precision policy "
                     f"'{keras.mixed_precision.global_policy().name}'): the parameter server holds float32 rows; use "
-                    "policy 'mixed_float16' / 'mixed_bfloat16' (float32 variables) or route it with sync: allreduce")
+                    "policy 'mixed_float16' / 'mixed_bfloat16' (float32 variables; to store the rows in 16 bits give "
+                    "the table storage: {dtype: float16} or bfloat16) or route it with sync: allreduce")
         for vp, d in zip(rows, described):  # (a Keras layer's table exists, and its graph holds it, before the plan)
             rule = self._hs_config.rule_for(vp.name) if self._hs_config is not None else None
             if rule is not None and rule.dynamic:

@@ -154,7 +154,7 @@ def rank_parity():
               flush=True)
 
 
-def rank_config_keeps_the_variable():
+def rank_config_keeps_the_variable(tmp):
     """A config rule (or Horovod's sparse_as_dense) that routes the table elsewhere keeps it a
     TensorFlow variable, without a warning, and the plan honours the rule."""
     import warnings
@@ -193,14 +193,13 @@ def rank_config_keeps_the_variable():
 
     # A rule's storage (docs/storage.md) likewise: 16-bit rows and a disk tier, from rank 0's rows.
     import os
-    import tempfile
 
     import ml_dtypes
     import numpy as np
 
     model = _model(ROOT_SEED)
     initial = hvd.broadcast_object(model.get_layer("emb").get_weights()[0], root_rank=0)
-    tier = os.path.join(tempfile.gettempdir(), f"hs-moved-tier-{os.getpid()}")
+    tier = os.path.join(tmp, f"rank{rank}", "moved-tier")  # (the test's own directory: nothing left behind)
     config = {"variables": [{"match": "emb*", "storage": {"dtype": "bfloat16", "memory_rows": 2 * size,
                                                           "path": tier}}]}
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.0), model=model, config=config)  # (rows stay put)
@@ -385,7 +384,7 @@ def rank_parity_what_stays_and_checkpoints(tmp):
     the parity, then what the config rules and warnings keep, then the checkpoints (re-sharding
     across world sizes: test_keras_composition.py). Each builds its own models."""
     rank_parity()
-    rank_config_keeps_the_variable()
+    rank_config_keeps_the_variable(tmp)
     rank_kept_with_a_warning()
     rank_checkpoints(tmp)
 
