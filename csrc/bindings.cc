@@ -562,6 +562,11 @@ PYBIND11_MODULE(_ps, m) {
       .def("barrier", [](PyEngine& e, const std::string& what) { nogil([&] { e.client().barrier(what); }); },
            py::arg("what") = "flush", "Collective: returns once every operation started anywhere is applied.")
       .def("flush", [](PyEngine& e) { nogil([&] { e.client().barrier("flush"); }); })
+      .def("rescale_accumulators", [](PyEngine& e, const std::vector<int>& tables, double factor) {
+             nogil([&] { e.client().rescale_accumulators(tables, factor); });
+           }, py::arg("tables"), py::arg("factor"),
+           "Collective: the tables' accumulating server-optimizer slots (Adagrad's sums) times factor, every "
+           "stored row, between the pushes before and after it.")
       .def("close", [](PyEngine& e) { nogil([&] { e.client().close(); }); },
            "Stops serving the peers (after a last barrier); later calls raise.")
       .def("attach_replica", &PyEngine::attach_replica, py::arg("table"), py::arg("replica"))

@@ -363,6 +363,37 @@ void Client::barrier(const std::string& what) {
   c.collect_replies(RequestKind::kBarrier, seq, what.c_str(), [](int, Reader&) {});
 }
 
+void Client::rescale_accumulators(const std::vector<int>& tables, double factor) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  detail::ClientState& c = *impl_;
+  c.check_usable();
+  std::string error;
+  if (!(std::isfinite(factor) && factor > 0.0)) {
+    error = "rescale_accumulators: factor must be finite and > 0, got " + std::to_string(factor);
+  }
+  for (const int table : tables) {
+    if (!error.empty()) break;
+    try {
+      c.table_at(table);
+    } catch (const PSError& e) {
+      error = std::string("rescale_accumulators: ") + e.what();
+    }
+  }
+  const int64_t seq = c.next_seq();
+  for (int d = 0; d < c.size(); ++d) {
+    if (!error.empty()) {
+      c.send_request(d, error_request(RequestKind::kRescaleAccumulators, seq, error, false));
+      continue;
+    }
+    Writer w = request_writer(RequestKind::kRescaleAccumulators, seq);
+    w.f64(factor);
+    w.i64(static_cast<int64_t>(tables.size()));
+    for (const int table : tables) w.i64(table);
+    c.send_request(d, w.take());
+  }
+  c.collect_replies(RequestKind::kRescaleAccumulators, seq, "rescale_accumulators", [](int, Reader&) {});
+}
+
 void Client::drop_table(int table) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   detail::ClientState& c = *impl_;

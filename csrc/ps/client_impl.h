@@ -154,6 +154,8 @@ struct detail::ClientState {
   void apply_push_round(std::vector<Request>& requests, const std::vector<ErrorNote>& errors, bool with_updates);
   void finish_add_table(std::vector<Request>& requests, std::vector<ErrorNote> errors);
   void finish_join();
+  // rescale_accumulators: the ranks' requests compared, then every named table's shard here.
+  void rescale_round(std::vector<Request>& requests, std::vector<ErrorNote>* errors);
   void serve_step(int source, const Request& request, Reader& r);
   void hand_over(Table& t, int slot, int64_t begin, int64_t n, int64_t readers);
   // A dynamic shard read or written one-sided (dynamic_access.cc).

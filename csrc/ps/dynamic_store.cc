@@ -292,6 +292,11 @@ void DynamicStore::new_rule(Shard& arena) {
   if (disk_) disk_->relayout(arena.row_size(), arena.fresh_slots());
 }
 
+void DynamicStore::rescale_accumulators(Shard& arena, float factor) {
+  arena.rescale_accumulators(rows_.size(), factor);
+  if (disk_) disk_->edit_records([&](char* records, int64_t n) { arena.rescale_record_accumulators(records, n, factor); });
+}
+
 void DynamicStore::remove_pending(int64_t pos) {
   const int64_t moved = pending_.erase_at(pos);
   if (moved >= 0) {

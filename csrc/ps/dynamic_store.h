@@ -80,6 +80,9 @@ class DynamicStore {
                    const std::vector<std::vector<float>>& slots);
   // The arena got a new rule (its slots restarted): rows on disk get fresh slots too.
   void new_rule(Shard& arena);
+  // The rule's accumulating slots of every stored row rescaled (Shard::rescale_accumulators),
+  // in memory and on disk; pending ids have no slots yet, and rows admitted later start fresh.
+  void rescale_accumulators(Shard& arena, float factor);
   DynamicStats stats(const Shard& arena) const;
   // Forgets every stored row and pending id (a checkpoint load replaces the shard's contents);
   // the map keeps its buckets and the arena its pages.

@@ -30,6 +30,9 @@ enum class RequestKind : int64_t {
   kError = 7,        // this rank's input to a collective was bad: (intended kind, index error?, text)
   kJoin = 8,         // the sender ran out of data (hvd.join()): it takes no part in the others'
                      // operations until every rank has joined; answered then, with the newest number
+  kRescaleAccumulators = 9,  // (factor, tables): every stored row's accumulating optimizer slots
+                             // (Adagrad's sums) times the factor, on every shard, between the pushes
+                             // before it and those after; every rank must send the same bits
   // One-sided.
   kRead = 20,        // (table, slot, rows) -> rows
   kWrite = 21,       // (table, slot, rows, values) -> acknowledgement
@@ -58,6 +61,7 @@ inline const char* operation_name(RequestKind kind) {
     case RequestKind::kDropTable: return "drop_table";
     case RequestKind::kError: return "a failed operation";
     case RequestKind::kJoin: return "join";
+    case RequestKind::kRescaleAccumulators: return "rescale_accumulators";
     case RequestKind::kRead: return "read";
     case RequestKind::kReadStep: return "read_step";
     case RequestKind::kWriteStep: return "write_step";

@@ -350,15 +350,65 @@ void detail::ClientState::run_collective(std::vector<Request>& requests) {
       break;
     case RequestKind::kBarrier:
       break;
+    case RequestKind::kRescaleAccumulators:
+      rescale_round(requests, &errors);
+      break;
     default:
       fail("hybridsync: a peer sent an unknown PS operation");
   }
-  for (int dest = 0; dest < P; ++dest) {  // barrier, drop_table: an answer that says only what failed
+  for (int dest = 0; dest < P; ++dest) {  // barrier, drop_table, rescale: an answer that says only what failed
     if (joined(dest)) continue;
     Writer w;
     reply_head(w, dest, kind, seq, errors);
     reply(dest, w);
   }
+}
+
+void detail::ClientState::rescale_round(std::vector<Request>& requests, std::vector<ErrorNote>* errors) {
+  if (!errors->empty()) return;  // a rank's input was bad: no row changes anywhere
+  // Every rank that takes part must ask for the same thing, to the bit: the factor is computed on
+  // each rank, and shards rescaled by different factors would train apart silently.
+  int first = -1;
+  for (int src = 0; src < size(); ++src) {
+    if (requests[src].kind == RequestKind::kJoin) continue;
+    if (first < 0) {
+      first = src;
+    } else if (requests[src].msg.size() != requests[first].msg.size() ||
+               std::memcmp(requests[src].msg.data() + 2 * sizeof(int64_t), requests[first].msg.data() + 2 * sizeof(int64_t),
+                           requests[src].msg.size() - 2 * sizeof(int64_t)) != 0) {
+      errors->push_back(ErrorNote{src, false, "rescale_accumulators: rank " + std::to_string(src) +
+                                                  " asked for other tables or another factor than rank " +
+                                                  std::to_string(first) + " (every rank must pass the same, bit for bit)",
+                                  ""});
+      return;
+    }
+  }
+  Reader r(requests[first].msg);
+  r.i64();
+  r.i64();
+  const auto factor = static_cast<float>(r.f64());
+  const size_t n = r.count(r.i64(), sizeof(int64_t));
+  const int64_t start = tracer.start();
+  int64_t rows = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Table& t = table_at(static_cast<int>(r.i64()));
+    if (!t.shard || t.shard->rule().accumulating_slots().empty()) continue;
+    try {
+      if (t.dynamic) {
+        t.dynamic->rescale_accumulators(*t.shard, factor);
+        rows += t.dynamic->stored();
+      } else if (t.tiered) {
+        t.tiered->rescale_accumulators(*t.shard, factor);
+        rows += t.tiered->rows();
+      } else {
+        t.shard->rescale_accumulators(t.shard->rows(), factor);
+        rows += t.shard->rows();
+      }
+    } catch (const PSError& e) {  // a disk tier that cannot be read or rewritten
+      errors->push_back(ErrorNote{rank(), false, e.what(), ""});
+    }
+  }
+  tracer.record("rescale accumulators", start, rows);
 }
 
 void detail::ClientState::finish_join() {

@@ -184,6 +184,27 @@ void Shard::reset_slots(int64_t l) {
   }
 }
 
+void Shard::rescale_accumulators(int64_t rows, float factor) {
+  for (const int k : rule_->accumulating_slots()) {
+    rescale_accumulated(slots_[static_cast<size_t>(k)].data(), rows * dim_, factor, rule_->slot_init(k));
+  }
+}
+
+void Shard::rescale_record_accumulators(char* records, int64_t n, float factor) const {
+  const std::vector<int> slots = rule_->accumulating_slots();
+  if (slots.empty()) return;
+  std::vector<float> values(static_cast<size_t>(dim_));
+  const size_t bytes = static_cast<size_t>(dim_) * sizeof(float);
+  for (int64_t i = 0; i < n; ++i) {
+    for (const int k : slots) {  // (copied out: a 16-bit row of odd dim leaves the slots unaligned)
+      char* at = records + i * record_size() + row_size() + static_cast<int64_t>(k) * static_cast<int64_t>(bytes);
+      std::memcpy(values.data(), at, bytes);
+      rescale_accumulated(values.data(), dim_, factor, rule_->slot_init(k));
+      std::memcpy(at, values.data(), bytes);
+    }
+  }
+}
+
 std::vector<char> Shard::fresh_slots() const {
   std::vector<float> values;
   for (int k = 0; k < num_slots(); ++k) values.insert(values.end(), dim_, rule_->slot_init(k));

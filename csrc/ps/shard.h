@@ -48,6 +48,18 @@ struct Rounding {
   int64_t id_stride = 1, id_offset = 0;
 };
 
+// An accumulating slot's values (UpdateRule::accumulating_slots) rescaled for a new batch size:
+// what was accumulated above its initial value `base` is multiplied by `factor`, so a value still
+// at its initial value stays exactly that (and is not even written: untouched pages stay
+// untouched). With base 0 it is a plain product, the same float as value * factor anywhere.
+inline void rescale_accumulated(float* values, int64_t n, float factor, float base) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = values[i];
+    if (v == base) continue;
+    values[i] = base == 0.0f ? v * factor : base + factor * (v - base);
+  }
+}
+
 // Rows are owned, or alias a caller's full-table buffer (row l at base + (l*stride + offset)*dim).
 // Rows are float32, float16 or bfloat16 (row_type); optimizer slots are always float32. The
 // float views (row(), row_of() for rows) exist for float32 rows only; gather, scatter and
@@ -95,6 +107,10 @@ class Shard {
   void set_record(int64_t l, const char* in);
   // Gives row l fresh optimizer slots (their initial values).
   void reset_slots(int64_t l);
+  // The rule's accumulating slots of rows [0, rows) rescaled by `factor` (rescale_accumulated).
+  void rescale_accumulators(int64_t rows, float factor);
+  // The same for n records laid out as get_record() writes them (a disk tier's).
+  void rescale_record_accumulators(char* records, int64_t n, float factor) const;
   // Fresh optimizer slots of one row, as the tail of a record (see get_record).
   std::vector<char> fresh_slots() const;
   // Row `to` (and its slots) becomes a copy of row `from`.

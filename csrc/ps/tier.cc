@@ -294,6 +294,32 @@ void DiskTier::relayout(int64_t row_bytes, const std::vector<char>& tail) {
   }
 }
 
+void DiskTier::edit_records(const std::function<void(char* records, int64_t n)>& edit) {
+  const int64_t held = size();
+  if (held == 0) return;
+  check();
+  compact();  // entries then fill slots [0, held): one sequential pass covers them all
+  const int64_t start = tracer_ ? tracer_->start() : 0;
+  const int64_t chunk = std::max<int64_t>(1, kCompactChunkBytes / slot_bytes_);
+  std::vector<char> staging(static_cast<size_t>(std::min(chunk, held) * slot_bytes_));
+  for (int64_t begin = 0; begin < held; begin += chunk) {
+    const int64_t count = std::min(chunk, held - begin), bytes = count * slot_bytes_;
+    int64_t done = 0;
+    while (done < bytes) {
+      const ssize_t got = pread(fd_, staging.data() + done, static_cast<size_t>(bytes - done), begin * slot_bytes_ + done);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) fail("cannot be read", got < 0 ? errno : EIO);
+      done += got;
+    }
+    edit(staging.data(), count);
+    const int error = write_all(fd_, staging.data(), bytes, begin * slot_bytes_, &done);
+    if (error) fail("cannot be rewritten", error);
+  }
+  bytes_read_ += held * slot_bytes_;
+  bytes_written_ += held * slot_bytes_;
+  if (tracer_) tracer_->record("tier rewrite", start, held);
+}
+
 int64_t DiskTier::index_bytes() const {
   return keys_.bytes() + static_cast<int64_t>(slot_.capacity() * sizeof(int64_t));
 }

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -76,6 +77,12 @@ class DiskTier {
   // Every record keeps its first `row_bytes` (the row) and gets `tail` after them (a new
   // optimizer's fresh slots); entries keep their keys and positions.
   void relayout(int64_t row_bytes, const std::vector<char>& tail);
+
+  // Every record, edited in place: edit(records, n) gets n whole records at a time (slot_bytes
+  // each) and changes them where they lie. The file is compacted first, then read and written
+  // back in large sequential pieces (never a small write per row). A write that fails throws
+  // PSError naming the file; rows before the failing piece are edited, the rest are not.
+  void edit_records(const std::function<void(char* records, int64_t n)>& edit);
 
   // Throws PSError if the file was deleted or is shorter than what it holds.
   void check() const;

@@ -207,6 +207,11 @@ void TieredRows::apply(Shard& arena, const int64_t* local, int64_t n, const floa
 
 void TieredRows::new_rule(Shard& arena) { disk_->relayout(arena.row_size(), arena.fresh_slots()); }
 
+void TieredRows::rescale_accumulators(Shard& arena, float factor) {
+  arena.rescale_accumulators(arena.rows(), factor);  // (positions not in use are set afresh when used)
+  disk_->edit_records([&](char* records, int64_t n) { arena.rescale_record_accumulators(records, n, factor); });
+}
+
 std::vector<int64_t> TieredRows::written_in_memory() const {
   std::vector<int64_t> out;
   for (int64_t p = 0; p < resident_.size(); ++p) {

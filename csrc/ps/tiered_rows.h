@@ -55,6 +55,9 @@ class TieredRows {
   // The arena got a new rule (its slots restarted): rows on disk keep their values and get
   // fresh slots too.
   void new_rule(Shard& arena);
+  // The rule's accumulating slots of every row rescaled (Shard::rescale_accumulators): those in
+  // memory and those on disk; rows stored nowhere hold their initial slots, which stay.
+  void rescale_accumulators(Shard& arena, float factor);
   // Local rows that hold something other than their initial value, in memory and on disk.
   std::vector<int64_t> written_in_memory() const;
   const std::vector<int64_t>& on_disk() const { return disk_->keys(); }

@@ -38,6 +38,10 @@ class UpdateRule {
   // Per-row state slots (each `dim` floats), in storage order, and their initial value.
   virtual std::vector<std::string> slot_names() const = 0;
   virtual float slot_init(int) const { return 0.0f; }
+  // Slots that sum a quantity over every step since the start (Adagrad's squared gradients), as
+  // opposed to moving averages that forget (Adam's moments): the ones a change of batch size
+  // rescales (Client::rescale_accumulators). None by default.
+  virtual std::vector<int> accumulating_slots() const { return {}; }
   // Advances the step counter and refreshes per-step constants.
   virtual void begin_step() { ++step_; }
   // Updates one row in place from its summed gradient; slots[k] points at slot k's row.

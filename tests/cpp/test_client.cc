@@ -432,3 +432,76 @@ TEST(messages_longer_than_the_transport_limit_travel_in_fragments_and_tables_in_
   }, limit);
   for (auto& e : errors) CHECK(message(e).empty());
 }
+
+TEST(rescale_accumulators_scales_every_adagrad_rows_sums_on_every_shard_and_tier_and_nothing_else) {
+  // Two ranks push a few rounds into Adagrad tables -- in memory (initial sum 0.1), half rows with
+  // a disk tier of one row per shard in memory (most rows on disk), dynamic -- and an Adam table;
+  // then rescale. Each stored sum becomes base + f (sum - base) exactly, rows never touched keep
+  // their initial sum, Adam's moments (moving averages) are untouched, and a push after the
+  // rescale is applied against the rescaled sums (the round is ordered after it on every shard).
+  char tmpl[] = "/tmp/hybridsync-rescale-test-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const int64_t rows = 20, dim = 3;
+  const float factor = 0.37f;
+  auto errors = run_ranks(2, [&](int rank, Client& c) {
+    TableSpec plain{"plain", rows, dim, 0, PartitionKind::kCyclic, "adagrad",
+                    {{"lr", 0.5}, {"initial_accumulator_value", 0.1}}};
+    TableSpec tiered{"tiered", rows, dim, 0, PartitionKind::kCyclic, "adagrad", {{"lr", 0.5}}};
+    tiered.storage.dtype = "float16";
+    tiered.storage.path = dir;
+    tiered.storage.memory_rows = 2;
+    TableSpec dynamic{"dyn", -1, dim, 0, PartitionKind::kHash, "adagrad", {{"lr", 0.5}}};
+    dynamic.dynamic.on = true;
+    TableSpec adam{"adam", rows, dim, 0, PartitionKind::kCyclic, "adam", {{"lr", 0.1}}};
+    const std::vector<int> tables = {c.add_table(plain), c.add_table(tiered), c.add_table(dynamic), c.add_table(adam)};
+    auto push_round = [&](int step) {
+      std::vector<int64_t> ids;
+      std::vector<float> g;
+      for (int k = 0; k < 6; ++k) {
+        ids.push_back((rank * 5 + step * 3 + k * 7) % (rows - 4));  // rows rows-4.. never touched
+        for (int j = 0; j < dim; ++j) g.push_back(0.3f * (rank + 1) - 0.05f * (k + j + step));
+      }
+      std::vector<TableBatch> batches;
+      for (const int t : tables) batches.push_back(TableBatch{t, ids.data(), static_cast<int64_t>(ids.size()), g.data()});
+      c.pull(batches);
+      c.push(batches, 0.5f);
+    };
+    for (int step = 0; step < 4; ++step) push_round(step);
+    std::vector<int64_t> all(rows);
+    for (int64_t i = 0; i < rows; ++i) all[static_cast<size_t>(i)] = i;
+    auto slots = [&](int slot) {  // every table's slot of every row, after every push so far
+      c.barrier();
+      std::vector<std::vector<float>> out;
+      for (const int t : tables) {
+        out.emplace_back(static_cast<size_t>(rows * dim));
+        c.read_rows(t, t == tables[3] ? slot : 0, all.data(), rows, out.back().data());  // (Adam: moment `slot`)
+      }
+      return out;
+    };
+    const auto sums = slots(0), adam_second = slots(1);
+    const auto values_before = whole(c, tables[0]);
+    if (rank == 0) CHECK(c.tier_stats(tables[1]).disk_rows > 0);  // rows on the disk tier are rescaled too
+    c.rescale_accumulators({tables[0], tables[1], tables[2], tables[3]}, factor);
+    const auto rescaled = slots(0), adam_after = slots(1);
+    for (size_t t = 0; t < 3; ++t) {
+      const float base = t == 0 ? 0.1f : 0.0f;
+      for (size_t i = 0; i < rescaled[t].size(); ++i) {
+        const float want = sums[t][i] == base ? base : base == 0.0f ? sums[t][i] * factor : base + factor * (sums[t][i] - base);
+        CHECK(rescaled[t][i] == want);
+      }
+      CHECK(rescaled[t][(rows - 1) * dim] == base);  // never touched: still its initial value
+      CHECK(sums[t][0] != base);                      // (and touched rows did change)
+    }
+    CHECK((rescaled[3] == sums[3]) && (adam_after[3] == adam_second[3]));  // Adam's moments forget: untouched
+    CHECK((whole(c, tables[0]) == values_before));                    // rows are untouched
+    // Ranks asking for different factors: every rank throws, no slot changes.
+    CHECK_THROWS(c.rescale_accumulators({tables[0]}, rank == 0 ? 0.5 : 0.25), std::runtime_error, "bit for bit");
+    CHECK((slots(0)[0] == rescaled[0]));
+    CHECK_THROWS(c.rescale_accumulators({tables[0]}, 0.0), PSError, "finite and > 0");
+    push_round(4);  // applied against the rescaled sums
+    const auto after_push = slots(0);
+    CHECK(after_push[0] != rescaled[0]);
+  });
+  for (auto& e : errors) CHECK(message(e).empty());
+  rmdir(dir.c_str());
+}

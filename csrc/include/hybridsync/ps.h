@@ -235,6 +235,14 @@ class Client {
   // Frees this rank's shard of `table` (rows and optimizer state) once every push started before
   // is applied; the handle stays taken and any later use of it throws naming the table.
   void drop_table(int table);
+  // Multiplies what the server optimizer of each of `tables` accumulated over every step (its
+  // accumulating slots: Adagrad's sums of squared gradients; tables whose rule has none are left
+  // alone) by `factor`, for every row each shard stores -- in memory, on its disk tier, a dynamic
+  // table's -- once every push started before it is applied and before any started after it.
+  // A slot still at its initial value stays there; above it, only what was accumulated is scaled.
+  // Every rank passes the same tables and the same factor bit for bit (else all throw); factor
+  // must be finite and > 0. The adaptive batch size calls it when the global batch changes.
+  void rescale_accumulators(const std::vector<int>& tables, double factor);
   // hvd.join() for the parameter server, in two halves around the dense backend's own join:
   // join_begin() tells every rank this one has run out of data -- it takes no part in their
   // operations from then on, while its shards keep serving them -- and join_finish() waits until

@@ -50,6 +50,7 @@ class AdagradRule : public UpdateRule {
   std::string name() const override { return "adagrad"; }
   std::vector<std::string> slot_names() const override { return {"sum"}; }
   float slot_init(int) const override { return static_cast<float>(hp_.at("initial_accumulator_value")); }
+  std::vector<int> accumulating_slots() const override { return {0}; }  // "sum": every squared gradient
   void validate() const override {
     for (const char* key : {"lr", "lr_decay", "initial_accumulator_value", "eps"}) {
       require_positive("adagrad", key, hp_.at(key), /*allow_zero=*/true);
