@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .exchange import agree_on_decision
+from .exchange import agree_on_decision, gather_rows
 from .goodput import allowed, nearest_allowed
 
 
@@ -87,6 +87,21 @@ class AdaptiveBatches:
             set_batch(change.local_batch, change.accumulation)
             self.changes.append((controller.steps, change.local_batch, change.accumulation))
 
+    def plan_rescale(self, controller, allreduce_sum) -> None:
+        """Between steps, at the batch chosen (never a partial step's): where the global batch
+        differs from the one the optimizer's accumulated squared gradients were built at (a
+        decision just adopted, or a checkpoint from another batch or world size), the rescale the
+        next step applies (accumulators.py), with the lowest stepping rank's noise scale -- one
+        small exchange per change, so the factor is the same bits on every rank."""
+        def agreed_noise_scale() -> float:
+            phi = controller.stats.steady()["noise_scale"]
+            if self.world == 1:
+                return phi
+            rows = gather_rows(allreduce_sum, self.rank, self.world, [phi], "hybridsync.adaptive.rescale")
+            return float(rows[min(rows)][0])
+
+        controller.accumulators.plan(controller.steps, controller.global_batch(), agreed_noise_scale)
+
     def per_rank(self) -> int:
         """Samples each rank reads per epoch (the same on every rank: the last num_samples % world
         of the permutation are left out)."""
@@ -120,6 +135,7 @@ class AdaptiveBatches:
         mine, pos = self.my_indices(), 0
         while True:
             self.rechoose(controller, set_batch, allreduce_sum)
+            self.plan_rescale(controller, allreduce_sum)
             b, k = controller.sizes()
             left = len(mine) - pos
             if left >= b * k:

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from . import scaling
+from .accumulators import AccumulatorRescale
 from .decision import BatchDecider
 from .gns import GradientStats
 from .goodput import BatchChoice, ThroughputModel, allowed, choose_batch, efficiency, efficiency_model_for, nearest_allowed
@@ -40,6 +41,13 @@ class AdaptiveConfig:
         return, which bars the size until the noise scale grows `revisit` times).
     measure_steps: after a change, the batch is decided on again after this many steps (its
         step times' median), not after a whole loader interval.
+    rescale_accumulators: at each durable change of the global batch (a decision, a restart at
+        another one), multiply the optimizer's accumulated squared gradients -- the wrapped
+        optimizer's and the Adagrad server rule's on every PS table -- by
+        scaling.accumulator_factor, so that the new batch's steps do not inherit the smaller
+        batch's larger sum. 'auto' (default): on for an optimizer that accumulates forever
+        (Adagrad) at a rule that leaves its learning rate unscaled ('none', what 'auto' picks for
+        it); True / False: on / off (True needs Adagrad state somewhere). docs/adaptive.md.
     """
 
     scaling_rule: str | None = "auto"
@@ -52,8 +60,13 @@ class AdaptiveConfig:
     revisit: float = 2.0
     explore: float = 2.0
     measure_steps: int = 5
+    rescale_accumulators: str | bool = "auto"
 
     def __post_init__(self):
+        if not any(self.rescale_accumulators is v or (isinstance(v, str) and self.rescale_accumulators == v)
+                   for v in scaling.RESCALE_SETTINGS):
+            raise ValueError(f"adaptive: rescale_accumulators={self.rescale_accumulators!r} must be 'auto', True or "
+                             "False")
         checks = {"min_gain": self.min_gain >= 1.0, "confidence": self.confidence >= 0.0,
                   "hysteresis": self.hysteresis >= 1.0, "revisit": self.revisit >= 1.0, "explore": self.explore > 1.0,
                   "measure_steps": int(self.measure_steps) >= 1}
@@ -104,6 +117,10 @@ class Adaptive:
         # The batch chosen, while an epoch's partial last step runs at what was left (batches.py).
         self.partial_step_of: tuple[int, int] | None = None
         self._loaded_observations = None  # stats.observations right after a checkpoint's were loaded
+        # Adagrad's sums of squared gradients across batch changes (accumulators.py)
+        self.accumulators = AccumulatorRescale(
+            config.rescale_accumulators,
+            scaling.rescales_accumulators(config.rescale_accumulators, optimizer_class_name, self.rule))
         self._fix_base()
 
     def _fix_base(self) -> None:
@@ -296,14 +313,16 @@ class Adaptive:
                 "progress": self.progress, "steps": self.steps, "nonfinite_steps": s["nonfinite_steps"],
                 "efficiency": self.efficiency_of(s["noise_scale"], base)(batch),
                 "efficiency_model": self.efficiency_model, "efficiency_reason": self.efficiency_reason,
-                "tables": self.tables(batch, s)}
+                "tables": self.tables(batch, s), "rescale_accumulators": self.accumulators.enabled,
+                "rescales": list(self.accumulators.log)}
 
     def state_dict(self) -> dict:
         local_batch, accumulation = self.partial_step_of or self.sizes()  # the batch chosen, not a remainder
         return {"stats": self.stats.state_dict(), "throughput": self.throughput.state_dict(),
                 "local_batch": local_batch, "accumulation": accumulation, "base_batch": self.base_batch,
                 "progress": self.progress, "steps": self.steps, "world": self.world,
-                "decider": self.decider.state_dict(), "rows": self.rows.state_dict()}
+                "decider": self.decider.state_dict(), "rows": self.rows.state_dict(),
+                "accumulators": self.accumulators.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.stats.load_state_dict(state.get("stats", {}))
@@ -314,6 +333,8 @@ class Adaptive:
         self.progress = float(state.get("progress", 0.0))
         self.steps = int(state.get("steps", 0))
         saved_world = int(state.get("world", self.world))
+        saved_batch = int(state.get("local_batch") or 0) * int(state.get("accumulation", 1)) * saved_world
+        self.accumulators.load_state_dict(state.get("accumulators", {}), saved_batch)
         self.decider.load_state_dict(state.get("decider", {}))
         if saved_world != self.world:
             self.decider.reset()

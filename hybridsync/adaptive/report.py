@@ -16,6 +16,13 @@ def describe(s: dict) -> list[str]:
               f"batch's hits; noise scale {_num(t['noise_scale'])}, efficiency {_num(t['efficiency'], '.1%')}; "
               f"LR x {_num(t['lr_factor'], '.3f')} (an Adagrad or Adam server rule; SGD takes the batch's)"
               for name, t in sorted(s.get("tables", {}).items())]
+    rescales = [f"  Adagrad accumulators rescaled at step {r['step']}: batch {r['from']} -> {r['to']}, noise scale "
+                f"{_num(r['noise_scale'])}, factor {_num(r['factor'])}" if r.get("applied") else
+                f"  Adagrad accumulators not rescaled at step {r['step']} (batch {r['from']} -> {r['to']}): "
+                f"{r.get('reason', '')}" for r in s.get("rescales", [])[-5:]]
+    if s.get("rescale_accumulators"):
+        rescales.insert(0, f"  Adagrad accumulators rescaled at each batch change: {len(s.get('rescales', []))} so far "
+                           "(rescale_accumulators; docs/adaptive.md)")
     return [
         "adaptive batch size and learning rate (hybridsync.adaptive)",
         f"  noise scale {_num(s['noise_scale'])} samples  (|G|^2 {_num(s['sqr'])}, tr(Sigma) {_num(s['var'])} per sample)",
@@ -28,4 +35,5 @@ def describe(s: dict) -> list[str]:
         f"  non-finite steps left out of the statistics: {s.get('nonfinite_steps', 0)} (inf / NaN gradients, "
         "e.g. an overflowed loss-scaled step)",
         *tables,
+        *rescales,
     ]

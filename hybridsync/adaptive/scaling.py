@@ -85,6 +85,46 @@ def leaves_lr_unscaled(rule: str | None) -> bool:
     return rule in (None, "none")
 
 
+RESCALE_SETTINGS = ("auto", True, False)
+
+
+def rescales_accumulators(setting, optimizer_class_name: str, rule: str | None) -> bool:
+    """Whether a batch change rescales the accumulated squared gradients (AdaptiveConfig's
+    rescale_accumulators, already validated): 'auto' turns it on where the optimizer accumulates
+    forever (Adagrad) and its rule leaves the learning rate unscaled -- there the history of the
+    smaller batch's steps is what the bigger batch's steps inherit (docs/adaptive.md, "Adagrad's
+    accumulators across a batch change"); a rule that scales the LR already compensates."""
+    if setting == "auto":
+        return accumulates_forever(optimizer_class_name) and leaves_lr_unscaled(rule)
+    return bool(setting)
+
+
+def accumulator_factor(old_batch: float, new_batch: float, noise_scale: float) -> float:
+    """What an accumulate-forever optimizer's sum of squared gradients is multiplied by when the
+    global batch goes from b = old_batch to B = new_batch, so that it holds what a run at B would
+    have accumulated over the same samples: a sample adds E g^2 / M ~ |G|^2 (M + phi) / M^2 at
+    batch M (phi the gradient noise scale), so
+
+        f = ((B + phi) / B^2) / ((b + phi) / b^2),
+
+    b / B where the gradient dominates (phi = 0) and (b / B)^2 where the noise does (phi = inf:
+    the "all noise" reading the statistics give where |G|^2 is not above zero). Exactly 1 when
+    b == B. NaN when phi is NaN (no statistics yet): there is nothing to rescale with, and the
+    caller leaves the state as it is. A negative phi (not produced by the statistics) counts as 0."""
+    b, big = float(old_batch), float(new_batch)
+    if not (b > 0 and big > 0):
+        raise ValueError(f"accumulator_factor: batches must be > 0, got {old_batch} -> {new_batch}")
+    if b == big:
+        return 1.0
+    if math.isnan(noise_scale):
+        return math.nan
+    if noise_scale == math.inf:
+        return (b / big) ** 2
+    phi = max(float(noise_scale), 0.0)
+    # (b^2 (B + phi)) / (B^2 (b + phi)), as two ratios of like magnitude: no overflow at a huge phi
+    return (b / big) ** 2 * ((big + phi) / (b + phi))
+
+
 def rule_for(name: str | None, optimizer_class_name: str) -> str:
     """The rule's name: `name` when given ('auto' or None: adascale for SGD-like optimizers,
     none for Adagrad, sqrt for the other adaptive ones)."""

@@ -397,6 +397,16 @@ def push(tables: list, ids: list, grads: list, scale: float, lrs: list, return_u
                             [float(lr) for lr in lrs])
 
 
+def rescale_accumulators(tables: list, factor: float) -> None:
+    """Collective (every rank the same tables and the same factor, to the bit): multiplies what
+    each table's server optimizer accumulated over every step (Adagrad's sums of squared
+    gradients; rules without such state are left alone) by `factor`, for every row its shards
+    store, wherever (memory, disk tier, a dynamic table's rows) -- after every push before it and
+    before any after it, on every shard. The adaptive batch size calls it at a batch change."""
+    if tables:
+        client.engine().rescale_accumulators([t.handle for t in tables], float(factor))
+
+
 def shared_seed(draw: int) -> int:
     """Collective: rank 0's `draw` on every rank (seeds that make all ranks agree)."""
     return int(comm.objects().broadcast_object(int(draw), 0, name="hybridsync.seed")) if runtime.world().size > 1 else int(draw)

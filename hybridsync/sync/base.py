@@ -167,6 +167,12 @@ class Synchronizer:
     def in_flight(self) -> bool:
         return False
 
+    def rescale_accumulators(self, factor: float) -> None:
+        """Collective, between steps: state this route keeps outside the frontend's optimizer
+        that sums squared gradients over every step (the PS's Adagrad rule) times `factor`
+        (hybridsync.adaptive.accumulators). Routes whose updates the frontend's optimizer
+        applies keep nothing of the kind."""
+
     def state_dict(self) -> dict:
         return {}
 

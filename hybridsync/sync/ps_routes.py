@@ -16,7 +16,7 @@ from ..types import Placement, Route
 from . import accounting, staleness
 from .base import Synchronizer, Variable
 from .registry import register
-from ..ps.table import PSTable, push
+from ..ps.table import PSTable, push, rescale_accumulators
 
 
 def _table_rows(values, dim: int) -> np.ndarray:
@@ -65,6 +65,11 @@ class _PSRoute(Synchronizer):
         for var in self.variables:
             if var.table is not None:
                 stats.ps_round(var.name, var.table.round_stats(), current)
+
+    def rescale_accumulators(self, factor: float) -> None:
+        """Every table's Adagrad sums on every shard (rules without them are left alone there), in
+        one PS collective ordered after this step's pulls and before its push."""
+        rescale_accumulators([var.table for var in self.variables if var.table is not None], factor)
 
     def state_dict(self) -> dict:
         """The server optimizer state of every table, as views that read their rows from the

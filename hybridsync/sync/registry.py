@@ -134,6 +134,12 @@ class SyncSet:
     def in_flight(self) -> bool:
         return any(sync.in_flight() for sync in self.by_route.values())
 
+    def rescale_accumulators(self, factor: float) -> None:
+        """Collective: every route's accumulated squared gradients times `factor` (the PS
+        tables' Adagrad sums; the frontend rescales its own optimizer's)."""
+        for sync in self._order:
+            sync.rescale_accumulators(factor)
+
     def state_dict(self) -> dict:
         """Collective: each route's state (server optimizer state of PS tables), by route."""
         with timeline.span("state_dict", "ps"):

@@ -157,6 +157,49 @@ class _DistributedKerasOptimizer(HorovodMethods):
         ad.step_done()
         self._hs_sync.ctx.stats.step_ended()
 
+    # -- Adagrad's accumulators across batch changes (hybridsync.adaptive.accumulators) --------------
+    def _hs_check_accumulators(self) -> None:
+        """With the plan: whether there is accumulating state anywhere (this is a Keras Adagrad,
+        or a PS table's server rule is 'adagrad'); forced on with none raises."""
+        if self._hs_adaptive is not None:
+            found = isinstance(self, keras.optimizers.Adagrad) or any(
+                (vp.optimizer or {}).get("name") == "adagrad" for vp in self._hs_plan.variables)
+            self._hs_adaptive.accumulators.require_state(found, type(self).__name__)
+
+    def _hs_rescale_accumulators(self) -> float:
+        """In the exchange, at the start of the step a batch change takes effect: every PS table's
+        Adagrad sums rescaled now (one collective, before this step's push); the factor for the
+        dense accumulators, which the graph rescales before the Keras update (1: none)."""
+        ad = self._hs_adaptive
+        factor = ad.accumulators.take(ad.steps) if ad is not None else None
+        if factor is None:
+            return 1.0
+        if self._hs_sync is not None:
+            self._hs_sync.rescale_accumulators(factor)
+        return factor
+
+    def _hs_rescale_dense(self, factor, variables) -> list:
+        """Ops rescaling this Keras Adagrad's accumulators by `factor` (a scalar tensor) where it
+        is not 1, before the update that reads them: what was accumulated above the initial value,
+        as the PS shards do (their float32 arithmetic, so a replica and a shard agree)."""
+        if self._hs_adaptive is None or not self._hs_adaptive.accumulators.enabled or \
+                not isinstance(self, keras.optimizers.Adagrad):
+            return []
+        if variables and not self.built:
+            self.build(variables)  # (the accumulators the update will use, made where apply() would)
+        accumulators = list(getattr(self, "_accumulators", []))
+        base = float(self.initial_accumulator_value)
+
+        def rescale():
+            for acc in accumulators:
+                value = tf.convert_to_tensor(acc)
+                scaled = value * tf.cast(factor, value.dtype) if base == 0.0 else \
+                    (value - tf.cast(base, value.dtype)) * tf.cast(factor, value.dtype) + tf.cast(base, value.dtype)
+                acc.assign(tf.where(tf.equal(value, tf.cast(base, value.dtype)), value, scaled))
+            return tf.constant(True)
+
+        return [tf.cond(tf.not_equal(factor, 1.0), rescale, lambda: tf.constant(False))] if accumulators else []
+
     def _hs_step_started(self) -> None:
         """The adaptive dataset was asked for a batch (the step clock: collect.StepRecorder)."""
         sync = getattr(self, "_hs_sync", None)  # None until the first apply plans the exchange
@@ -319,6 +362,7 @@ class _DistributedKerasOptimizer(HorovodMethods):
         with tf.init_scope():  # eager, also while tf.function traces: replicated tables start from rank 0
             self._hs_sync.prepare()
         self._hs_sync.mark_verified()
+        self._hs_check_accumulators()
         planning.start_auto(self._hs_sync, _KerasAuto(self), resolver)
         planning.announce(self._hs_plan)
 
@@ -418,8 +462,10 @@ class _DistributedKerasOptimizer(HorovodMethods):
                 self._hs_micro.add(per_variable)
                 if len(self._hs_micro) < k:
                     factor = self._hs_adaptive.last_factor if self._hs_adaptive is not None else 1.0
-                    return [np.float32(factor), np.bool_(False), *self._hs_idle(out_types, local_layout)]
+                    return [np.float32(factor), np.bool_(False), np.float32(1.0),
+                            *self._hs_idle(out_types, local_layout)]
                 per_variable = self._hs_accumulated(k)
+            rescale = self._hs_rescale_accumulators()  # a batch change takes effect: before the pushes
             factor = self._hs_begin_adaptive()
             if self._hs_sync is not None:
                 for var, (kind, parts) in zip(self._hs_vars, per_variable):
@@ -431,14 +477,17 @@ class _DistributedKerasOptimizer(HorovodMethods):
             for kind, parts in per_variable[len(layout):]:
                 values = parts[-1] * parts[-1].dtype.type(scale) if scale != 1.0 else parts[-1]
                 local_out += [values] if kind == "dense" else [np.asarray(parts[0], np.int64), values]
-            return [np.float32(factor), np.bool_(True)] + [a for var, types in zip(self._hs_vars, out_types)
+            return [np.float32(factor), np.bool_(True), np.float32(rescale)] + [
+                a for var, types in zip(self._hs_vars, out_types)
                                                            for a in var.access.out[:len(types)]] + local_out
 
         results = tf.numpy_function(exchange, inputs,
-                                    Tout=[tf.float32, tf.bool] + [t for types in out_types + local_types for t in types],
+                                    Tout=[tf.float32, tf.bool, tf.float32] + [t for types in out_types + local_types
+                                                                              for t in types],
                                     stateful=True, name=_op_name(self._hs_settings.name))
-        factor, apply_now, results = results[0], results[1], iter(results[2:])
+        factor, apply_now, rescale, results = results[0], results[1], results[2], iter(results[3:])
         apply_now.set_shape([])
+        rescale.set_shape([])
         kept, updates = {}, [self._hs_lr_factor.assign(factor)]  # position -> gradient the Keras optimizer applies
         for i, (at, v, var) in enumerate(zip(shared, sv, self._hs_vars)):
             route, placement = var.plan.route, var.plan.placement
@@ -471,6 +520,7 @@ class _DistributedKerasOptimizer(HorovodMethods):
                 kept[at] = _rows(next(results), next(results), v, dense_shape=True, ids_first=True)
         if not held:  # local variables that took no part in the exchange
             kept.update((at, _scaled(g, self._hs_local_scale())) for at, g in zip(local, lg))
+        updates += self._hs_rescale_dense(rescale, [variables[at] for at in sorted(kept)])
         with tf.control_dependencies(updates):
             keep_g = [g if g is None else tf.identity(g) if not isinstance(g, tf.IndexedSlices) else
                       tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape) for _, g in sorted(kept.items())]

@@ -61,6 +61,43 @@ class AdaptiveStep:
             if self.controller.local_batch:
                 self.set_batch(self.controller.local_batch, 1)
 
+    # -- Adagrad's accumulators across batch changes (hybridsync.adaptive.accumulators) ---------------
+    def _dense_accumulators(self) -> list:
+        """(sum tensor, its initial value) of every parameter the wrapped torch.optim.Adagrad
+        updates here (PS tables keep theirs on the shards)."""
+        if not isinstance(self.opt, torch.optim.Adagrad):
+            return []
+        mine = {id(p) for p in self.opt._hs_param_of.values()}
+        return [(self.opt.state[p]["sum"], float(group["initial_accumulator_value"]))
+                for group in self.opt.param_groups for p in group["params"]
+                if id(p) in mine and "sum" in self.opt.state.get(p, {})]
+
+    def check_accumulators(self, table_rules) -> None:
+        """At wrapping: whether there is accumulating state anywhere (the wrapped optimizer is
+        torch.optim.Adagrad, or a PS table's server rule is 'adagrad'); forced on with none raises."""
+        if self.enabled:
+            found = isinstance(self.opt, torch.optim.Adagrad) or "adagrad" in table_rules
+            self.controller.accumulators.require_state(found, type(self.opt).__name__)
+
+    def rescale_accumulators(self) -> None:
+        """At the start of the step a batch change takes effect, before its pushes: the dense
+        sums and every PS table's (one collective) times the factor every rank computed alike."""
+        if not self.enabled:
+            return
+        factor = self.controller.accumulators.take(self.controller.steps)
+        if factor is None:
+            return
+        with timeline.span("rescale accumulators", "adaptive"), torch.no_grad():
+            for acc, base in self._dense_accumulators():
+                if base == 0.0:
+                    acc.mul_(factor)
+                else:  # (what was accumulated above the initial value; as the shards do)
+                    acc.copy_(torch.where(acc == base, acc, (acc - base).mul_(factor).add_(base)))
+            self.opt._hs_sync.rescale_accumulators(factor)
+        tl = timeline.get()
+        if tl is not None:
+            tl.counter("adaptive rescale", {"factor": factor})
+
     def require(self, what: str) -> Adaptive:
         if not self.enabled:
             raise RuntimeError(f"optimizer.{what} needs hybridsync.torch.DistributedOptimizer(..., adaptive=True)")

@@ -114,6 +114,7 @@ class _DistributedOptimizer:
         self._hs_sync = SyncSet(SyncContext(dense_backend, op, size, gradient_predivide_factor,
                                             tensor_buffers=tensor_buffers))
         self._hs_adaptive = AdaptiveStep(self, adaptive, size, self._hs_sync.ctx)
+        self._hs_adaptive.check_accumulators({(v.plan.optimizer or {}).get("name") for v in self._hs_vars})
         self._hs_model = model
         self._hs_swapped: dict = {}  # Variable -> ([(PS module, the nn module it replaced)], its parameter)
         self._hs_left_ps: dict = {}  # Variable -> (those pairs, their batcher) while sync: auto tries a replica
@@ -296,6 +297,7 @@ class _DistributedOptimizer:
             tl.complete("backward", self._hs_forward_end, time.perf_counter_ns())
             self._hs_forward_end = None
         with timeline.span("synchronize"):
+            self._hs_adaptive.rescale_accumulators()  # a batch change takes effect: before its pushes
             self._hs_adaptive.scale_lr()  # before the pushes: the server rules take the scaled LR too
             if not self._hs_plan_confirmed:
                 self._hs_confirm_plan()
