@@ -124,12 +124,14 @@ class Log:
     def __init__(self, steps=None):
         self.steps = steps or []
 
-    def add(self, my_indices, divisor):
+    def add(self, my_indices, divisor, rescale=None):
+        """rescale: the factor the step multiplied the Adagrad sums by (a batch change took effect)."""
         import hybridsync
 
         everyone = hybridsync.allgather_object([int(i) for i in my_indices])
         self.steps.append({"indices": sorted(i for part in everyone for i in part), "divisor": float(divisor),
-                           "world": hybridsync.size(), "ranks": hybridsync.size()})
+                           "world": hybridsync.size(), "ranks": hybridsync.size(),
+                           **({"rescale": rescale} if rescale is not None else {})})
 
 
 def _gather_shards(table):
@@ -247,6 +249,12 @@ def _replay(initial: dict, steps: list):
         adagrad.zero_grad()
         sgd.zero_grad()
         loss.backward()
+        if "rescale" in step:  # a batch change took effect: every Adagrad sum (the SGD table has none)
+            for state in adagrad.state.values():
+                state["sum"].mul_(step["rescale"])
+            for shard in table.shard:
+                for slots in shard["slots"].values():
+                    slots[0] = slots[0] * step["rescale"]
         adagrad.step()
         sgd.step()
         table.push({int(i): rows.grad[n].double().numpy() for n, i in enumerate(unique)})
@@ -412,11 +420,16 @@ def _adaptive_epoch(model, opt, data, log, seed):
         steps_before = opt.adaptive.steps
         opt.step()
         if opt.adaptive.steps != steps_before:  # the step's last micro-step
-            log.add(taken, b * k * hvd.size())
+            # (the rescale a batch change applied at this step, if any: the replay applies it too)
+            rescale = [r["factor"] for r in opt.adaptive.accumulators.log if r["step"] == steps_before and r["applied"]]
+            log.add(taken, b * k * hvd.size(), rescale[0] if rescale else None)
             taken = []
     assert loader.epoch == 1 and not taken, "the adaptive epoch ended inside a step"
+    # Adagrad at an unscaled LR: each batch change rescales the sums (the replay does too)
+    assert opt.adaptive.accumulators.enabled
     if hvd.rank() == 0:  # (what the batch did: the controller decides from measured times)
-        print(f"adaptive batch: (step, local batch, micro-steps) changes {loader.changes}", flush=True)
+        print(f"adaptive batch: (step, local batch, micro-steps) changes {loader.changes}; rescales "
+              f"{[(r['step'], r['from'], r['to'], r['factor']) for r in opt.adaptive.accumulators.log]}", flush=True)
     return loader
 
 
