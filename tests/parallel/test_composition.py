@@ -385,8 +385,17 @@ def rank_job1(tmp):
     everyone = hvd.allgather_object(opt.adaptive.state_dict())
     assert all(state == everyone[0] for state in everyone), "join() left the ranks' adaptive states apart"
 
-    # 5. The adaptive loader goes on after the join (its re-choices at the same steps everywhere).
-    _adaptive_epoch(model, opt, _data(seed=6, n=SAMPLES // 2), log, seed=7)
+    # 5. The adaptive loader goes on after the join (its re-choices at the same steps everywhere),
+    #    at fewer samples per rank and no micro-steps: the global batch shrinks, and the Adagrad
+    #    sums (dense and on the shards) are rescaled by the factor every rank agreed on.
+    rescales = len(opt.adaptive.accumulators.log)
+    _adaptive_epoch(model, opt, _data(seed=6, n=SAMPLES // 2), log, seed=7,
+                    most_per_rank=max(1, opt.adaptive.local_batch - 1), max_accumulation=1)
+    from hybridsync.adaptive.scaling import accumulator_factor
+    new = opt.adaptive.accumulators.log[rescales:]
+    assert new and new[0]["applied"] and new[0]["from"] != new[0]["to"], new
+    assert new[0]["factor"] == accumulator_factor(new[0]["from"], new[0]["to"], new[0]["noise_scale"]), new
+    assert hvd.allgather_object(new) == [new] * size, "the ranks rescaled differently"
 
     # 6. Saved both ways.
     hybridsync.save_checkpoint(os.path.join(tmp, "ckpt"), model, opt, extra={"steps": len(log.steps)})
@@ -401,16 +410,19 @@ def rank_job1(tmp):
     hybridsync.barrier() if hasattr(hybridsync, "barrier") else hvd.barrier()
 
 
-def _adaptive_epoch(model, opt, data, log, seed):
-    """One epoch of the adaptive loader (accumulation allowed); every step logged."""
+def _adaptive_epoch(model, opt, data, log, seed, most_per_rank=BASE_BATCH, max_accumulation=2):
+    """One epoch of the adaptive loader (accumulation allowed); every step logged. Limits
+    (most_per_rank, max_accumulation) the batch in force breaks: the loader starts at the nearest
+    allowed one, a durable change (with Adagrad at an unscaled LR, its sums are rescaled at the
+    first step)."""
     import torch
 
     import hybridsync.torch as hvd
 
     loader = hvd.AdaptiveDataLoader(torch.utils.data.TensorDataset(*data), batch_size=BASE_BATCH, seed=seed,
                                     interval=2, warmup=2)
-    loader.autoscale_batch_size(4 * BASE_BATCH, local_bsz_bounds=(1, BASE_BATCH), gradient_accumulation=True,
-                                max_accumulation=2)
+    loader.autoscale_batch_size(4 * BASE_BATCH, local_bsz_bounds=(1, most_per_rank), gradient_accumulation=True,
+                                max_accumulation=max_accumulation)
     taken = []
     for batch in loader:
         k, b = loader.accumulation_steps, loader.current_local_bsz
