@@ -160,12 +160,14 @@ class Log:
     def __init__(self, steps=None):
         self.steps = steps or []
 
-    def add(self, my_indices, divisor, ranks=None):
+    def add(self, my_indices, divisor, ranks=None, rescale=None):
+        """rescale: the factor the step rescaled the Adagrad accumulators by (a batch change)."""
         import hybridsync.tensorflow as htf
 
         everyone = htf.allgather_object([int(i) for i in my_indices])
         self.steps.append({"indices": sorted(i for part in everyone for i in part), "divisor": float(divisor),
-                           "world": htf.size(), "ranks": ranks or htf.size()})
+                           "world": htf.size(), "ranks": ranks or htf.size(),
+                           **({"rescale": rescale} if rescale is not None else {})})
 
 
 def _gather_shards(table):
@@ -290,6 +292,15 @@ def _replay(initial: dict, steps: list):
         trained = ref.trainable_variables
         grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, trained + [rows])]  # densified
         stale_at = [n for n, v in enumerate(trained) if v.path.startswith("stale/")]
+        if "rescale" in step:  # a batch change took effect: what was accumulated above the initial value
+            f, init = np.float32(step["rescale"]), np.float32(adagrad.initial_accumulator_value)
+            adagrad.build([v for n, v in enumerate(trained) if n not in stale_at])
+            for acc in adagrad._accumulators:
+                v = acc.numpy()
+                acc.assign(np.where(v == init, v, (v - init) * f + init))
+            for shard in table.shard:
+                for slots in shard["slots"].values():
+                    slots[0] = np.where(slots[0] == init, slots[0], (slots[0] - init) * f + init)
         adagrad.apply_gradients([(g, v) for n, (g, v) in enumerate(zip(grads, trained)) if n not in stale_at])
         sgd.apply_gradients([(grads[n], trained[n]) for n in stale_at])
         table.push({int(i): grads[-1][n].numpy().astype(np.float64) for n, i in enumerate(unique)})
@@ -347,12 +358,16 @@ def _adaptive_epoch(model, opt, step, data, log, seed):
         taken += batch[0].tolist()
         micro += 1
         if opt.adaptive.steps != steps:  # the step's last micro-step
+            # (the rescale a batch change applied at this step, if any: the replay applies it too)
+            rescale = [r["factor"] for r in opt.adaptive.accumulators.log if r["step"] == steps and r["applied"]]
             steps = opt.adaptive.steps
-            log.add(taken, b * micro * htf.size())
+            log.add(taken, b * micro * htf.size(), rescale=rescale[0] if rescale else None)
             taken, micro = [], 0
     assert not taken, "the adaptive epoch ended inside a step"
+    assert opt.adaptive.accumulators.enabled  # Keras Adagrad at an unscaled LR: batch changes rescale
     if htf.rank() == 0:  # (what the batch did: the controller decides from measured times)
-        print(f"adaptive batch: (step, local batch, micro-steps) changes {dataset.changes}", flush=True)
+        print(f"adaptive batch: (step, local batch, micro-steps) changes {dataset.changes}; rescales "
+              f"{[(r['step'], r['from'], r['to'], r['factor']) for r in opt.adaptive.accumulators.log]}", flush=True)
 
 
 def _elastic_round_trip(model, opt, step):
