@@ -179,6 +179,7 @@ def worker(args) -> None:
                   "final_batch": opt.adaptive.global_batch(), "batches": sorted(set(batches)),
                   "batches_in_order": _batch_path({"batches": batches}),
                   "changes": loader.changes, "decisions": opt.adaptive.decider.log,
+                  "rescales": opt.adaptive.accumulators.log,  # Adagrad's sums at each change (docs/adaptive.md)
                   "phases": _phases(batches, clock),
                   "step_times": {str(b): [round(v, 5) for v in row[:3]]  # (median s per micro-step, sync s, rel. error)
                                  for b, row in opt.adaptive.throughput.sizes(size).items()}
