@@ -87,7 +87,8 @@ def rank_keras_rescale(setting):
         else:
             entry = opt.adaptive.accumulators.log[-1]
             f = entry["factor"]
-            assert entry["applied"] and entry["to"] == opt.adaptive.global_batch(), entry
+            assert entry["applied"] and entry["to"] == dataset.current_batch_size == \
+                dataset.current_local_bsz * dataset.accumulation_steps * size, entry
             assert f == accumulator_factor(entry["from"], entry["to"], entry["noise_scale"]) and 0 < f < 1, entry
             assert hvd.allgather_object(f) == [f] * size, "ranks rescaled by different factors"
             f32, init = np.float32(f), np.float32(INIT)
