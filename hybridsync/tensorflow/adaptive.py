@@ -72,6 +72,19 @@ class AdaptiveDataset:
     def changes(self) -> list:
         return self.batches.changes
 
+    # The batch in force, as hybridsync.torch.AdaptiveDataLoader's properties name it.
+    @property
+    def current_local_bsz(self) -> int:
+        return self.optimizer.adaptive.local_batch
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.optimizer.adaptive.accumulation
+
+    @property
+    def current_batch_size(self) -> int:
+        return self.optimizer.adaptive.global_batch()
+
     def _set_batch(self, local_batch: int, accumulation: int = 1) -> None:
         self.optimizer.adaptive.set_batch(local_batch, accumulation)
 
