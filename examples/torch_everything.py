@@ -11,7 +11,8 @@ do not need.
   once they are 2 steps ahead);
 - `country`: a small, hot table, all-reduced as a dense gradient (`allreduce-as-dense`);
 - an MLP, all-reduced;
-- the adaptive batch size (goodput), gradient accumulation allowed;
+- the adaptive batch size (goodput), gradient accumulation allowed; at each batch change Adagrad's
+  accumulators, dense and on the shards, are rescaled to the new batch (`rescale_accumulators`, on by default);
 - a step whose loss is not finite is skipped, as a GradScaler would skip it;
 - every epoch's last batches are uneven across ranks and end in `hvd.join()`;
 - an elastic state committed every epoch, a checkpoint too: restart at any number of ranks;
