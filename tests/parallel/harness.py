@@ -95,7 +95,7 @@ def _subcase_name(index: int, spec: list) -> str:
 
 
 def run_scenarios(script: str, np_: int, *scenarios, timeout: float = 240,
-                  env: dict | None = None) -> str:
+                  env: dict | None = None, launcher: list[str] | None = None) -> str:
     """Runs several scenarios in ONE `mpirun -np np_` launch, in order, in the same processes:
     each entry is a scenario name or a (name, *args) tuple. A failure names the first sub-case
     that not every rank finished (the ranks that finished it, the traceback in the output).
@@ -103,9 +103,10 @@ def run_scenarios(script: str, np_: int, *scenarios, timeout: float = 240,
     import pytest
 
     specs = [[s] if isinstance(s, str) else [s[0], *map(str, s[1:])] for s in scenarios]
-    cmd = mpirun_prefix(np_) + [sys.executable, "-u", script, SEQUENCE_ARG, json.dumps(specs)]
+    cmd = (launcher or mpirun_prefix(np_)) + [sys.executable, "-u", script, SEQUENCE_ARG, json.dumps(specs)]
     returncode, out = launch(cmd, timeout, env)
-    marks = "\n".join(line for _, line in rank_lines(out) if SUBCASE_MARK in line or OK_MARK in line)
+    # (the lines mpirun tagged, reassembled, and the output as it is: a launcher may not tag)
+    marks = out + "\n" + "\n".join(line for _, line in rank_lines(out) if SUBCASE_MARK in line or OK_MARK in line)
     for index, spec in enumerate(specs):
         done = {int(m) for m in re.findall(rf"{SUBCASE_MARK} done #{index + 1} rank=(\d+)", marks)}
         if done != set(range(np_)):
