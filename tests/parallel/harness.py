@@ -12,9 +12,15 @@ A parallel test file is both the pytest module and the program each rank runs:
 
 A rank that fails aborts the whole job (hybridsync's excepthook calls MPI_Abort), a job that
 runs past its timeout is killed, and the test passes only if every rank printed its OK line.
+
+Starting ranks costs seconds (each imports torch or TensorFlow), so scenarios that share a world
+size and environment can share one launch: `run_scenarios(__file__, np_, "rank_a", ("rank_b",
+arg))` runs them one after the other in the same processes, each with its own asserts, and a
+failure names the sub-case that failed.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -79,6 +85,74 @@ def run_ranks(script: str, scenario: str, np_: int, *args: str, timeout: float =
     return out
 
 
+SUBCASE_MARK = "HYBRIDSYNC-SUBCASE"
+SEQUENCE_ARG = "--scenarios"
+
+
+def _subcase_name(index: int, spec: list) -> str:
+    name, *args = spec
+    return f"#{index + 1} {name}({', '.join(map(repr, args))})"
+
+
+def run_scenarios(script: str, np_: int, *scenarios, timeout: float = 240,
+                  env: dict | None = None, launcher: list[str] | None = None) -> str:
+    """Runs several scenarios in ONE `mpirun -np np_` launch, in order, in the same processes:
+    each entry is a scenario name or a (name, *args) tuple. A failure names the first sub-case
+    that not every rank finished (the ranks that finished it, the traceback in the output).
+    Returns the combined output."""
+    import pytest
+
+    specs = [[s] if isinstance(s, str) else [s[0], *map(str, s[1:])] for s in scenarios]
+    cmd = (launcher or mpirun_prefix(np_)) + [sys.executable, "-u", script, SEQUENCE_ARG, json.dumps(specs)]
+    returncode, out = launch(cmd, timeout, env)
+    # (the lines mpirun tagged, reassembled, and the output as it is: a launcher may not tag)
+    marks = out + "\n" + "\n".join(line for _, line in rank_lines(out) if SUBCASE_MARK in line or OK_MARK in line)
+    for index, spec in enumerate(specs):
+        done = {int(m) for m in re.findall(rf"{SUBCASE_MARK} done #{index + 1} rank=(\d+)", marks)}
+        if done != set(range(np_)):
+            passed = ", ".join(_subcase_name(i, s) for i, s in enumerate(specs[:index])) or "none"
+            pytest.fail(f"sub-case {_subcase_name(index, spec)} of {Path(script).name} on {np_} ranks "
+                        f"failed (exit {returncode}; ranks that finished it: {sorted(done)}; "
+                        f"sub-cases passed before it: {passed})\n{out}")
+    passed = {int(m) for m in re.findall(rf"{OK_MARK} rank=(\d+)", marks)}
+    if returncode != 0 or passed != set(range(np_)):
+        pytest.fail(f"{Path(script).name} on {np_} ranks: every sub-case passed, but the job failed "
+                    f"(exit {returncode}; ranks without OK: {sorted(set(range(np_)) - passed)})\n{out}")
+    return out
+
+
+_TAG = re.compile(r"\[\d+,(\d+)\]<(std(?:out|err))>:")
+
+
+def rank_lines(out: str) -> list[tuple[int, str]]:
+    """(rank, line) for each line the ranks printed, in the order the lines were completed.
+    mpirun --tag-output tags what it forwards, not lines: a long line can arrive in pieces
+    with another rank's output between them, each piece tagged anew."""
+    lines, pending = [], {}
+    tags = list(_TAG.finditer(out))
+    for tag, following in zip(tags, tags[1:] + [None]):
+        key = (int(tag.group(1)), tag.group(2))
+        parts = out[tag.end():following.start() if following else len(out)].split("\n")
+        pending[key] = pending.get(key, "") + parts[0]
+        if len(parts) > 1:  # (text after the newline and before the next tag is mpirun's own)
+            lines.append((key[0], tag.group(0) + pending.pop(key)))
+    return lines + [(key[0], f"[1,{key[0]}]<{key[1]}>:{text}") for key, text in pending.items()]
+
+
+def subcase_output(out: str, index: int) -> str:
+    """The lines sub-case #index (from 1) of a run_scenarios output printed, on every rank:
+    each rank's lines between its start and done marks of that sub-case."""
+    lines, inside = [], set()
+    for rank, line in rank_lines(out):
+        if f"{SUBCASE_MARK} start #{index} " in line:
+            inside.add(rank)
+        elif f"{SUBCASE_MARK} done #{index} " in line:
+            inside.discard(rank)
+        elif rank in inside:
+            lines.append(line)
+    return "\n".join(lines)
+
+
 EVENT_MARK = "HYBRIDSYNC-EVENT"
 
 
@@ -105,10 +179,21 @@ def seconds_since_event(out: str, name: str) -> float:
 
 
 def rank_main(namespace: dict) -> None:
-    """The rank side: runs the scenario named by argv[1] with the remaining argv."""
+    """The rank side: runs the scenario named by argv[1] with the remaining argv, or, after
+    --scenarios, each scenario of the JSON list in turn (run_scenarios)."""
     import hybridsync
 
     hybridsync.init()
-    scenario = namespace[sys.argv[1]]
-    scenario(*sys.argv[2:])
+    if sys.argv[1] == SEQUENCE_ARG:
+        for index, spec in enumerate(json.loads(sys.argv[2])):
+            name = _subcase_name(index, spec)
+            print(f"{SUBCASE_MARK} start {name} rank={hybridsync.rank()}", flush=True)
+            try:
+                namespace[spec[0]](*spec[1:])
+            except BaseException:
+                print(f"{SUBCASE_MARK} FAILED {name} rank={hybridsync.rank()}", flush=True)
+                raise
+            print(f"{SUBCASE_MARK} done #{index + 1} rank={hybridsync.rank()}", flush=True)
+    else:
+        namespace[sys.argv[1]](*sys.argv[2:])
     print(f"{OK_MARK} rank={hybridsync.rank()}", flush=True)

@@ -5,7 +5,7 @@ matches an Adasum of per-rank updates computed here (MPI backend) and is bit-for
 Adasum optimizer (Horovod backend); a non-power-of-two job raises on every rank."""
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_scenarios
 
 
 def adasum_tree(vectors):
@@ -139,15 +139,16 @@ def rank_not_a_power_of_two(backend):
     hvd.allreduce(torch.ones(1), name="ada.still.alive")  # the job carries on after the errors
 
 
+# Both backends in one launch per world size (a launch starts ranks that import torch: seconds
+# on 2 cores); each scenario sets its backend with hvd.init(backend=...); a failure names its sub-case.
+
 @pytest.mark.parametrize("np_", [2, 4])
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
-def test_adasum_allreduce_and_optimizer(backend, np_):
-    run_ranks(__file__, "rank_adasum", np_, backend, timeout=240)
+def test_adasum_allreduce_and_optimizer_under_mpi_and_horovod(np_):
+    run_scenarios(__file__, np_, ("rank_adasum", "mpi"), ("rank_adasum", "horovod"), timeout=300)
 
 
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
-def test_adasum_on_three_ranks_raises_on_every_rank(backend):
-    run_ranks(__file__, "rank_not_a_power_of_two", 3, backend)
+def test_adasum_on_three_ranks_raises_on_every_rank_under_mpi_and_horovod():
+    run_scenarios(__file__, 3, ("rank_not_a_power_of_two", "mpi"), ("rank_not_a_power_of_two", "horovod"))
 
 
 if __name__ == "__main__":

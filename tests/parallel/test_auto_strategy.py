@@ -7,13 +7,14 @@ placements, at -np 2 and 3. The plan's JSON loads back as a fixed config that tr
 
 The links are fixed (a cache file in a temporary HYBRIDSYNC_CACHE_DIR: a 10 Gbit-like network)
 so the choice depends only on what was measured; one scenario runs the real probe instead."""
+import contextlib
 import json
 import os
 import tempfile
 
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_ranks, run_scenarios, subcase_output
 from hybridsync.planning import render
 
 LOCAL_BATCH, AUTO_STEPS, STEPS = 5, 4, 9
@@ -179,7 +180,10 @@ def rank_trials_keep_the_measured_fastest(slow_route):
     rank, size = hvd.rank(), hvd.size()
     reference, _ = _train("sgd", None, None, rank, size, steps=20)
     config = {"auto_steps": 5, "auto_trial_steps": 4}
-    got, opt = _train("sgd", "sharded", config, rank, size, steps=20)
+    try:
+        got, opt = _train("sgd", "sharded", config, rank, size, steps=20)
+    finally:  # the scenarios after this one in the same launch get the route as it is
+        slowed.synchronize = original
     _close(got, reference, f"trials, {slow_route} slowed")
     hot = opt.plan.by_name()["hot.weight"]
     auto = hot.auto
@@ -248,9 +252,38 @@ def rank_memory_budget():
     the table on the sharded parameter server -- the same numbers either way. A route fixed in
     the config over the budget is an error naming the variable and both sizes."""
     import hybridsync.torch as hvd
-    from hybridsync.config import ConfigError
 
     rank, size = hvd.rank(), hvd.size()
+    with _links(SLOW_P2P):
+        _memory_budget(rank, size)
+    print(f"rank {rank}: the budget kept the table on the sharded PS", flush=True)
+
+
+@contextlib.contextmanager
+def _links(links):
+    """The job's cached links are `links` (rank 0 writes them where _env() wrote LINKS) until
+    the block ends, then LINKS again, for the scenarios after it in the same launch."""
+    import socket
+
+    import hybridsync.torch as hvd
+    from hybridsync.comm.probe import cache_path
+
+    def write(what):
+        if hvd.rank() == 0:
+            with open(cache_path([socket.gethostname()] * hvd.size()), "w") as fh:
+                json.dump(what, fh)
+        hvd.barrier()  # every rank reads them after they are written
+
+    write(links)
+    try:
+        yield
+    finally:
+        write(LINKS)
+
+
+def _memory_budget(rank, size):
+    from hybridsync.config import ConfigError
+
     reference, _ = _train_wide(None, rank, size, 8, wrap=False)
     free, opt = _train_wide({"auto_steps": 3, "auto_trial_steps": 0}, rank, size, 8)
     wide = opt.plan.by_name()["wide.weight"].auto
@@ -273,7 +306,6 @@ def rank_memory_budget():
     assert "wide.weight" in message and "memory_per_rank" in message, message
     from hybridsync.planning.estimate import human_bytes
     assert human_bytes(budget) in message and human_bytes(memory["allgather"]).split()[0][:2] in message, message
-    print(f"rank {rank}: the budget kept the table on the sharded PS", flush=True)
 
 
 def rank_real_probe():
@@ -434,12 +466,6 @@ def _env(links=True):
     return {"HYBRIDSYNC_CACHE_DIR": tmp}
 
 
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
-@pytest.mark.parametrize("np_", [2, 3])
-def test_auto_moves_the_dense_table_to_allreduce_and_keeps_parity(np_, backend):
-    run_ranks(__file__, "rank_auto_parity", np_, backend, timeout=300, env=_env())
-
-
 def _decision_rows(out: str) -> dict:
     """{variable: its row's cells} of the decision table, checked to come from rank 0 only and
     after the plan's `measuring` lines."""
@@ -453,12 +479,7 @@ def _decision_rows(out: str) -> dict:
     return {cells[0]: cells for cells in rows[2:]}
 
 
-@pytest.mark.parametrize("show", ["env", "explain"])
-def test_auto_decision_is_printed_where_the_plan_was(show):
-    """HYBRIDSYNC_EXPLAIN=1 (hybridsync-run) prints the plan at wrap time on rank 0; or rank 0
-    calls explain() while auto measures: either way the decision follows, once, on rank 0."""
-    env = {**_env(), "HYBRIDSYNC_EXPLAIN": "1" if show == "env" else "0"}
-    out = run_ranks(__file__, "rank_explain_prints_the_decision", 2, show, timeout=240, env=env)
+def _check_decision_printed(out: str) -> None:
     rows = _decision_rows(out)
     assert set(rows) == {"hot.weight", "cold.weight"}, out
     hot, cold = rows["hot.weight"], rows["cold.weight"]
@@ -467,40 +488,57 @@ def test_auto_decision_is_printed_where_the_plan_was(show):
     assert "allreduce-as-dense predicted" in " ".join(hot), hot  # the why
 
 
-def test_auto_decision_is_not_printed_where_no_plan_was():
-    out = run_ranks(__file__, "rank_explain_prints_the_decision", 2, "quiet", timeout=240,
-                    env={**_env(), "HYBRIDSYNC_EXPLAIN": "0"})
-    assert "sync: auto decided" not in out and "measuring" not in out, out
+def test_auto_decision_is_printed_where_the_plan_was_printed_at_wrap_time():
+    """HYBRIDSYNC_EXPLAIN=1 (hybridsync-run) prints the plan at wrap time on rank 0; the
+    decision follows, once, on rank 0."""
+    out = run_ranks(__file__, "rank_explain_prints_the_decision", 2, "env", timeout=240,
+                    env={**_env(), "HYBRIDSYNC_EXPLAIN": "1"})
+    _check_decision_printed(out)
 
 
-@pytest.mark.parametrize("load_np", [2, 3])
-def test_a_checkpoint_after_auto_switched_loads_without_the_saved_plan(tmp_path, load_np):
-    env = _env()
-    run_ranks(__file__, "rank_auto_checkpoint", 2, str(tmp_path), "save", timeout=240, env=env)
-    run_ranks(__file__, "rank_auto_checkpoint", load_np, str(tmp_path), "load", timeout=240, env=env)
-
-
-@pytest.mark.parametrize("slow_route,np_", [("allreduce-as-dense", 2), ("ps", 3)])
-def test_auto_keeps_the_route_measured_fastest(slow_route, np_):
-    run_ranks(__file__, "rank_trials_keep_the_measured_fastest", np_, slow_route, timeout=300, env=_env())
+def test_auto_decision_is_printed_after_explain_and_not_where_no_plan_was():
+    """HYBRIDSYNC_EXPLAIN=0: a run that printed no plan prints no decision; then (same launch)
+    rank 0 calls explain() while auto measures, and the decision follows, once, on rank 0."""
+    out = run_scenarios(__file__, 2, ("rank_explain_prints_the_decision", "quiet"),
+                        ("rank_explain_prints_the_decision", "explain"),
+                        timeout=240, env={**_env(), "HYBRIDSYNC_EXPLAIN": "0"})
+    quiet = subcase_output(out, 1)
+    assert "sync: auto decided" not in quiet and "measuring" not in quiet, out
+    _check_decision_printed(subcase_output(out, 2))
 
 
 SLOW_P2P = {**LINKS, "p2p_latency_s": 5e-3, "p2p_bandwidth": 1e6, "allreduce_latency_s": 1e-6,
             "allreduce_bandwidth": 10e9, "collective_s": 1e-6}
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_memory_per_rank_keeps_a_table_that_does_not_fit_as_a_replica_on_the_ps(np_):
-    run_ranks(__file__, "rank_memory_budget", np_, timeout=300, env=_env(links=SLOW_P2P))
+# Every scenario with the fixed links runs in one launch per world size (each launch starts
+# ranks that import torch and TensorFlow: seconds each; the scenarios build their own models and
+# optimizers, and a failure names its sub-case). The checkpoints saved at 2 ranks are loaded by
+# new processes: at 2 ranks (launch 2) and at 3 (launch 3).
+def _with_fixed_links(slow_route):
+    return ["rank_keras_auto_parity", "rank_adam_stays_on_ps",
+            ("rank_trials_keep_the_measured_fastest", slow_route), "rank_memory_budget",
+            ("rank_auto_parity", "mpi"), ("rank_auto_parity", "horovod")]
+
+
+def test_auto_at_two_and_three_ranks_and_checkpoints_saved_at_two_load_at_two_and_three(tmp_path):
+    """Torch, both backends, at 2 and 3 ranks: auto moves the dense table to allreduce-as-dense
+    and keeps parity (SGD, Adagrad, sharded and replicated), lazy Adam stays on the PS, trials
+    keep the route measured fastest (allreduce-as-dense slowed at 2 ranks, ps at 3),
+    memory_per_rank keeps a table that does not fit as a replica on the PS. Keras: the same
+    switch with parity via fit and a tape. Checkpoints (torch, Keras) saved after the switch
+    load without the saved plan: torch at 2 and 3 ranks, Keras at 2."""
+    env, tmp = _env(), str(tmp_path)
+    run_scenarios(__file__, 2, ("rank_keras_auto_checkpoint", tmp, "save"), ("rank_auto_checkpoint", tmp, "save"),
+                  *_with_fixed_links("allreduce-as-dense"), timeout=600, env=env)
+    run_scenarios(__file__, 2, ("rank_keras_auto_checkpoint", tmp, "load"), ("rank_auto_checkpoint", tmp, "load"),
+                  timeout=400, env=env)
+    run_scenarios(__file__, 3, ("rank_auto_checkpoint", tmp, "load"), *_with_fixed_links("ps"),
+                  timeout=600, env=env)
 
 
 def test_auto_with_the_real_link_probe():
     run_ranks(__file__, "rank_real_probe", 2, timeout=240, env=_env(links=False))
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_auto_keeps_lazy_adam_on_the_ps(np_):
-    run_ranks(__file__, "rank_adam_stays_on_ps", np_, timeout=240, env=_env())
 
 
 def test_auto_off():
@@ -662,17 +700,6 @@ def rank_keras_auto_checkpoint(tmp, phase):
     model.fit([hot, cold], y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)  # trains on
     assert opt.plan.by_name()["hot/embeddings"].route.value == "allreduce-as-dense"
     print(f"rank {rank}: keras auto decisions adopted from the checkpoint", flush=True)
-
-
-def test_keras_checkpoint_after_auto_switched_loads_without_the_saved_plan(tmp_path):
-    env = _env()
-    run_ranks(__file__, "rank_keras_auto_checkpoint", 2, str(tmp_path), "save", timeout=400, env=env)
-    run_ranks(__file__, "rank_keras_auto_checkpoint", 2, str(tmp_path), "load", timeout=400, env=env)
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_keras_auto_moves_the_dense_table_to_allreduce_and_keeps_parity(np_):
-    run_ranks(__file__, "rank_keras_auto_parity", np_, timeout=400, env=_env())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ its pre-hook (one autograd node for all Embeddings) train exactly like one pull 
 including outputs no loss reaches, modules called under no_grad, padding and frequency scaling."""
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_scenarios
 
 
 def rank_pull_in_order(seed):
@@ -139,13 +139,9 @@ def rank_batched_model():
 
 
 @pytest.mark.parametrize("np_", [1, 2, 3])
-def test_pull_in_input_order(np_):
-    run_ranks(__file__, "rank_pull_in_order", np_, "2024")
-
-
-@pytest.mark.parametrize("np_", [1, 2, 3])
-def test_batched_lookups_train_like_one_pull_per_call(np_):
-    run_ranks(__file__, "rank_batched_model", np_)
+def test_pull_in_input_order_and_batched_lookups_train_like_one_pull_per_call(np_):
+    """Both in one launch per world size (a launch costs seconds; a failure names its sub-case)."""
+    run_scenarios(__file__, np_, ("rank_pull_in_order", "2024"), "rank_batched_model")
 
 
 if __name__ == "__main__":

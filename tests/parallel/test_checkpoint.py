@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from tests.parallel.harness import launch, mark_event, mpirun_prefix, rank_main, run_ranks, seconds_since_event
+from tests.parallel.harness import (launch, mark_event, mpirun_prefix, rank_main, run_ranks, run_scenarios,
+                                   seconds_since_event, subcase_output)
 
 GLOBAL_BATCH, STEPS = 6, 4
 OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -519,45 +520,35 @@ def rank_killed_peer():
     engine.pull([table], [np.arange(4)])  # rank 0 waits for a peer that is gone
 
 
-@pytest.mark.parametrize("load_np", [3, 1])
-def test_save_at_two_ranks_load_and_continue_elsewhere(tmp_path, load_np):
-    run_ranks(__file__, "rank_save_and_continue", 2, str(tmp_path), timeout=240)
-    run_ranks(__file__, "rank_load_and_continue", load_np, str(tmp_path), timeout=240)
-
-
-def test_keras_checkpoint_saved_at_two_ranks_loads_at_three(tmp_path):
-    run_ranks(__file__, "rank_keras_save", 2, str(tmp_path), timeout=240)
-    run_ranks(__file__, "rank_keras_load", 3, str(tmp_path), timeout=240)
-
-
-def test_keras_checkpoint_loads_right_after_compile(tmp_path):
-    run_ranks(__file__, "rank_keras_load_before_the_first_step", 2, str(tmp_path), timeout=240)
-
-
-def test_corrupt_missing_and_foreign_checkpoints_are_named(tmp_path):
-    run_ranks(__file__, "rank_bad_checkpoints", 2, str(tmp_path), timeout=240)
-
-
-def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
-    rc, out = launch(mpirun_prefix(2) + [sys.executable, "-u", __file__, "rank_crash_during_save", str(tmp_path)], 120)
+# The scenarios share launches: one per world size (each launch starts ranks that import torch
+# and TensorFlow: seconds each on 2 cores). Each scenario writes under a directory of its own,
+# and a failure names its sub-case. The meta-device model goes first: it counts the engine's rows.
+def test_checkpoints_saved_at_two_ranks_load_at_three_and_one_and_bad_or_crashed_saves(tmp_path):
+    """Saved at 2 ranks, loaded at 3 and 1 (torch: SGD, Adagrad, Adam and every dtype) and at 3
+    (Keras, every dtype); Keras loads right after compile(); corrupt, missing and foreign
+    checkpoints are named; a rank killed mid-save leaves the previous checkpoint; the next save
+    removes what a crashed save left (2 and 3 ranks); elastic state resumes at 3 ranks; a
+    meta-device model's tables are made on the shards."""
+    dirs = {name: tmp_path / name for name in ("torch", "keras", "keras-early", "bad", "crash", "stale2",
+                                               "stale3", "elastic")}
+    for d in dirs.values():
+        d.mkdir()
+    # A rank killed mid-save: the job fails, the previous checkpoint is what loads (at 2 ranks below).
+    rc, out = launch(mpirun_prefix(2) + [sys.executable, "-u", __file__, "rank_crash_during_save",
+                                         str(dirs["crash"])], 120)
     assert rc != 0, out
-    run_ranks(__file__, "rank_load_previous", 2, str(tmp_path), timeout=120)
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_the_next_save_removes_what_a_crashed_save_left(tmp_path, np_):
-    run_ranks(__file__, "rank_stale_versions_are_removed", np_, str(tmp_path), timeout=180)
-
-
-def test_elastic_state_resumes_at_another_world_size(tmp_path):
-    out = run_ranks(__file__, "rank_elastic", 2, str(tmp_path), "1", timeout=240)
-    assert "ELASTIC resumed=False" in out
-    out = run_ranks(__file__, "rank_elastic", 3, str(tmp_path), "2", timeout=240)
-    assert "resumed=True seen=[[0, 0, 2], [0, 1, 2], [0, 2, 2], [1, 0, 3], [1, 1, 3], [1, 2, 3]]" in out, out
-
-
-def test_a_meta_device_model_gets_its_tables_on_the_shards():
-    run_ranks(__file__, "rank_meta_model", 2, timeout=120)
+    out = run_scenarios(__file__, 2, "rank_meta_model", ("rank_load_previous", dirs["crash"]),
+                        ("rank_save_and_continue", dirs["torch"]), ("rank_keras_save", dirs["keras"]),
+                        ("rank_keras_load_before_the_first_step", dirs["keras-early"]),
+                        ("rank_bad_checkpoints", dirs["bad"]), ("rank_stale_versions_are_removed", dirs["stale2"]),
+                        ("rank_elastic", dirs["elastic"], 1), timeout=480)
+    assert "ELASTIC resumed=False" in subcase_output(out, 8), out
+    out = run_scenarios(__file__, 3, ("rank_load_and_continue", dirs["torch"]), ("rank_keras_load", dirs["keras"]),
+                        ("rank_stale_versions_are_removed", dirs["stale3"]), ("rank_elastic", dirs["elastic"], 2),
+                        timeout=480)
+    elastic = subcase_output(out, 4)
+    assert "resumed=True seen=[[0, 0, 2], [0, 1, 2], [0, 2, 2], [1, 0, 3], [1, 1, 3], [1, 2, 3]]" in elastic, out
+    run_ranks(__file__, "rank_load_and_continue", 1, str(dirs["torch"]), timeout=240)
 
 
 def test_a_killed_rank_ends_the_job_within_seconds():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel.harness import ROOT, launch, rank_main, run_ranks
+from tests.parallel.harness import ROOT, launch, rank_main, run_ranks, run_scenarios
 
 HOSTS, PER_HOST = 2, 2
 PREFIX = "hst"
@@ -92,12 +92,14 @@ def rank_train_until_the_link_drops():
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
-def test_local_and_cross_ranks_per_host_under_hybridsync_run_with_H(cluster, backend):
+def test_local_and_cross_ranks_per_host_under_hybridsync_run_with_H(cluster):
+    """Both dense backends in one launch (a launch across the hosts costs seconds)."""
     cmd = hybridsync_run("-np", "4", "-H", cluster.hosts_arg(PER_HOST))
-    out = run_ranks(__file__, "rank_hosts", 4, PREFIX, str(PER_HOST), backend, _shares(cluster), launcher=cmd,
-                    env=cluster.env(), timeout=120)
-    assert f"rank 3 on {PREFIX}1: local 1/2" in out, out
+    shares = _shares(cluster)
+    out = run_scenarios(__file__, 4, ("rank_hosts", PREFIX, PER_HOST, "mpi", shares),
+                        ("rank_hosts", PREFIX, PER_HOST, "horovod", shares), launcher=cmd, env=cluster.env(),
+                        timeout=180)
+    assert out.count(f"rank 3 on {PREFIX}1: local 1/2") == 2, out  # (hybridsync-run does not tag the lines)
 
 
 def test_local_and_cross_ranks_per_host_under_hybridsync_run_with_a_hostfile(cluster):
@@ -124,14 +126,13 @@ def _shares(cluster) -> str:
 
 
 # Every route, dense and sparse, under both dense backends: the single-host parity scenarios,
-# now with ranks on two hosts.
+# now with ranks on two hosts (both backends in one launch: a launch across the hosts costs seconds).
 @pytest.mark.parametrize("scenario", ["test_routes.py:rank_routes", "test_sparse_parity.py:rank_parity",
                                       "test_dense_parity.py:rank_parity"])
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
-def test_parity_of_every_route_across_hosts(cluster, scenario, backend):
+def test_parity_of_every_route_across_hosts_under_mpi_and_horovod(cluster, scenario):
     script, _, fn = scenario.partition(":")
-    run_ranks(str(Path(__file__).with_name(script)), fn, 4, backend, launcher=mpirun_on(cluster),
-              env=cluster.env(), timeout=300)
+    run_scenarios(str(Path(__file__).with_name(script)), 4, (fn, "mpi"), (fn, "horovod"),
+                  launcher=mpirun_on(cluster), env=cluster.env(), timeout=420)
 
 
 # With keepalives off, only hybridsync-run's own watch can end mpirun once the ranks aborted: mpirun's

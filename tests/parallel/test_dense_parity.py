@@ -3,7 +3,7 @@ with batch N*b (same data, same seed), for every optimizer, both backends, -np 2
 Each rank also computes the single-process reference itself and compares."""
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_scenarios
 
 STEPS, LOCAL_BATCH, FEATURES = 5, 6, 10
 
@@ -82,10 +82,10 @@ def rank_parity(backend):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["horovod", "mpi"])
 @pytest.mark.parametrize("np_", [2, 3])
-def test_dense_parity(np_, backend):
-    run_ranks(__file__, "rank_parity", np_, backend)
+def test_dense_parity_under_horovod_and_mpi(np_):
+    """Both backends in one launch (a launch costs seconds; each optimizer names its backend)."""
+    run_scenarios(__file__, np_, ("rank_parity", "horovod"), ("rank_parity", "mpi"))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_ranks, run_scenarios, subcase_output
 
 
 def _numpy_adagrad(table, acc, ids, grads, lr, eps, clr):
@@ -370,36 +370,27 @@ def rank_seeded_tables():
     print(f"TABLE-DIGEST {hashlib.sha256(full.tobytes()).hexdigest()}", flush=True)
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_fuzz_against_numpy(np_):
-    run_ranks(__file__, "rank_fuzz", np_, "12345")
+# The engine's scenarios share one launch per world size (a launch costs seconds on 2 cores;
+# each scenario has tables of its own names, and a failure names its sub-case). The seeded
+# tables go first: they count the engine's rows. Measurements of a process's memory or CPU
+# (rank_memory, rank_hand_over_releases_pages, rank_idle_cpu) keep launches of their own.
+ENGINE_SCENARIOS = ("rank_seeded_tables", ("rank_fuzz", "12345"), "rank_errors", "rank_collective_setup_errors",
+                    "rank_collective_argument_errors", "rank_hand_over")
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_bad_input_on_one_rank_raises_on_every_rank(np_):
-    run_ranks(__file__, "rank_errors", np_)
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_bad_input_to_a_whole_table_collective_raises_on_every_rank(np_):
-    run_ranks(__file__, "rank_collective_setup_errors", np_)
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_bad_arguments_to_collectives_raise_on_every_rank(np_):
-    run_ranks(__file__, "rank_collective_argument_errors", np_)
-
-
-def test_a_ranks_shard_state_is_read_and_written_in_storage_order():
-    run_ranks(__file__, "rank_local_state", 2)
-
-
-def test_local_writes_wait_for_a_deferred_push():
-    run_ranks(__file__, "rank_local_writes_after_a_deferred_push", 3)
-
-
-def test_bad_ids_through_a_ps_embedding():
-    run_ranks(__file__, "rank_module_errors", 2)
+def test_engine_scenarios_at_two_and_three_ranks_and_seeded_tables_do_not_depend_on_the_shards():
+    """At 2 and 3 ranks: seeded tables (the same digest at both), the fuzz against numpy, bad
+    input on one rank and bad collective setups and arguments raise on every rank, a table
+    handed over reaches every rank; at 2: shard state in storage order, bad ids through a PS
+    embedding; at 3: local writes wait for a deferred push."""
+    digests = set()
+    for np_, only_here in ((2, ("rank_local_state", "rank_module_errors")),
+                           (3, ("rank_local_writes_after_a_deferred_push",))):
+        out = run_scenarios(__file__, np_, *ENGINE_SCENARIOS, *only_here)
+        found = re.findall(r"TABLE-DIGEST ([0-9a-f]+)", subcase_output(out, 1))
+        assert len(found) == np_, out
+        digests |= set(found)
+    assert len(digests) == 1, digests
 
 
 def test_sharded_placement_holds_half_the_rows_per_rank_at_two_ranks():
@@ -409,20 +400,12 @@ def test_sharded_placement_holds_half_the_rows_per_rank_at_two_ranks():
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_a_table_handed_over_reaches_every_rank_and_its_shards_give_their_memory_back(np_):
-    run_ranks(__file__, "rank_hand_over", np_)
+def test_a_handed_over_tables_shards_give_their_memory_back(np_):
     run_ranks(__file__, "rank_hand_over_releases_pages", np_)
 
 
 def test_idle_and_waiting_ranks_do_not_spin_a_core():
     run_ranks(__file__, "rank_idle_cpu", 2)
-
-
-def test_seeded_tables_do_not_depend_on_the_number_of_shards():
-    digests = set()
-    for np_ in (2, 3):
-        digests |= set(re.findall(r"TABLE-DIGEST ([0-9a-f]+)", run_ranks(__file__, "rank_seeded_tables", np_)))
-    assert len(digests) == 1, digests
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ numpy_function ops on threads of its own; the bindings release the GIL): results
 serial run, and nothing crashes or deadlocks."""
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_scenarios
 
 ROWS, DIM, THREADS, CALLS = 50, 4, 4, 60
 
@@ -289,23 +289,15 @@ def rank_collectives_hop_threads():
     print(f"rank {rank}: collectives hopping threads beside local calls equal the serial run", flush=True)
 
 
-def test_threads_on_one_rank_equal_a_serial_run():
-    run_ranks(__file__, "rank_threads_one_rank", 1)
+# The scenarios of a world size share one launch (a launch costs seconds on 2 cores; each has
+# tables of its own; a failure names its sub-case).
+def test_threads_on_one_rank_equal_a_serial_run_and_two_tables_give_exact_pulls_and_adagrad_sums():
+    run_scenarios(__file__, 1, "rank_threads_one_rank", "rank_threads_mixed_tables", timeout=240)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_local_calls_from_threads_beside_collectives(np_):
-    run_ranks(__file__, "rank_threads_with_collectives", np_)
-
-
-
-def test_threads_two_tables_exact_pulls_and_adagrad_sums():
-    run_ranks(__file__, "rank_threads_mixed_tables", 1, timeout=150)
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_collectives_hopping_threads_beside_local_calls(np_):
-    run_ranks(__file__, "rank_collectives_hop_threads", np_, timeout=150)
+def test_local_calls_from_threads_beside_collectives_and_collectives_hopping_threads(np_):
+    run_scenarios(__file__, np_, "rank_threads_with_collectives", "rank_collectives_hop_threads", timeout=240)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ on the parameter server (row-sharded), and PS tables on fewer shards than ranks 
 Adagrad, at -np 2 and -np 3. Moving a table off the PS changes explain() and keeps parity."""
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_scenarios
 from hybridsync.planning import render
 
 CASES = {
@@ -87,14 +87,13 @@ def rank_moving_a_table_changes_explain():
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+# One launch per world size (a launch costs seconds on 2 cores): both backends, and at 2 ranks the
+# explain() check first (it reads the plans of the live optimizers). A failure names its sub-case.
 @pytest.mark.parametrize("np_", [2, 3])
-def test_every_route_matches_the_single_process_run(np_, backend):
-    run_ranks(__file__, "rank_routes", np_, backend, timeout=300)
-
-
-def test_moving_a_table_from_ps_to_allreduce_changes_explain():
-    run_ranks(__file__, "rank_moving_a_table_changes_explain", 2)
+def test_every_route_matches_the_single_process_run_under_mpi_and_horovod(np_):
+    """At 2 ranks also: moving a table from the PS to all-reduce changes explain()."""
+    first = ("rank_moving_a_table_changes_explain",) if np_ == 2 else ()
+    run_scenarios(__file__, np_, *first, ("rank_routes", "mpi"), ("rank_routes", "horovod"), timeout=400)
 
 
 if __name__ == "__main__":

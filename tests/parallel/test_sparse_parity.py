@@ -4,7 +4,7 @@ under a step LR schedule, in both placements, at -np 2 and -np 3 (uneven shards)
 single-process reference itself."""
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_scenarios
 
 STEPS, LOCAL_BATCH = 10, 5
 ROWS, BAG_ROWS, DIM = 50, 31, 4
@@ -116,10 +116,10 @@ def rank_parity(backend):
                                        msg=lambda m: f"adagrad/{placement}/2 passes {key}: {m}")
 
 
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
 @pytest.mark.parametrize("np_", [2, 3])
-def test_sparse_parity(np_, backend):
-    run_ranks(__file__, "rank_parity", np_, backend, timeout=240)
+def test_sparse_parity_under_mpi_and_horovod(np_):
+    """Both backends in one launch (a launch costs seconds; a failure names its sub-case)."""
+    run_scenarios(__file__, np_, ("rank_parity", "mpi"), ("rank_parity", "horovod"), timeout=360)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_ranks, run_scenarios
 
 ROWS, DIM, STEPS, BATCH = 40, 3, 6, 12  # BATCH divides over 1, 2 and 3 ranks
 RULES = [("sgd", {"lr": 0.5}), ("adagrad", {"lr": 0.3, "initial_accumulator_value": 0.1}),
@@ -266,10 +266,6 @@ def rank_checkpoints_between_tiered_and_untiered(tmp):
         source = target
 
 
-def test_checkpoints_load_between_tiered_and_untiered_tables(tmp_path):
-    run_ranks(__file__, "rank_checkpoints_between_tiered_and_untiered", 2, str(tmp_path))
-
-
 def rank_auto_keeps_a_tiered_table_on_the_ps(tmp):
     """`sync: auto` (the default) on an nn.Embedding whose rule gives it a disk tier: only the PS
     stores rows so, so auto leaves it there (before, it measured and could move the table to a
@@ -309,10 +305,6 @@ def rank_auto_keeps_a_tiered_table_on_the_ps(tmp):
     np.testing.assert_array_equal(table.read_rows(all_ids), memory[0][0].table.read_rows(all_ids))
 
 
-def test_sync_auto_keeps_a_tiered_table_on_the_ps(tmp_path):
-    run_ranks(__file__, "rank_auto_keeps_a_tiered_table_on_the_ps", 2, str(tmp_path))
-
-
 def rank_tiered_steps(tmp):
     model, opt = _tiered_model(tmp, "timeline")
     _tiered_steps(model, opt, range(4))
@@ -331,11 +323,6 @@ def test_the_timeline_shows_tier_io_and_a_job_that_ends_leaves_no_tier_file(tmp_
         assert {"tier prefetch", "tier read", "tier write"} <= names, (rank, sorted(names))
     left = sorted(str(f) for f in tmp_path.rglob("*.tier"))
     assert left == [], left
-
-
-def test_checkpoints_carry_both_tiers_to_another_world_size(tmp_path):
-    run_ranks(__file__, "rank_tiered_checkpoint_save", 2, str(tmp_path))
-    run_ranks(__file__, "rank_tiered_checkpoint_load", 3, str(tmp_path))
 
 
 def rank_full_disk(tmp):
@@ -751,11 +738,6 @@ def rank_written_rows_checkpoint_load(tmp):
     same(untiered[0], "saved at 3, into an untiered table")
 
 
-def test_a_checkpoint_of_a_table_larger_than_memory_saves_only_its_written_rows(tmp_path):
-    run_ranks(__file__, "rank_written_rows_checkpoint_save", 2, str(tmp_path))
-    run_ranks(__file__, "rank_written_rows_checkpoint_load", 3, str(tmp_path))
-
-
 def rank_written_rows_elastic_commit(tmp):
     """An elastic commit of a tiered table of BIG_ROWS rows keeps its written rows in a file on
     the rank's disk, no array in memory; training on other rows, then a restore, gives back every
@@ -789,9 +771,6 @@ def rank_written_rows_elastic_commit(tmp):
             np.testing.assert_array_equal(got, want, err_msg=f"commit {commit}: {'rows' if k == 0 else f'slot {k - 1}'}")
         _big_steps(model, opt, range(3 + commit, 4 + commit))
 
-
-def test_an_elastic_commit_of_a_table_larger_than_memory_keeps_its_written_rows_on_disk(tmp_path):
-    run_ranks(__file__, "rank_written_rows_elastic_commit", 2, str(tmp_path))
 
 
 
@@ -908,11 +887,6 @@ def rank_dynamic_streamed_checkpoint_load(tmp):
     _same_state(_stream_state(tiered[0]), _stream_state(untiered[0]), "trained on after the load at 3")
 
 
-def test_a_checkpoint_of_a_dynamic_table_with_a_disk_tier_streams_its_shard(tmp_path):
-    run_ranks(__file__, "rank_dynamic_streamed_checkpoint_save", 2, str(tmp_path))
-    run_ranks(__file__, "rank_dynamic_streamed_checkpoint_load", 3, str(tmp_path))
-
-
 def rank_dynamic_streamed_elastic_commit(tmp):
     """An elastic commit of a dynamic table with a disk tier keeps its shard in a file on the
     rank's disk, no array in memory; training on (new ids admitted, rows spilled), then a
@@ -938,8 +912,28 @@ def rank_dynamic_streamed_elastic_commit(tmp):
         _stream_steps(model, opt, range(6 + commit, 7 + commit))
 
 
-def test_an_elastic_commit_of_a_dynamic_table_with_a_disk_tier_keeps_its_shard_on_disk(tmp_path):
-    run_ranks(__file__, "rank_dynamic_streamed_elastic_commit", 2, str(tmp_path))
+# -- the torch scenarios above share one launch per world size ----------------------------------
+# (each launch starts ranks that import torch: seconds on 2 cores). Each scenario works in a
+# directory of its own; a failure names its sub-case.
+
+def test_tiered_checkpoints_elastic_commits_and_auto_at_two_ranks_loaded_at_three(tmp_path):
+    """2 ranks: checkpoints load between tiered and untiered tables; sync: auto keeps a tiered
+    table on the PS; checkpoints of both tiers, of a table larger than memory (only its written
+    rows) and of a dynamic table with a disk tier (its shard streamed) are saved, and elastic
+    commits of the last two keep their rows on disk. 3 ranks: the three checkpoints load."""
+    dirs = {name: tmp_path / name for name in ("between", "auto", "tiers", "big", "big-elastic", "stream",
+                                               "stream-elastic")}
+    for d in dirs.values():
+        d.mkdir()
+    run_scenarios(__file__, 2, ("rank_checkpoints_between_tiered_and_untiered", dirs["between"]),
+                  ("rank_auto_keeps_a_tiered_table_on_the_ps", dirs["auto"]),
+                  ("rank_tiered_checkpoint_save", dirs["tiers"]), ("rank_written_rows_checkpoint_save", dirs["big"]),
+                  ("rank_written_rows_elastic_commit", dirs["big-elastic"]),
+                  ("rank_dynamic_streamed_checkpoint_save", dirs["stream"]),
+                  ("rank_dynamic_streamed_elastic_commit", dirs["stream-elastic"]), timeout=480)
+    run_scenarios(__file__, 3, ("rank_tiered_checkpoint_load", dirs["tiers"]),
+                  ("rank_written_rows_checkpoint_load", dirs["big"]),
+                  ("rank_dynamic_streamed_checkpoint_load", dirs["stream"]), timeout=480)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.parallel.harness import rank_main, run_program, run_ranks
+from tests.parallel.harness import rank_main, run_program, run_ranks, run_scenarios
 
 
 def rank_collectives(backend):
@@ -81,9 +81,9 @@ def test_without_horovod_the_mpi_backend_is_used_with_a_warning():
     assert out.count("Horovod is not installed; dense all-reduce uses MPI (mpi4py)") == 2, out
 
 
-@pytest.mark.parametrize("backend", ["horovod", "mpi"])
-def test_collectives_and_broadcasts(backend):
-    run_ranks(__file__, "rank_collectives", 3, backend)
+def test_collectives_and_broadcasts_under_horovod_and_mpi():
+    """Both backends in one launch (a launch costs seconds; a failure names its sub-case)."""
+    run_scenarios(__file__, 3, ("rank_collectives", "horovod"), ("rank_collectives", "mpi"))
 
 
 def test_zero_grad_while_exchange_in_flight_is_an_error():

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_ranks, run_scenarios
 
 ROWS, DIM, LR = 50, 4, 0.5
 
@@ -93,9 +93,10 @@ def rank_join_with_ps_tables(placement):
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("placement", ["sharded", "replicated"])
-def test_join_with_uneven_batches_and_ps_tables(np_, placement):
-    run_ranks(__file__, "rank_join_with_ps_tables", np_, placement, timeout=180, env={"HYBRIDSYNC_TIMEOUT_S": "60"})
+def test_join_with_uneven_batches_and_ps_tables(np_):
+    """Both placements in one launch (a launch costs seconds; each builds its own model)."""
+    run_scenarios(__file__, np_, ("rank_join_with_ps_tables", "sharded"), ("rank_join_with_ps_tables", "replicated"),
+                  timeout=240, env={"HYBRIDSYNC_TIMEOUT_S": "60"})
 
 
 def rank_leaves_early():
