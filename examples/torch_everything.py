@@ -11,8 +11,8 @@ do not need.
   once they are 2 steps ahead);
 - `country`: a small, hot table, all-reduced as a dense gradient (`allreduce-as-dense`);
 - an MLP, all-reduced;
-- the adaptive batch size (goodput), gradient accumulation allowed; at each batch change Adagrad's
-  accumulators, dense and on the shards, are rescaled to the new batch (`rescale_accumulators`, on by default);
+- the adaptive batch size (goodput), gradient accumulation allowed (`adaptive={"rescale_accumulators":
+  "auto"}` would also rescale Adagrad's accumulators at each batch change: opt-in, docs/adaptive.md);
 - a step whose loss is not finite is skipped, as a GradScaler would skip it;
 - every epoch's last batches are uneven across ranks and end in `hvd.join()`;
 - an elastic state committed every epoch, a checkpoint too: restart at any number of ranks;

@@ -111,7 +111,7 @@ def _wrap(model, adaptive=True):
 
     opt = torch.optim.Adagrad(model.parameters(), lr=LR)
     wrapped = hvd.DistributedOptimizer(opt, model=model, config=CONFIG,
-                                       adaptive={"scaling_rule": "auto"} if adaptive else None)
+                                       adaptive={"scaling_rule": "auto", "rescale_accumulators": "auto"} if adaptive else None)
     if adaptive:  # Adagrad at its unscaled LR ('auto'): the square-root statistical efficiency
         assert wrapped.adaptive.efficiency_model == "sqrt", wrapped.adaptive.efficiency_reason
     return wrapped

@@ -127,7 +127,7 @@ def _wrap(model):
     import hybridsync.tensorflow.keras as hvd
     from hybridsync.tensorflow.keras_embeddings import ShardedKerasEmbedding
 
-    opt = hvd.DistributedOptimizer(keras.optimizers.Adagrad(LR), config=CONFIG, adaptive={"scaling_rule": "auto"},
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adagrad(LR), config=CONFIG, adaptive={"scaling_rule": "auto", "rescale_accumulators": "auto"},
                                    model=model)
     assert isinstance(model.get_layer("moved"), ShardedKerasEmbedding)
     assert type(model.get_layer("small")) is keras.layers.Embedding  # its config rule keeps it (allreduce-as-dense)

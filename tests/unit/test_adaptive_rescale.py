@@ -29,8 +29,9 @@ def test_auto_is_on_for_adagrad_at_an_unscaled_lr_only():
     assert not r("auto", "Adagrad", "adagrad") and not r("auto", "Adagrad", "sqrt")
     assert not r("auto", "SGD", "adascale") and not r("auto", "Adam", "none")
     assert r(True, "SGD", "adascale") and not r(False, "Adagrad", "none")
-    assert Adaptive(AdaptiveConfig(), "Adagrad", 2).accumulators.enabled  # 'auto' picks rule none for Adagrad
-    assert not Adaptive(AdaptiveConfig(), "SGD", 2).accumulators.enabled
+    assert Adaptive(AdaptiveConfig(rescale_accumulators="auto"), "Adagrad", 2).accumulators.enabled  # 'auto' picks rule none for Adagrad
+    assert not Adaptive(AdaptiveConfig(), "Adagrad", 2).accumulators.enabled  # opt-in: off unless asked for
+    assert not Adaptive(AdaptiveConfig(rescale_accumulators="auto"), "SGD", 2).accumulators.enabled
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, 0, None, "Auto"])
@@ -43,7 +44,7 @@ def test_forced_on_with_no_adagrad_state_is_an_error_naming_the_key():
     acc = Adaptive(AdaptiveConfig(rescale_accumulators=True), "SGD", 2).accumulators
     with pytest.raises(ValueError, match="adaptive: rescale_accumulators=True.*SGD"):
         acc.require_state(False, "SGD")
-    auto = Adaptive(AdaptiveConfig(), "MyAdagradLike", 2).accumulators
+    auto = Adaptive(AdaptiveConfig(rescale_accumulators="auto"), "MyAdagradLike", 2).accumulators
     auto.require_state(False, "MyAdagradLike")  # 'auto' with nothing to rescale: simply off
     assert not auto.enabled
 
@@ -78,7 +79,7 @@ def test_no_statistics_means_no_rescale_and_the_log_says_so():
 
 
 def test_checkpoints_carry_the_batch_the_state_was_built_at():
-    a = Adaptive(AdaptiveConfig(local_batch_size=256), "Adagrad", 2)
+    a = Adaptive(AdaptiveConfig(local_batch_size=256, rescale_accumulators="auto"), "Adagrad", 2)
     a.accumulators.plan(0, a.global_batch(), lambda: 1.0)
     a.set_batch(1024)
     a.accumulators.plan(7, a.global_batch(), lambda: 100.0)
@@ -86,12 +87,12 @@ def test_checkpoints_carry_the_batch_the_state_was_built_at():
     assert a.accumulators.take(7) is not None
     after = a.state_dict()  # saved after it: loads without another
     for state, due in ((before, True), (after, False)):
-        b = Adaptive(AdaptiveConfig(), "Adagrad", 2)
+        b = Adaptive(AdaptiveConfig(rescale_accumulators="auto"), "Adagrad", 2)
         b.load_state_dict(state)
         b.accumulators.plan(8, b.global_batch(), lambda: 100.0)
         assert (b.accumulators.take(8) is not None) == due
     # Another world size (2 -> 3 ranks): built at 2048, continues at the nearest global batch.
-    c = Adaptive(AdaptiveConfig(), "Adagrad", 3)
+    c = Adaptive(AdaptiveConfig(rescale_accumulators="auto"), "Adagrad", 3)
     c.load_state_dict(after)
     c.accumulators.plan(8, c.global_batch(), lambda: 100.0)
     assert c.global_batch() != 2048
@@ -99,14 +100,14 @@ def test_checkpoints_carry_the_batch_the_state_was_built_at():
     # A checkpoint from before the rescale existed: built at the batch it saved.
     old = dict(after)
     del old["accumulators"]
-    d = Adaptive(AdaptiveConfig(), "Adagrad", 2)
+    d = Adaptive(AdaptiveConfig(rescale_accumulators="auto"), "Adagrad", 2)
     d.load_state_dict(old)
     assert d.accumulators.built_at == 2048
 
 
 def test_explain_lists_each_rescale():
     from hybridsync.adaptive.report import describe
-    a = Adaptive(AdaptiveConfig(local_batch_size=256), "Adagrad", 2)
+    a = Adaptive(AdaptiveConfig(local_batch_size=256, rescale_accumulators="auto"), "Adagrad", 2)
     a.accumulators.plan(0, 512, lambda: 1.0)
     a.set_batch(1024)
     a.accumulators.plan(4, 2048, lambda: 300.0)
