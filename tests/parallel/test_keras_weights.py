@@ -82,6 +82,9 @@ def _one_sided_weights(tmp):
     np.testing.assert_array_equal(layer.get_table(), witness)
     for got, want in zip(model.get_weights(), saved):
         np.testing.assert_array_equal(got, want)
+    # Every rank has read the table before one rank overwrites it (a one-sided write: without
+    # this a slow rank read the new rows in the loaded machine's CI run).
+    hybridsync.allgather_object(None)
     if rank == size - 1:  # one rank writes the table through set_weights
         layer.set_weights([np.zeros(1, np.float32), np.full((rows, 8), 0.25, np.float32)])
     hybridsync.allgather_object(None)  # after the write
