@@ -88,6 +88,9 @@ def main():
     parser.add_argument("--horovod", action="store_true",
                         help="train with horovod.torch itself (sparse gradients all-gathered), for comparisons")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs, e.g. cuda (each rank takes GPU local_rank %% GPUs); the PS "
+                             "tables' rows stay on the shards in host memory")
     parser.add_argument("--slow-ms", type=float, default=0.0,
                         help="a straggler: the last rank sleeps this long every step (a slow data loader; see "
                              "docs/staleness.md)")
@@ -102,12 +105,16 @@ def main():
     torch.set_num_threads(1)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
     embedding = torch_embedding
     if args.ps_embeddings:
         bound = 1.0 / np.sqrt(args.rows)
         embedding = lambda rows, dim: hvd.Embedding(rows, dim, initializer=("uniform", -bound, bound))
-    model = DLRM(args.tables, args.rows, args.dim, embedding=embedding)
+    model = DLRM(args.tables, args.rows, args.dim, embedding=embedding).to(device)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=args.lr)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     if args.horovod:
@@ -132,7 +139,7 @@ def main():
 
     losses, start = [], time.perf_counter()
     for step in range(first, args.steps + 1):
-        dense, sparse, label = data.batch()
+        dense, sparse, label = (t.to(device) for t in data.batch())
         if args.slow_ms and rank == size - 1:
             time.sleep(args.slow_ms / 1000)
         optimizer.zero_grad()
