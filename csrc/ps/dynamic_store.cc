@@ -132,7 +132,10 @@ int64_t DynamicStore::append_row(std::unique_ptr<Shard>& arena, int64_t id, uint
   if (pos >= arena->rows()) grow(*arena, std::max<int64_t>(kFirstArenaRows, arena->rows() * 2));
   counts_.push_back(count);
   last_.push_back(last);
-  if (disk_) tick_.push_back(now_);
+  if (disk_) {
+    tick_.push_back(now_);
+    ++added_since_spill_;
+  }
   return pos;
 }
 
@@ -203,10 +206,24 @@ void DynamicStore::remove_on_disk(std::vector<int64_t> entries) {
 }
 
 bool DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
-  const int64_t held = rows_.size();
-  if (!disk_ || held + incoming <= memory_) return false;
-  // An eighth of memory at least, so a full arena does not spill a few rows every round.
-  const int64_t k = std::max(held + incoming - memory_, memory_ / 8);
+  if (!disk_) return false;
+  const int64_t held = rows_.size(), over = held + incoming - memory_;
+  // A spill is the slowest part of a round, and at 2+ ranks every pull waits for the slowest
+  // shard: shards spilling in different rounds would each slow a round of every rank. So at a
+  // round that is a multiple of kSpillPeriod (the rule's step: the same on every shard) a shard
+  // also makes room for the next period's inflow, measured since its last spill, with a quarter
+  // to spare; ids hash evenly, so the shards' inflows are alike and they spill in the same rounds.
+  // (Which rows spill, and when, changes no value: a row moves bit for bit.)
+  const int64_t round = arena.rule().step();
+  int64_t k = 0;
+  if (last_spill_round_ >= 0 && round > last_spill_round_ && round % kSpillPeriod == 0) {
+    const int64_t ahead = added_since_spill_ * kSpillPeriod * 5 / (4 * (round - last_spill_round_));
+    if (over + ahead > 0) k = std::max(over + ahead, memory_ / 64);
+  }
+  if (k == 0) {
+    if (over <= 0) return false;
+    k = std::max(over, memory_ / 8);  // (an eighth at least, so a full arena does not spill a few rows every round)
+  }
   std::vector<int64_t> victims = least(
       held, k, spec_.evict == "lfu", [&](int64_t p) { return tick_[static_cast<size_t>(p)] != now_; },
       [&](int64_t p) { return static_cast<int64_t>(counts_[static_cast<size_t>(p)]); },
@@ -230,6 +247,8 @@ bool DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
     disk_last_.push_back(last_[static_cast<size_t>(p)]);
   }
   remove_rows(arena, std::move(victims));
+  added_since_spill_ = 0;
+  last_spill_round_ = round;
   return true;
 }
 
@@ -599,6 +618,8 @@ void DynamicStore::clear() {
   fresh_ids_.clear();
   fresh_rows_.clear();
   tick_.clear();
+  added_since_spill_ = 0;
+  last_spill_round_ = -1;
   if (disk_) {
     disk_->clear();
     disk_counts_.clear();

@@ -24,7 +24,10 @@
 // prefetch, first reads back the stored rows it touches, and if the arena would then hold more
 // than `memory` rows, rows it does not touch go to disk first (in the eviction order; LRU when
 // evict is none), an eighth of `memory` at a time -- so a disk that cannot take them fails the
-// pull before any row changes; a round keeps them in memory instead (SpillMode). Rows leave the disk only by expiry or eviction.
+// pull before any row changes; a round keeps them in memory instead (SpillMode). Spills are
+// aligned across shards: at a round that is a multiple of 8 a shard also makes room for the next
+// 8 rounds' inflow, so the shards spill together (see spill()). Rows leave the disk only by
+// expiry or eviction.
 #pragma once
 
 #include <algorithm>
@@ -146,6 +149,10 @@ class DynamicStore {
   std::vector<int32_t> disk_last_;
   uint32_t now_ = 0;                   // operations so far (disk tier)
   int64_t hits_ = 0, loads_ = 0;
+  // Disk tier: spills fall on rounds that are multiples of kSpillPeriod on every shard (spill()).
+  static constexpr int64_t kSpillPeriod = 8;
+  int64_t added_since_spill_ = 0;  // rows that came into the arena since the last spill
+  int64_t last_spill_round_ = -1;  // the rule's step at the last spill (-1: none yet)
   IdMap pending_;  // seen, not admitted
   std::vector<uint32_t> pending_counts_;
   std::vector<int32_t> pending_last_;

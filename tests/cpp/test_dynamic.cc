@@ -1,5 +1,7 @@
 // Dynamic tables: the id map, the store's admission / eviction / expiry rules on one shard,
 // and Clients whose dynamic tables give the same rows at one rank and at three.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -284,6 +286,62 @@ TEST(a_round_that_grows_the_arena_applies_the_rule_as_one_that_does_not) {
     roomy.read(*big, ids.data(), static_cast<int64_t>(ids.size()), want.data(), -1);
     CHECK(got == want);
   }
+}
+
+TEST(shards_with_a_disk_tier_spill_in_the_same_rounds) {
+  // Two shards of one dynamic table with a disk tier, new ids arriving at slightly different
+  // rates (as hashing deals them) and some old ones coming back from disk: once both have
+  // spilled, they spill only at rounds whose prefetch sees a step that is a multiple of 8 (the
+  // same rounds), neither holds more than its memory after a round, and no row is lost.
+  const int64_t dim = 4, memory = 1000;
+  char tmpl[] = "/tmp/hybridsync-spill-test-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const int64_t record = Shard("dyn", 1, dim, make_update_rule("sgd", {{"lr", 0.1}})).record_size();
+  std::vector<std::vector<int64_t>> spills(2);
+  {
+    std::vector<std::unique_ptr<DynamicStore>> stores;
+    std::vector<std::unique_ptr<Shard>> arenas;
+    for (int s = 0; s < 2; ++s) {
+      stores.push_back(std::make_unique<DynamicStore>("dyn", dyn(), 0, dim, memory,
+                                                      std::make_unique<DiskTier>("dyn", dir, s, record, nullptr)));
+      arenas.push_back(arena_for(*stores.back(), dim, "sgd", {{"lr", 0.1}}));
+    }
+    std::mt19937_64 gen(5);
+    std::vector<std::vector<int64_t>> seen(2);
+    for (int64_t round = 1; round <= 240; ++round) {
+      for (int s = 0; s < 2; ++s) {
+        std::vector<int64_t> ids;
+        const int64_t fresh = 55 + 4 * s + static_cast<int64_t>(gen() % 11);
+        for (int64_t i = 0; i < fresh; ++i) ids.push_back(static_cast<int64_t>(gen() >> 1));
+        for (int i = 0; i < 8 && seen[s].size() > 2000; ++i) {  // old rows, most of them on disk by now
+          const int64_t old = seen[s][gen() % (seen[s].size() - 1000)];
+          if (std::find(ids.begin(), ids.end(), old) == ids.end()) ids.push_back(old);
+        }
+        seen[s].insert(seen[s].end(), ids.begin(), ids.begin() + fresh);
+        const int64_t before = stores[s]->disk()->size();
+        stores[s]->prefetch(arenas[s], ids.data(), static_cast<int64_t>(ids.size()));
+        if (stores[s]->disk()->size() > before) spills[s].push_back(round);
+        touch(*stores[s], arenas[s], ids, dim);
+        CHECK(stores[s]->resident() <= memory);
+        CHECK(stores[s]->stored() == static_cast<int64_t>(seen[s].size()));  // (nothing lost)
+      }
+    }
+  }
+  rmdir(dir.c_str());
+  // Memory fills at slightly different rounds, so the first spills differ; from the first
+  // period boundary after them on, every spill of either shard is on a boundary, in both.
+  CHECK(!spills[0].empty() && !spills[1].empty());
+  int64_t aligned_from = std::max(spills[0].front(), spills[1].front()) + 1;
+  while ((aligned_from - 1) % 8 != 0) ++aligned_from;
+  std::vector<std::vector<int64_t>> later(2);
+  for (int s = 0; s < 2; ++s) {
+    for (const int64_t round : spills[s]) {
+      if (round >= aligned_from) later[s].push_back(round);
+    }
+  }
+  CHECK(later[0].size() >= 20);
+  CHECK(later[0] == later[1]);
+  for (const int64_t round : later[0]) CHECK((round - 1) % 8 == 0);
 }
 
 TEST(a_dynamic_table_trains_alike_at_one_rank_and_three) {
