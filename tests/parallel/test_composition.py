@@ -11,7 +11,7 @@ server slot) and trains on with the adaptive loader.
 Parity: a one-process reference (plain torch for the fixed, stale and dense parts; the dict model
 of tests/dynamic_reference.py for the dynamic table, on as many shards as the job had) replays
 the steps both jobs logged -- which samples each step took, and how many ranks' worth it was
-divided by -- and every parameter and row must agree within 1e-5. The stale table takes part in
+divided by -- and every parameter and row must agree within 1e-4 (see _check_parity). The stale table takes part in
 the parity too: its gradient does not depend on the rows it reads (its rows only shift the loss),
 and its server rule is SGD, which sums pushes in any order, so the bound changes what a pull
 reads but not where the table ends up.
