@@ -220,6 +220,9 @@ def rank_a_bad_bounded_push_is_raised_on_every_rank(k):
         return np.asarray(unique_rows)[inverse, 0]
 
     first = rows()
+    # (without it a rank that starts late would read, as its `first`, rows some of the others'
+    # pushes already changed: they may run up to k + 1 steps ahead of it)
+    engine.barrier("start")
     raised, pushed = [], 0
     for step in range(steps):
         try:
