@@ -4,6 +4,6 @@ options and the twins of its C++ rules in dynamic_options.py), the server rules 
 optimizer (rules.py) and the row partition (partition.py). Frameworks reach the engine only
 through tables.
 """
-from .client import RemoteError, TransportError, current, engine, join, joins, wait_spin_us
+from .client import RemoteError, TransportError, current, engine, join, joins, settle, wait_spin_us
 
-__all__ = ["engine", "current", "join", "joins", "wait_spin_us", "RemoteError", "TransportError"]
+__all__ = ["engine", "current", "join", "joins", "settle", "wait_spin_us", "RemoteError", "TransportError"]

@@ -66,6 +66,16 @@ def join(dense_join):
     return last
 
 
+def settle(what: str = "hvd.barrier") -> None:
+    """hvd.barrier() with the parameter server (collective, every rank of the job): returns once
+    every PS request any rank sent before it is served -- the one-sided pushes of bounded
+    tables included, so a read on one rank afterwards (state_dict() on rank 0) holds them all.
+    Nothing to do before the engine exists or in a world of one."""
+    engine = current()
+    if engine is not None and engine.size > 1:
+        engine.barrier(what)
+
+
 def joins() -> int:
     """Joins completed so far (a replica refreshes itself after one: see ReplicatedPS)."""
     return _joins

@@ -411,9 +411,13 @@ def join():
 
 def barrier(process_set=global_process_set):
     """Returns once every rank of the process set has reached it (eagerly; an op in a graph)."""
+    from .. import ps
+
     ops.engine(process_set)
     def run():
         ops.engine(process_set).barrier()
+        if process_sets.is_global(process_set):  # (the PS's pushes in flight too: bounded tables')
+            ps.settle()
         return np.int32(0)
 
     return ops.host_op(run, [], [tf.int32], "HorovodBarrier")[0]

@@ -159,6 +159,9 @@ def _snapshot(model, opt) -> dict:
     dynamic table's entries with their counters (collective)."""
     import numpy as np
 
+    import hybridsync.torch as hvd
+
+    hvd.barrier()  # the bounded table's pushes still in flight land first (docs/staleness.md)
     snap = {}
     for key, value in model.state_dict().items():
         if key.startswith("dyn."):

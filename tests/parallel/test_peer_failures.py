@@ -13,7 +13,7 @@ from tests.parallel.harness import launch, mark_event, mpirun_prefix, rank_main,
 PEER_TIMEOUT_S = 3
 
 
-def rank_frozen_peer():
+def rank_frozen_peer(directory):
     import numpy as np
 
     import hybridsync
@@ -21,10 +21,22 @@ def rank_frozen_peer():
 
     engine = ps.engine()
     table = engine.add_table("t", 10, 2, 0, "cyclic", "sgd", {"lr": 0.1})
-    if hybridsync.rank() == 1:
+    rank = hybridsync.rank()
+    if rank == 1:
         mark_event("frozen")
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive for the OS, silent for its peers
-    engine.pull([table], [np.arange(4)])  # waits for rank 1: raises, and the job ends
+    try:
+        engine.pull([table], [np.arange(4)])  # waits for rank 1: raises, and the job ends
+    except Exception as e:
+        # Each survivor says what it raised, then waits (capped) for the other before the job
+        # ends: the first to abort would otherwise cut off a second that is a moment slower.
+        print(f"rank {rank} raised: {e}", file=sys.stderr, flush=True)
+        open(os.path.join(directory, f"named.{rank}"), "w").close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(directory, f"named.{r}")) for r in (0, 2)):
+            time.sleep(0.05)
+        raise
 
 
 def rank_frozen_peer_in_allreduce():
@@ -107,10 +119,10 @@ def rank_busy_peer():
     print(f"rank {hybridsync.rank()}: the slow peer caught up", flush=True)
 
 
-def test_a_frozen_peer_is_named_by_every_other_rank_within_the_peer_timeout():
+def test_a_frozen_peer_is_named_by_every_other_rank_within_the_peer_timeout(tmp_path):
     env = {"HYBRIDSYNC_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S), "HYBRIDSYNC_TIMEOUT_S": "120"}
     rc, out = launch(mpirun_prefix(3) + ["-x", "HYBRIDSYNC_PEER_TIMEOUT_S", sys.executable, "-u", __file__,
-                                         "rank_frozen_peer"], 120, env)
+                                         "rank_frozen_peer", str(tmp_path)], 120, env)
     elapsed = seconds_since_event(out, "frozen")
     assert rc != 0, out
     host = socket.gethostname()

@@ -338,6 +338,7 @@ def rank_idle_cpu():
     time.sleep(1.0)  # idle: between operations
     idle_cpu = time.process_time() - cpu
     assert idle_cpu < 0.15, f"an idle engine used {idle_cpu:.2f} CPU-s in 1 s"
+    engine.barrier("idle")  # (so rank 1's 2 s are all lateness, however late rank 0 woke)
     if engine.rank == 1:
         time.sleep(2.0)  # the late peer
     cpu, wall = time.process_time(), time.perf_counter()

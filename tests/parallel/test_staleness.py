@@ -99,13 +99,22 @@ def _read_progress(directory, rank):
         return 0
 
 
+def _entering(directory, rank, step):
+    """A fast rank about to take step `step` (its pull comes a few lines later)."""
+    open(os.path.join(directory, f"rank{rank}.entering{step}"), "w").close()
+
+
 def _stall_until_the_others_wait_at(directory, size, bound):
     """The stalled (last) rank's check: every other rank reaches `bound` steps and goes no further."""
     deadline = time.monotonic() + 60
-    while any(_read_progress(directory, r) < bound for r in range(size - 1)):
+    while any(_read_progress(directory, r) < bound or not os.path.exists(os.path.join(directory, f"rank{r}.entering{bound}"))
+              for r in range(size - 1)):
         assert time.monotonic() < deadline, "the fast ranks did not run k steps ahead"
         time.sleep(0.01)
-    time.sleep(0.5)  # they would go on now if the bound let them
+    # They are at their next step's pull now (so it is held at the bound) or would have gone on,
+    # had the bound let them; waiting from the mark of entering that step, not from the end of
+    # the last, leaves a slow machine no window to push before the pull has come.
+    time.sleep(0.5)
     ahead = [_read_progress(directory, r) for r in range(size - 1)]
     assert ahead == [bound] * (size - 1), f"fast ranks at {ahead}, bound {bound}"
 
@@ -122,6 +131,8 @@ def rank_fast_ranks_run_k_steps_ahead_then_wait(k, directory):
     for step in range(steps):
         if rank == size - 1 and step == warm:
             _stall_until_the_others_wait_at(directory, size, warm + k + 1)
+        elif rank < size - 1:
+            _entering(directory, rank, step)
         _step(model, opt, step, rank)
         _progress(directory, rank, step + 1)
     for name, table in _tables(opt).items():
@@ -136,7 +147,8 @@ def rank_fast_ranks_run_k_steps_ahead_then_wait(k, directory):
 
 def rank_a_save_waits_for_every_push_in_flight(directory):
     """The last rank pushes late (it sleeps before each step); right after the last step every
-    rank saves: the checkpoint holds every lookup of every rank (rows count them)."""
+    rank saves: the checkpoint holds every lookup of every rank (rows count them). Then, trained
+    on, hvd.barrier() and rank 0's read alone hold them all too."""
     import numpy as np
 
     import hybridsync
@@ -161,6 +173,23 @@ def rank_a_save_waits_for_every_push_in_flight(directory):
     for name, table in _tables(fresh_opt).items():
         rows = np.asarray(table.read())
         assert np.array_equal(rows, np.repeat(expected[name][:, None], DIM, 1)), name
+    # Horovod's way to save: hvd.barrier(), then rank 0 alone reads the model (one-sided reads):
+    # the barrier lands every push in flight, so rank 0 reads them all.
+    import hybridsync.torch as hvd
+
+    for step in range(steps, 2 * steps):
+        if rank == size - 1:
+            time.sleep(0.05)
+        _step(model, opt, step, rank)
+        for r in range(size):
+            centre, words = _batch(step, r)
+            np.add.at(expected["inp.weight"], centre.numpy(), 1.0)
+            np.add.at(expected["out.weight"], words.numpy(), 1.0)
+    hvd.barrier()
+    if rank == 0:
+        for name, table in _tables(opt).items():
+            rows = np.asarray(table.read())
+            assert np.array_equal(rows, np.repeat(expected[name][:, None], DIM, 1)), name
 
 
 def rank_a_frozen_peer_is_named_while_waiting_at_the_bound():

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.parallel.harness import rank_main, run_scenarios, subcase_output
-from tests.parallel.test_staleness import _progress, _stall_until_the_others_wait_at
+from tests.parallel.test_staleness import _entering, _progress, _stall_until_the_others_wait_at
 
 VOCAB, DIM, BATCH = 40, 4, 8
 
@@ -70,6 +70,8 @@ def rank_keras_fast_ranks_run_k_steps_ahead_then_wait(k, directory):
     for step in range(steps):
         if rank == size - 1 and step == warm:
             _stall_until_the_others_wait_at(directory, size, warm + k + 1)
+        elif rank < size - 1:
+            _entering(directory, rank, step)
         _step(layers, opt, step, rank)
         _progress(directory, rank, step + 1)
     for layer in layers:

@@ -117,7 +117,7 @@ def test_the_watchdogs_last_words_start_a_detached_backstop_and_advise_once_per_
     _ps_testing.say_lost_host_last_words()
     err = capfd.readouterr().err
     assert "ADVICE: pass mpirun the flags\n" in err and "NOTE: the backstop is armed\n" in err, err
-    for _ in range(100):
+    for _ in range(1200):  # (up to a minute: a loaded machine starts a Python process slowly)
         if report.exists() and report.stat().st_size:
             break
         time.sleep(0.05)
@@ -135,7 +135,7 @@ def test_the_watchdogs_last_words_start_a_detached_backstop_and_advise_once_per_
     _liveness.set_lost_host_last_words("ADVICE", claim, backstop, "NOTE")
     _ps_testing.say_lost_host_last_words()
     assert capfd.readouterr().err == ""
-    for _ in range(100):
+    for _ in range(1200):  # (up to a minute: a loaded machine starts a Python process slowly)
         if report.exists() and report.stat().st_size:
             break
         time.sleep(0.05)

@@ -16,7 +16,7 @@ from ...types import Adasum, Max, Min, Product, ReduceOp  # noqa: F401  (Horovod
 from . import autograd, ops
 from ..adaptive import after_join
 from .compression import Compression
-from .process_sets import global_process_set
+from .process_sets import global_process_set, is_global
 
 Average, Sum = ReduceOp.AVERAGE, ReduceOp.SUM
 
@@ -230,5 +230,8 @@ def join(device=-1) -> int:
 
 
 def barrier(process_set=global_process_set):
-    """Returns once every rank of the process set has reached it."""
+    """Returns once every rank of the process set has reached it; over the whole job, also once
+    the parameter server has applied every push sent before it (bounded tables' too)."""
     ops.route(process_set).barrier()
+    if is_global(process_set):
+        ps.settle()
