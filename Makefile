@@ -13,14 +13,16 @@ install:
 demo: install
 	$(VENV)/bin/horovodrun -np 2 $(PY) examples/torch_dlrm.py
 
+# Two pytest workers, each taking whole files (a file's module fixtures, its fixed paths and its
+# netns cluster stay in one process): the launches of one overlap the waits of the other.
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n 2 --dist loadfile
 
 test-unit: install
 	$(PY) -m pytest tests/unit
 
 test-parallel: install
-	$(PY) -m pytest tests/parallel
+	$(PY) -m pytest tests/parallel -n 2 --dist loadfile
 
 # Side-by-side benchmark, TorchRec included (about 40 minutes, then an hour for the network mode): table, JSON and
 # plots in benchmarks/results/, docs/performance.md's tables and the README's headline table updated; then the
