@@ -113,8 +113,8 @@ class RouteResolver:
                 fail("placement", "'sharded' swaps embedding modules for PS-backed ones; a dense variable on the "
                                   "PS keeps its replica: use placement: replicated")
             if placement == "sharded" and not self.has_model and not ps_module:
-                fail("placement", "'sharded' needs the model (DistributedOptimizer(..., model=model)) to swap "
-                                  "the embedding modules")
+                fail("placement", "'sharded' needs the model (DistributedOptimizer(..., model=model)) to move "
+                                  "its embedding layers to the PS shards")
             if ps_module and placement != "sharded":
                 fail("placement", "a PS embedding is always sharded")
             v.placement = Placement(placement)
@@ -212,7 +212,9 @@ class RouteResolver:
         if v.auto:
             fail("staleness", "sync: auto stays synchronous: give the table sync: ps to bound its staleness")
         if v.placement is not Placement.SHARDED:
-            fail("staleness", "a replicated table's replicas are updated synchronously: use placement: sharded")
+            fail("staleness", "a replicated table's replicas are updated synchronously: it needs a sharded table "
+                              "(give DistributedOptimizer(..., model=model), which shards embedding tables on the "
+                              "PS, or placement: sharded with it)")
         return int(k)
 
     def check_strict(self, variables) -> None:

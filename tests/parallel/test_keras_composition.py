@@ -193,9 +193,9 @@ def _snapshot(model, opt, dynamic=True) -> dict:
     the dynamic table's entries with their counters (collective)."""
     import numpy as np
 
-    import hybridsync.tensorflow as htf
+    import hybridsync.tensorflow.keras as hvd
 
-    htf.barrier()  # the bounded table's pushes still in flight land first (docs/staleness.md)
+    hvd.barrier()  # the bounded table's pushes still in flight land first (docs/staleness.md)
     snap = {f"param.{v.path}": np.array(v.numpy()) for v in model.variables}
     snap.update({f"opt.{v.path}": np.array(v.numpy()) for v in opt.variables})
     for name in TABLES:

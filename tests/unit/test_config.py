@@ -121,7 +121,7 @@ def test_a_rule_matching_nothing_warns_once_by_default_naming_file_line_and_the_
     ("variables:\n  - match: mlp.0.weight\n    staleness: 2\n", "staleness", "dense variables and other routes stay"),
     ("variables:\n  - match: emb.weight\n    sync: allgather\n    staleness: 2\n", "staleness", "other routes stay"),
     ("variables:\n  - match: emb.weight\n    placement: replicated\n    staleness: 2\n", "staleness",
-     "use placement: sharded"),
+     r"it needs a sharded table \(give DistributedOptimizer\(\.\.\., model=model\)"),
 ])
 def test_impossible_combinations_name_rule_and_key(tmp_path, text, key, problem):
     with pytest.raises(ConfigError, match=rf"rule '.*' \(.*hs.yaml:2\): {key}: variable '.*': .*{problem}"):

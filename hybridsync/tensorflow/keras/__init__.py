@@ -23,6 +23,9 @@ from ..embedding import Embedding  # noqa: F401
 from .. import functions as _functions, reductions as _reductions, optimizer_api as _api
 from .. import mpi_ops
 from ..mpi_ops import Adasum, Average, Sum  # noqa: F401
+# Not in Horovod's Keras module: a Keras user saving on rank 0 needs it with bounded staleness
+# (it also lands the parameter server's pushes in flight: docs/staleness.md).
+from ..mpi_ops import barrier  # noqa: F401
 from ..tape import _layers
 from . import callbacks, elastic  # noqa: F401
 
@@ -128,5 +131,5 @@ __all__ = [
     "Average", "Sum", "Adasum", "Compression",
     "DistributedOptimizer", "PartialDistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather",
     "broadcast", "reducescatter", "load_model", "callbacks", "elastic",
-    "Embedding", "DynamicEmbedding", "explain",
+    "Embedding", "DynamicEmbedding", "explain", "barrier",
 ]
