@@ -150,7 +150,9 @@ struct detail::ClientState {
   void run_collective(std::vector<Request>& requests);
   void serve_pulls(std::vector<Request>& requests, const std::vector<ErrorNote>& errors);
   // Tables with a disk tier: every rank's pulled rows into memory first (a failure: *errors).
-  void prefetch_pulls(std::vector<Request>& requests, std::vector<ErrorNote>* errors);
+  // *positions: per dynamic table, the arena positions of every rank's rows, in request order.
+  void prefetch_pulls(std::vector<Request>& requests, std::vector<ErrorNote>* errors,
+                      std::map<int, std::vector<int64_t>>* positions);
   void apply_push_round(std::vector<Request>& requests, const std::vector<ErrorNote>& errors, bool with_updates);
   void finish_add_table(std::vector<Request>& requests, std::vector<ErrorNote> errors);
   void finish_join();
@@ -228,12 +230,14 @@ void check_rows(const Shard* shard, const std::string& table, const int64_t* loc
 void check_rows(const Table& t, const int64_t* local, int64_t n, const char* op);
 // Rows (slot < 0) or slot values of a shard's local rows / a dynamic shard's ids into out.
 void gather_rows(const Table& t, const int64_t* local, int64_t n, float* out, int slot = -1);
-// Rows as the table stores them (what pull replies carry), row_size bytes each.
-void gather_wire(const Table& t, const int64_t* local, int64_t n, char* out);
+// Rows as the table stores them (what pull replies carry), row_size bytes each. positions: a
+// dynamic table's arena positions of the ids from its prefetch, if there was one.
+void gather_wire(const Table& t, const int64_t* local, int64_t n, char* out, const int64_t* positions = nullptr);
 // Overwrites rows (slot < 0) or slot values of a fixed table's local rows.
 void scatter_rows(Table& t, const int64_t* local, int64_t n, const float* values, int slot = -1);
-// A pull's prefetch: the stored rows of a table with a disk tier are in memory afterwards.
-void prefetch_rows(Table& t, const int64_t* local, int64_t n);
+// A pull's prefetch: the stored rows of a table with a disk tier are in memory afterwards (and
+// *positions, if given, a dynamic table's arena positions of them).
+void prefetch_rows(Table& t, const int64_t* local, int64_t n, std::vector<int64_t>* positions = nullptr);
 
 template <class Ready>
 void detail::ClientState::drive_until(Ready ready, const std::string& what, int peer) {

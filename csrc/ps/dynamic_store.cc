@@ -15,6 +15,7 @@ namespace {
 
 constexpr int64_t kFirstArenaRows = 1024;  // an unbounded shard's arena doubles from here
 constexpr int64_t kFreshRowsMax = 1 << 20;   // initial rows cached between rounds, at most
+constexpr int64_t kUnstoredMax = 1 << 17;    // ids known stored nowhere, at most (its buckets are cleared each round)
 
 uint32_t bumped(uint32_t count) { return count == UINT32_MAX ? count : count + 1; }
 
@@ -140,6 +141,7 @@ int64_t DynamicStore::append_row(std::unique_ptr<Shard>& arena, int64_t id, uint
 }
 
 int64_t DynamicStore::add_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last) {
+  if (unstored_.size() > 0) unstored_.clear();  // (a stored row may spill: nothing is known unstored any more)
   const int64_t pos = append_row(arena, id, count, last);
   const int64_t cached = fresh_ids_.find(id);
   if (arena->row_type() == RowType::kFloat32) {
@@ -258,7 +260,11 @@ void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   std::vector<int64_t> at(static_cast<size_t>(n));
   rows_.find_many(ids, n, at.data());
   std::vector<int64_t> absent;  // (stored on disk, or not stored)
+  constexpr int64_t ahead = 8;  // (ticks are scattered over the share, beyond the near caches)
   for (int64_t i = 0; i < n; ++i) {  // (ids may repeat: a row counts once, its tick tells)
+    if (i + ahead < n && at[static_cast<size_t>(i + ahead)] >= 0) {
+      __builtin_prefetch(&tick_[static_cast<size_t>(at[static_cast<size_t>(i + ahead)])], 1);
+    }
     const int64_t pos = at[static_cast<size_t>(i)];
     if (pos < 0) {
       absent.push_back(ids[i]);
@@ -275,8 +281,13 @@ void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
     std::sort(absent.begin(), absent.end());
     absent.erase(std::unique(absent.begin(), absent.end()), absent.end());
   }
-  std::vector<int64_t> entry(absent.size()), found;
-  disk_->find_many(absent.data(), static_cast<int64_t>(absent.size()), entry.data());
+  std::vector<int64_t> maybe_on_disk;  // (a round's new ids were looked up by its pull's prefetch)
+  maybe_on_disk.reserve(absent.size());
+  for (const int64_t id : absent) {
+    if (!known_unstored(id)) maybe_on_disk.push_back(id);
+  }
+  std::vector<int64_t> entry(maybe_on_disk.size()), found;
+  disk_->find_many(maybe_on_disk.data(), static_cast<int64_t>(maybe_on_disk.size()), entry.data());
   for (const int64_t e : entry) {
     if (e >= 0) found.push_back(e);
   }
@@ -287,6 +298,10 @@ void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   std::vector<char> records(found.size() * static_cast<size_t>(size));
   disk_->read(found.data(), static_cast<int64_t>(found.size()), records.data());
   for (size_t k = 0; k < found.size(); ++k) {
+    if (k + ahead < found.size()) {  // (a disk entry's counters: arrays of the table's size)
+      __builtin_prefetch(&disk_counts_[static_cast<size_t>(found[k + ahead])]);
+      __builtin_prefetch(&disk_last_[static_cast<size_t>(found[k + ahead])]);
+    }
     const auto e = static_cast<size_t>(found[k]);
     const int64_t pos = append_row(arena, disk_->key(found[k]), disk_counts_[e], disk_last_[e]);
     arena->set_record(pos, records.data() + k * size);
@@ -294,17 +309,36 @@ void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   loads_ += static_cast<int64_t>(found.size());
   const bool loaded = !found.empty();
   remove_on_disk(std::move(found));
-  if (positions && !spilled && !loaded) {  // (no row moved: `at` holds them; a round after its pull's prefetch)
-    *positions = std::move(at);
-  } else if (positions) {  // (spilling and loading moved rows)
+  const auto nowhere = static_cast<int64_t>(std::count(entry.begin(), entry.end(), int64_t{-1}));
+  if (unstored_.size() + nowhere > kUnstoredMax) unstored_.clear();
+  for (size_t k = 0; nowhere <= kUnstoredMax && k < entry.size(); ++k) {
+    if (entry[k] < 0) unstored_.insert(maybe_on_disk[k]);  // (distinct, and not known before)
+  }
+  if (!positions) return;
+  if (spilled) {  // (a spill moves rows within the arena: every id is looked up again)
     positions->resize(static_cast<size_t>(n));
     rows_.find_many(ids, n, positions->data());
+    return;
   }
+  if (loaded) {  // (rows loaded were appended, the others stayed: only the absent ids may have come in)
+    std::vector<int64_t> again, again_at;
+    for (int64_t i = 0; i < n; ++i) {
+      if (at[static_cast<size_t>(i)] < 0) {
+        again.push_back(ids[i]);
+        again_at.push_back(i);
+      }
+    }
+    std::vector<int64_t> now_at(again.size());
+    rows_.find_many(again.data(), static_cast<int64_t>(again.size()), now_at.data());
+    for (size_t k = 0; k < again.size(); ++k) at[static_cast<size_t>(again_at[k])] = now_at[k];
+  }
+  *positions = std::move(at);
 }
 
-void DynamicStore::prefetch(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n) {
+void DynamicStore::prefetch(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n,
+                            std::vector<int64_t>* positions) {
   if (!disk_) return;
-  load(arena, ids, n);  // (every rank's ids of one pull: duplicates, which load counts once)
+  load(arena, ids, n, SpillMode::kMust, positions);  // (every rank's ids of one pull: duplicates, which load counts once)
 }
 
 void DynamicStore::new_rule(Shard& arena) {
@@ -487,18 +521,23 @@ void DynamicStore::step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
   counters_.expired += counters_.last_expired;
 }
 
-void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float* out, int slot) const {
+void DynamicStore::read(const Shard& arena, const int64_t* ids, int64_t n, float* out, int slot,
+                        const int64_t* positions) const {
   std::vector<int64_t> pos(static_cast<size_t>(n));
-  rows_.find_many(ids, n, pos.data());
+  if (positions) {  // (a prefetch's: every stored row is in memory)
+    std::copy(positions, positions + n, pos.begin());
+  } else {
+    rows_.find_many(ids, n, pos.data());
+  }
   // Disk tier: rows stored on disk, read together (memory does not change).
   std::vector<int64_t> entry, on_disk;
-  if (disk_ && disk_->size() > 0) {
+  if (!positions && disk_ && disk_->size() > 0) {
     // The ids memory lacks, looked up on disk together: the disk's index is the table's size,
     // far beyond the caches, and a lookup at a time waits on memory for each (find_many
-    // prefetches). After a pull's prefetch these are the ids not stored at all.
+    // prefetches). Ids the pull's prefetch found stored nowhere are not looked up again.
     std::vector<int64_t> missing, missing_at;
     for (int64_t i = 0; i < n; ++i) {
-      if (pos[static_cast<size_t>(i)] >= 0) continue;
+      if (pos[static_cast<size_t>(i)] >= 0 || known_unstored(ids[i])) continue;
       missing.push_back(ids[i]);
       missing_at.push_back(i);
     }
@@ -572,13 +611,14 @@ void DynamicStore::round_trip(const Shard& arena, float* row) const {
   decode_row(arena.row_type(), bits.data(), row, dim_);
 }
 
-void DynamicStore::read_raw(const Shard& arena, const int64_t* ids, int64_t n, char* out) const {
+void DynamicStore::read_raw(const Shard& arena, const int64_t* ids, int64_t n, char* out,
+                            const int64_t* positions) const {
   if (arena.row_type() == RowType::kFloat32) {
-    read(arena, ids, n, reinterpret_cast<float*>(out), -1);
+    read(arena, ids, n, reinterpret_cast<float*>(out), -1, positions);
     return;
   }
   std::vector<float> rows(static_cast<size_t>(n * dim_));
-  read(arena, ids, n, rows.data(), -1);
+  read(arena, ids, n, rows.data(), -1, positions);
   encode_row(arena.row_type(), rows.data(), reinterpret_cast<uint16_t*>(out), n * dim_);  // exact: 16-bit values
 }
 
@@ -617,6 +657,7 @@ void DynamicStore::clear() {
   touched_first_ = 0;
   fresh_ids_.clear();
   fresh_rows_.clear();
+  unstored_.clear();
   tick_.clear();
   added_since_spill_ = 0;
   last_spill_round_ = -1;

@@ -59,11 +59,15 @@ class DynamicStore {
   }
 
   // Rows (slot < 0, float32) or slot values of ids into out; absent ids read their initial value.
-  void read(const Shard& arena, const int64_t* ids, int64_t n, float* out, int slot) const;
+  // positions (if given): the ids' arena positions as a prefetch just left them (-1: stored nowhere).
+  void read(const Shard& arena, const int64_t* ids, int64_t n, float* out, int slot,
+            const int64_t* positions = nullptr) const;
   // Rows of ids as stored (the arena's row type: what goes on the wire).
-  void read_raw(const Shard& arena, const int64_t* ids, int64_t n, char* out) const;
-  // A pull's prefetch (disk tier only): the stored rows of ids are in the arena afterwards.
-  void prefetch(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n);
+  void read_raw(const Shard& arena, const int64_t* ids, int64_t n, char* out, const int64_t* positions = nullptr) const;
+  // A pull's prefetch (disk tier only): the stored rows of ids are in the arena afterwards, and
+  // *positions (if given) their places there (-1: stored nowhere), valid until the store changes.
+  void prefetch(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n,
+                std::vector<int64_t>* positions = nullptr);
   // Overwrites rows or slot values; absent ids are created (PSError when the shard is full).
   void write(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* values, int slot);
   // One push round (see the top of this file): `ids` distinct, `grads` summed and scaled.
@@ -163,6 +167,13 @@ class DynamicStore {
   // follows a pull admits the same ids, and copies them instead of computing them again.
   mutable IdMap fresh_ids_;
   mutable std::vector<float> fresh_rows_;
+  // Disk tier: ids a load found stored nowhere since the last row was added. Only add_row makes
+  // an id stored (and only a stored row can spill), so until then the reads and the round that
+  // follow a pull's prefetch skip the disk's index for them: ~2 lookups per new id, each a miss
+  // in a map of the table's size.
+  IdMap unstored_;
+  // Whether `id` is known to be stored nowhere (see unstored_).
+  bool known_unstored(int64_t id) const { return unstored_.size() > 0 && unstored_.find(id) >= 0; }
 };
 
 template <class Mine>

@@ -177,9 +177,9 @@ void gather_rows(const Table& t, const int64_t* local, int64_t n, float* out, in
   }
 }
 
-void gather_wire(const Table& t, const int64_t* local, int64_t n, char* out) {
+void gather_wire(const Table& t, const int64_t* local, int64_t n, char* out, const int64_t* positions) {
   if (t.dynamic) {
-    t.dynamic->read_raw(*t.shard, local, n, out);
+    t.dynamic->read_raw(*t.shard, local, n, out, positions);
   } else if (t.tiered) {
     t.tiered->gather_raw(*t.shard, local, n, out);
   } else {
@@ -195,13 +195,13 @@ void scatter_rows(Table& t, const int64_t* local, int64_t n, const float* values
   }
 }
 
-void prefetch_rows(Table& t, const int64_t* local, int64_t n) {
+void prefetch_rows(Table& t, const int64_t* local, int64_t n, std::vector<int64_t>* positions) {
   if (t.tiered) {
     t.tiered->disk().check();
     t.tiered->prefetch(*t.shard, local, n);
   } else if (t.dynamic && t.dynamic->disk()) {
     t.dynamic->disk()->check();
-    t.dynamic->prefetch(t.shard, local, n);
+    t.dynamic->prefetch(t.shard, local, n, positions);
   }
 }
 
@@ -429,7 +429,11 @@ void detail::ClientState::serve_pulls(std::vector<Request>& requests, const std:
   int64_t served_rows = 0;
   auto dim_of = [&](int table) { return table_at(table).spec.dim; };
   std::vector<ErrorNote> errors = given;
-  if (errors.empty()) prefetch_pulls(requests, &errors);
+  // A dynamic table's prefetch leaves its rows' positions: the reads below need not look them up
+  // again (every rank's rows in request order; nothing changes the shard in between).
+  std::map<int, std::vector<int64_t>> prefetched;
+  std::map<int, size_t> prefetched_used;
+  if (errors.empty()) prefetch_pulls(requests, &errors, &prefetched);
   for (int src = 0; src < size(); ++src) {
     if (requests[src].kind == RequestKind::kJoin) continue;
     Writer w;
@@ -460,7 +464,15 @@ void detail::ClientState::serve_pulls(std::vector<Request>& requests, const std:
       for (const Entry& e : entries) {
         Table& t = table_at(e.table);
         check_rows(t, e.rows.rows, e.rows.n, "pull");
-        if (e.rows.n) gather_wire(t, e.rows.rows, e.rows.n, w.bytes_slot(static_cast<size_t>(e.rows.n * t.shard->row_size())));
+        const int64_t* at = nullptr;
+        if (auto it = prefetched.find(e.table); it != prefetched.end()) {
+          size_t& used = prefetched_used[e.table];
+          if (used + static_cast<size_t>(e.rows.n) <= it->second.size()) at = it->second.data() + used;
+          used += static_cast<size_t>(e.rows.n);
+        }
+        if (e.rows.n) {
+          gather_wire(t, e.rows.rows, e.rows.n, w.bytes_slot(static_cast<size_t>(e.rows.n * t.shard->row_size())), at);
+        }
         served_rows += e.rows.n;
       }
     }
@@ -469,7 +481,8 @@ void detail::ClientState::serve_pulls(std::vector<Request>& requests, const std:
   tracer.record("serve pulls", start, served_rows);
 }
 
-void detail::ClientState::prefetch_pulls(std::vector<Request>& requests, std::vector<ErrorNote>* errors) {
+void detail::ClientState::prefetch_pulls(std::vector<Request>& requests, std::vector<ErrorNote>* errors,
+                                        std::map<int, std::vector<int64_t>>* positions) {
   // Every rank's rows of each table with a disk tier, brought into memory at once (and rows not
   // needed moved to disk to make room): the push that follows finds them there. A tier that
   // fails (a full disk, a missing file) fails this pull on every rank, before any row changes.
@@ -489,9 +502,13 @@ void detail::ClientState::prefetch_pulls(std::vector<Request>& requests, std::ve
   }
   for (auto& [table, rows] : wanted) {
     const int64_t start = tracer.start();
+    Table& t = *tables[static_cast<size_t>(table)];
     try {
-      prefetch_rows(*tables[static_cast<size_t>(table)], rows.data(), static_cast<int64_t>(rows.size()));
+      std::vector<int64_t>* at = t.dynamic ? &(*positions)[table] : nullptr;
+      prefetch_rows(t, rows.data(), static_cast<int64_t>(rows.size()), at);
+      if (at && at->size() != rows.size()) positions->erase(table);  // (none given: the reads look up)
     } catch (const PSError& e) {
+      positions->clear();
       errors->push_back(ErrorNote{rank(), false, e.what(), ""});
       return;
     }

@@ -344,6 +344,82 @@ TEST(shards_with_a_disk_tier_spill_in_the_same_rounds) {
   for (const int64_t round : later[0]) CHECK((round - 1) % 8 == 0);
 }
 
+TEST(a_prefetchs_positions_and_ids_it_found_stored_nowhere_read_as_lookups_do) {
+  // A pull's prefetch leaves the arena positions of its ids, which the reads that follow use
+  // instead of looking them up, and the ids it found stored nowhere, which reads and the round
+  // skip on disk. Both must read what a lookup reads: rows in memory, rows brought back from
+  // disk, ids stored nowhere (repeated, as every rank's ids of a pull are) -- and once such an
+  // id is admitted and then spills, a lookup must find it on disk again.
+  const int64_t dim = 3, memory = 40;
+  char tmpl[] = "/tmp/hybridsync-positions-test-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const int64_t record = Shard("dyn", 1, dim, make_update_rule("sgd", {{"lr", 0.1}})).record_size();
+  {
+    DynamicStore store("dyn", dyn(), 0, dim, memory, std::make_unique<DiskTier>("dyn", dir, 0, record, nullptr));
+    DynamicStore reference("dyn", dyn(), 0, dim);  // all in memory
+    auto arena = arena_for(store, dim, "sgd", {{"lr", 0.1}});
+    auto reference_arena = arena_for(reference, dim, "sgd", {{"lr", 0.1}});
+    auto both = [&](const std::vector<int64_t>& ids) {
+      store.prefetch(arena, ids.data(), static_cast<int64_t>(ids.size()));
+      touch(store, arena, ids, dim);
+      touch(reference, reference_arena, ids, dim);
+    };
+    for (int64_t round = 0; round < 10; ++round) {  // 200 rows stored, most of them on disk
+      std::vector<int64_t> ids;
+      for (int64_t i = 0; i < 20; ++i) ids.push_back(1000 + round * 20 + i);
+      both(ids);
+    }
+    CHECK(store.disk()->size() > 100);
+    // Rows on disk, rows in memory, new ids, and repeats among them.
+    const std::vector<int64_t> pull = {1000, 1001, 1195, 1196, 5, 6, 1000, 5, 1100, 1150, 7, 1199};
+    const auto n = static_cast<int64_t>(pull.size());
+    std::vector<int64_t> positions;
+    store.prefetch(arena, pull.data(), n, &positions);
+    CHECK(static_cast<int64_t>(positions.size()) == n);
+    std::vector<float> given(static_cast<size_t>(n * dim)), looked_up(given.size()), want(given.size());
+    store.read(*arena, pull.data(), n, given.data(), -1, positions.data());
+    store.read(*arena, pull.data(), n, looked_up.data(), -1);
+    reference.read(*reference_arena, pull.data(), n, want.data(), -1);
+    CHECK(given == want && looked_up == want);
+    // The round (its ids distinct, as the pushes' sum leaves them) admits 5, 6 and 7; later
+    // rounds spill them; lookups find them on disk.
+    std::vector<int64_t> round_ids = pull;
+    std::sort(round_ids.begin(), round_ids.end());
+    round_ids.erase(std::unique(round_ids.begin(), round_ids.end()), round_ids.end());
+    touch(store, arena, round_ids, dim);
+    touch(reference, reference_arena, round_ids, dim);
+    for (int64_t round = 0; round < 6; ++round) {
+      std::vector<int64_t> ids;
+      for (int64_t i = 0; i < 20; ++i) ids.push_back(5000 + round * 20 + i);
+      both(ids);
+    }
+    const std::vector<int64_t> admitted = {5, 6, 7};
+    std::vector<float> got(9), expected(9);
+    store.read(*arena, admitted.data(), 3, got.data(), -1);
+    reference.read(*reference_arena, admitted.data(), 3, expected.data(), -1);
+    CHECK(got == expected);
+    CHECK(store.resident() <= memory && store.stored() == reference.stored());
+    // The same, where the prefetch that found them stored nowhere is followed by writes.
+    const std::vector<int64_t> written = {9001, 9002};
+    std::vector<int64_t> at;
+    store.prefetch(arena, written.data(), 2, &at);
+    CHECK(at[0] < 0 && at[1] < 0);
+    const std::vector<float> values = {1, 2, 3, 4, 5, 6};
+    store.write(arena, written.data(), 2, values.data(), -1);
+    for (int64_t round = 0; round < 6; ++round) {
+      std::vector<int64_t> ids;
+      for (int64_t i = 0; i < 20; ++i) ids.push_back(7000 + round * 20 + i);
+      store.prefetch(arena, ids.data(), static_cast<int64_t>(ids.size()));
+      touch(store, arena, ids, dim);
+    }
+    std::vector<float> back(6);
+    store.read(*arena, written.data(), 2, back.data(), -1);
+    CHECK(back == values);
+    CHECK(store.disk()->find(9001) >= 0);  // (read back from disk, not from memory)
+  }
+  rmdir(dir.c_str());
+}
+
 TEST(a_dynamic_table_trains_alike_at_one_rank_and_three) {
   const int64_t dim = 3;
   std::vector<std::vector<int64_t>> steps;
