@@ -15,7 +15,7 @@ namespace {
 
 constexpr int64_t kFirstArenaRows = 1024;  // an unbounded shard's arena doubles from here
 constexpr int64_t kFreshRowsMax = 1 << 20;   // initial rows cached between rounds, at most
-constexpr int64_t kUnstoredMax = 1 << 17;    // ids known stored nowhere, at most (its buckets are cleared each round)
+constexpr int64_t kUnstoredMax = 1 << 17;    // ids known stored nowhere, at most (cleared at the next admission)
 
 uint32_t bumped(uint32_t count) { return count == UINT32_MAX ? count : count + 1; }
 

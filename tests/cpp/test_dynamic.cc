@@ -394,11 +394,38 @@ TEST(a_prefetchs_positions_and_ids_it_found_stored_nowhere_read_as_lookups_do) {
       both(ids);
     }
     const std::vector<int64_t> admitted = {5, 6, 7};
+    for (const int64_t id : admitted) CHECK(store.disk()->find(id) >= 0);  // (spilled: a lookup must go to disk)
     std::vector<float> got(9), expected(9);
     store.read(*arena, admitted.data(), 3, got.data(), -1);
     reference.read(*reference_arena, admitted.data(), 3, expected.data(), -1);
     CHECK(got == expected);
     CHECK(store.resident() <= memory && store.stored() == reference.stored());
+    // A prefetch that brings rows back without spilling (memory has room after a spill at a
+    // period's start): positions of rows already in memory are kept, the loaded ones looked up.
+    int64_t next = 6000;
+    for (int guard = 0; guard < 40 && !(memory - store.resident() >= 4 && arena->rule().step() % 8 != 0); ++guard) {
+      std::vector<int64_t> ids;
+      for (int64_t i = 0; i < 20; ++i) ids.push_back(next++);
+      both(ids);
+    }
+    CHECK(memory - store.resident() >= 4 && arena->rule().step() % 8 != 0);
+    std::vector<int64_t> back_from_disk;
+    for (int64_t id = 1000; id < 1200 && back_from_disk.size() < 2; ++id) {
+      if (store.disk()->find(id) >= 0) back_from_disk.push_back(id);
+    }
+    CHECK(back_from_disk.size() == 2);
+    const int64_t in_memory = next - 1;
+    const std::vector<int64_t> mixed = {back_from_disk[0], in_memory, 424242, back_from_disk[1], in_memory, 424242};
+    const int64_t disk_before = store.disk()->size(), resident_before = store.resident();
+    std::vector<int64_t> mixed_at;
+    store.prefetch(arena, mixed.data(), 6, &mixed_at);
+    CHECK(store.disk()->size() == disk_before - 2 && store.resident() == resident_before + 2);  // (loaded, none spilled)
+    CHECK(mixed_at[2] < 0 && mixed_at[5] < 0 && mixed_at[0] >= 0 && mixed_at[1] == mixed_at[4]);
+    std::vector<float> mixed_given(18), mixed_looked_up(18), mixed_want(18);
+    store.read(*arena, mixed.data(), 6, mixed_given.data(), -1, mixed_at.data());
+    store.read(*arena, mixed.data(), 6, mixed_looked_up.data(), -1);
+    reference.read(*reference_arena, mixed.data(), 6, mixed_want.data(), -1);
+    CHECK(mixed_given == mixed_want && mixed_looked_up == mixed_want);
     // The same, where the prefetch that found them stored nowhere is followed by writes.
     const std::vector<int64_t> written = {9001, 9002};
     std::vector<int64_t> at;
