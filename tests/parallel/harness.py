@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OK_MARK = "HYBRIDSYNC-RANK-OK"
+ONE_THREAD_PER_RANK = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 
 
 def mpirun_prefix(np_: int) -> list[str]:
@@ -48,6 +49,11 @@ def launch(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int
     import pytest
 
     full_env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # One compute thread per rank unless the caller says otherwise: the suite runs 2-3 ranks per
+    # core, and torch's and TensorFlow's pools of a thread per core each then spin on cores that
+    # other ranks need (a tenth of a TensorFlow test's CPU time).
+    for var in ONE_THREAD_PER_RANK:
+        full_env.setdefault(var, "1")
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=ROOT, start_new_session=True)

@@ -5,7 +5,7 @@ raising on every rank; checkpoints saved at 2 ranks and loaded at 3 and 1; the e
 with uneven batches (a joined rank serves its shard and pushes nothing) at -np 2 and 3."""
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_ranks, run_scenarios
 
 STEPS, BATCH, DIM = 8, 12, 3  # BATCH divides over 1, 2 and 3 ranks
 # (module name, server optimizer, constructor options); "lru" / "lfu" get theirs from the config.
@@ -209,15 +209,6 @@ def rank_scenario(path, role):
     hvd.shutdown()
 
 
-def test_dynamic_tables_parity_at_2_3_1_ranks_checkpoint_across_them_and_bad_input(tmp_path):
-    """One job per world size (each start costs seconds): 2 trains, checks and saves; 3 and 1
-    train, check and load it; 1 also meets a corrupt shard file; 2 and 3 check bad input."""
-    path = str(tmp_path / "ckpt")
-    run_ranks(__file__, "rank_scenario", 2, path, "save", timeout=240)
-    run_ranks(__file__, "rank_scenario", 3, path, "load", timeout=240)
-    run_ranks(__file__, "rank_scenario", 1, path, "corrupt", timeout=240)
-
-
 def snapshot(tables):
     """Per table ({name: DynamicTable}): every stored id (sorted), its row and slots, counts, last
     touches and pending ids, gathered from every shard (PyTorch and Keras alike)."""
@@ -335,9 +326,15 @@ def rank_join():
     hvd.shutdown()
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_join_with_a_dynamic_table(np_):
-    run_ranks(__file__, "rank_join", np_, timeout=180, env={"HYBRIDSYNC_TIMEOUT_S": "60"})
+def test_dynamic_tables_parity_at_2_3_1_ranks_checkpoint_across_them_bad_input_and_join(tmp_path):
+    """One job per world size (each start costs seconds): 2 trains, checks and saves; 3 and 1
+    train, check and load it; 1 also meets a corrupt shard file; 2 and 3 check bad input, then
+    join with uneven batches and a dynamic table (a rank waiting on another's program order
+    fails in 60 s)."""
+    path, env = str(tmp_path / "ckpt"), {"HYBRIDSYNC_TIMEOUT_S": "60"}
+    run_scenarios(__file__, 2, ("rank_scenario", path, "save"), "rank_join", timeout=400, env=env)
+    run_scenarios(__file__, 3, ("rank_scenario", path, "load"), "rank_join", timeout=400, env=env)
+    run_ranks(__file__, "rank_scenario", 1, path, "corrupt", timeout=240)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from tests.parallel.harness import ROOT, launch, mark_event, mpirun_prefix, rank_main, run_program, run_ranks, seconds_since_event
+from tests.parallel.harness import (ROOT, launch, mark_event, mpirun_prefix, rank_main, run_program, run_ranks,
+                                    run_scenarios, seconds_since_event)
 
 VOCAB, DIM, BATCH = 50, 4, 8
 
@@ -306,8 +307,12 @@ def rank_a_bad_learning_rate_on_a_bounded_table_raises_on_every_rank():
     print(f"BAD-LR rank={rank} raised at step {raised[0][0]}: {raised[0][1]}", flush=True)
 
 
-def test_staleness_zero_is_bit_identical_to_the_synchronous_default():
-    run_ranks(__file__, "rank_k0_is_the_synchronous_default", 2)
+def test_staleness_zero_is_bit_identical_to_the_synchronous_default_and_a_bad_learning_rate_raises_on_every_rank():
+    """(one launch: a bounded table given a bad learning rate raises on every rank, after the
+    parity)"""
+    out = run_scenarios(__file__, 2, "rank_k0_is_the_synchronous_default",
+                        "rank_a_bad_learning_rate_on_a_bounded_table_raises_on_every_rank", timeout=240)
+    assert out.count("BAD-LR") == 2, out
 
 
 @pytest.mark.parametrize("np_,k", [(2, 2), (3, 1)])
@@ -343,11 +348,6 @@ def test_a_frozen_peer_is_named_while_a_rank_waits_at_the_bound():
 def test_a_bad_bounded_push_is_raised_on_every_rank(np_):
     out = run_ranks(__file__, "rank_a_bad_bounded_push_is_raised_on_every_rank", np_, "2", timeout=120)
     assert out.count("BAD-PUSH") == np_, out
-
-
-def test_a_bad_learning_rate_on_a_bounded_table_raises_on_every_rank():
-    out = run_ranks(__file__, "rank_a_bad_learning_rate_on_a_bounded_table_raises_on_every_rank", 2, timeout=120)
-    assert out.count("BAD-LR") == 2, out
 
 
 def test_the_idle_serving_thread_does_not_spin_a_core():

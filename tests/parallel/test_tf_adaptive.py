@@ -2,9 +2,8 @@
 and of a PS table (a Keras Embedding, replicated; a hybridsync Embedding, sharded) against the
 truth from per-sample gradients (learning rate 0: the model stays put); the linear rule at twice
 the base batch trains exactly as plain training at twice the learning rate."""
-import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_ranks, run_scenarios
 from tests.parallel.step_clock import StepClock
 
 ROWS, DIM, FEATURES, DATA = 12, 3, 5, 96
@@ -231,14 +230,16 @@ def rank_keras_accumulation():
         assert opt.adaptive.accumulation >= 2  # one rank keeps measuring
 
 
-@pytest.mark.parametrize("np_", [1, 2])
-def test_keras_accumulation_micro_steps(np_):
-    run_ranks(__file__, "rank_keras_accumulation", np_, timeout=300)
+def test_keras_accumulation_micro_steps_at_one_rank():
+    run_ranks(__file__, "rank_keras_accumulation", 1, timeout=300)
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_keras_noise_scale_and_rules(np_):
-    run_ranks(__file__, "rank_keras_adaptive", np_, timeout=300)
+def test_keras_accumulation_micro_steps_noise_scale_and_rules_at_two_ranks():
+    run_scenarios(__file__, 2, "rank_keras_accumulation", "rank_keras_adaptive", timeout=500)
+
+
+def test_keras_noise_scale_and_rules_at_three_ranks():
+    run_ranks(__file__, "rank_keras_adaptive", 3, timeout=300)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,8 @@ every shard's Adagrad sums are init + f (before - init), f the same bits on ever
 one accumulator_factor gives for the change and the noise scale logged with it; rows never
 touched keep their initial sum. With rescale_accumulators=False the same step moves nothing.
 """
-import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_ranks, run_scenarios
 from tests.parallel.step_clock import StepClock
 
 ROWS, DIM, FEATURES, DATA = 40, 3, 4, 4096
@@ -105,13 +104,12 @@ def rank_keras_rescale(setting):
     assert checked, f"the batch never changed: {dataset.changes}, {opt.adaptive.summary()}"
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_a_keras_batch_change_rescales_every_adagrad_accumulator_alike_on_every_rank(np_):
-    run_ranks(__file__, "rank_keras_rescale", np_, '"auto"', timeout=240)
+def test_a_keras_batch_change_rescales_every_adagrad_accumulator_alike_and_rescale_off_leaves_them_at_two_ranks():
+    run_scenarios(__file__, 2, ("rank_keras_rescale", '"auto"'), ("rank_keras_rescale", "false"), timeout=400)
 
 
-def test_keras_rescale_off_leaves_the_accumulators_as_they_were():
-    run_ranks(__file__, "rank_keras_rescale", 2, "false", timeout=240)
+def test_a_keras_batch_change_rescales_every_adagrad_accumulator_alike_at_three_ranks():
+    run_ranks(__file__, "rank_keras_rescale", 3, '"auto"', timeout=240)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ ids (the load replaces them); bad ids raise on every rank; hvd.elastic.KerasStat
 tables exactly (ids admitted after the commit forgotten) at -np 2 and 3."""
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_ranks, run_scenarios
 from tests.parallel.test_dynamic_tables import BATCH, DIM, STEPS, _batches, _pool, snapshot
 
 OPTIONS = dict(capacity=10, evict="lru", admit_after=2)
@@ -177,17 +177,15 @@ def rank_keras_state():
     hvd.shutdown()
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_keras_state_restores_dynamic_tables_exactly(np_):
-    out = run_ranks(__file__, "rank_keras_state", np_, timeout=240, env={"HYBRIDSYNC_TIMEOUT_S": "30"})
-    assert out.count("KERAS-DYNAMIC-RESTORE-OK") == np_
-
-
-def test_keras_dynamic_embedding_parity_at_2_3_1_ranks_and_checkpoint_across_them(tmp_path):
-    """2 trains, checks and saves; 3 and 1 train, check, and load it into a fresh model."""
-    path = str(tmp_path / "ckpt")
-    run_ranks(__file__, "rank_keras_scenario", 2, path, "save", timeout=240)
-    run_ranks(__file__, "rank_keras_scenario", 3, path, "load", timeout=240)
+def test_keras_dynamic_embedding_parity_at_2_3_1_ranks_checkpoint_across_them_and_state_restores(tmp_path):
+    """2 trains, checks and saves; 3 and 1 train, check, and load it into a fresh model. At 2 and 3
+    ranks the same launch then checks that Keras's state restores dynamic tables exactly (a
+    rank waiting on another's program order fails in 30 s)."""
+    path, env = str(tmp_path / "ckpt"), {"HYBRIDSYNC_TIMEOUT_S": "30"}
+    for np_, mode in ((2, "save"), (3, "load")):
+        out = run_scenarios(__file__, np_, ("rank_keras_scenario", path, mode), "rank_keras_state",
+                            timeout=400, env=env)
+        assert out.count("KERAS-DYNAMIC-RESTORE-OK") == np_, out
     run_ranks(__file__, "rank_keras_scenario", 1, path, "load", timeout=240)
 
 

@@ -7,7 +7,7 @@ tf.IndexedSlices squares duplicate rows separately, while the exact math (and th
 torch) sums them first."""
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_scenarios
 
 ROWS, DIM, LOCAL, STEPS = 30, 4, 6, 6
 
@@ -457,21 +457,13 @@ def rank_sharded_adam_allgather_and_fewer_shards():
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_keras_parity_fit_and_tape_and_the_distributed_gradient_tape(np_):
-    run_ranks(__file__, "rank_parity_and_tape", np_, timeout=420)
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_keras_adam_allgather_and_fewer_partitions(np_):
-    run_ranks(__file__, "rank_more_routes", np_, timeout=420)
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_keras_sharded_layer_adam_beside_ps_allgather_yaml_and_fewer_shards(np_):
-    """The sharded PS-backed layer's parity; Adam on the dense all-reduce beside the PS; the
-    all-gather from YAML defaults, a tape loop and Adam; PS-backed layers on fewer shards than
-    ranks and dense variables on the PS."""
-    run_ranks(__file__, "rank_sharded_adam_allgather_and_fewer_shards", np_, timeout=600)
+def test_keras_parity_routes_sharded_layer_and_fewer_shards(np_):
+    """In one launch per world size: fit and tape parity and the distributed gradient tape; Adam,
+    the all-gather and fewer partitions; the sharded PS-backed layer's parity, Adam on the dense
+    all-reduce beside the PS, the all-gather from YAML defaults with a tape loop and Adam, and
+    PS-backed layers on fewer shards than ranks with dense variables on the PS."""
+    run_scenarios(__file__, np_, "rank_parity_and_tape", "rank_more_routes",
+                  "rank_sharded_adam_allgather_and_fewer_shards", timeout=1200)
 
 
 if __name__ == "__main__":
