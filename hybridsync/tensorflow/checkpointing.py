@@ -3,6 +3,9 @@ arrays, and back. Tables on the parameter server are written by their shards' ow
 hybridsync.checkpoint refreshes a replicated table's variable after a load."""
 from __future__ import annotations
 
+import re
+from collections import defaultdict, deque
+
 import ml_dtypes  # (TensorFlow's own dependency: its bfloat16 arrays are ml_dtypes')
 import numpy as np
 
@@ -10,14 +13,16 @@ from ..array_files import RawBits
 from ..checkpoint import check_dense_match
 from ..types import GradKind, Placement
 from . import adaptive, keras_embeddings
-from .names import variable_name
+from .names import table_variable_name, variable_name
 from .table_weight import TableWeight
 
 
 def before_load(model, optimizer, manifest: dict) -> None:
     """Collective. Before its first step a Keras DistributedOptimizer has no plan (it plans when
     the gradients' kinds are known): it is made here for the model's trainable variables, with
-    the kinds the checkpoint's plan recorded for them, so a model loads right after compile()."""
+    the kinds the checkpoint's plan recorded for them, so a model loads right after compile().
+    First the checkpoint's names become this model's where Keras numbered them differently."""
+    _rename_as_saved(model, manifest)
     if getattr(optimizer, "_hs_plan", None) is not None or not hasattr(optimizer, "_hs_plan_ahead"):
         return
     _move_embeddings_as_saved(model, optimizer, manifest)
@@ -36,6 +41,44 @@ def before_load(model, optimizer, manifest: dict) -> None:
             raise ValueError(f"variable '{name}' is not in the checkpoint's plan (a checkpoint of another model?)")
         kinds.append(GradKind(saved[name]))
     optimizer._hs_plan_ahead(variables, kinds)
+
+
+_KERAS_NUMBER = re.compile(r"_\d+(?=[/_]|$)")
+
+
+def _unnumbered(name: str) -> str:
+    """A Keras name without the numbers Keras adds to make layer and optimizer names unique in a
+    process ('sequential_1/dense_2/kernel' -> 'sequential/dense/kernel'; an optimizer's slot
+    'adagrad_1/sequential_1_dense_2_kernel_accumulator' likewise): the same model built again, or
+    after another, gets other numbers, and its checkpoint must still load (as Keras's own does)."""
+    return _KERAS_NUMBER.sub("", name)
+
+
+def _rename_as_saved(model, manifest: dict) -> None:
+    """The checkpoint's variable names (its plan's and its tables') that this model has under
+    other Keras numbers become this model's, in place: each saved name absent here takes the
+    next name of this model, in order, that reads the same without numbers and that the
+    checkpoint does not have. Names that match stay; what matches nothing is reported later, as
+    before."""
+    plan = manifest.get("plan") or {}
+    saved_names = [v["name"] for v in plan.get("variables", [])]
+    mine = [table_variable_name(v) if getattr(v, "_hybridsync_table", None) is not None else variable_name(v)
+            for v in model.trainable_variables]
+    saved_set, mine_set = set(saved_names), set(mine)
+    free = defaultdict(deque)
+    for name in mine:
+        if name not in saved_set:
+            free[_unnumbered(name)].append(name)
+    renamed = {}
+    for name in saved_names:
+        if name not in mine_set and free[_unnumbered(name)]:
+            renamed[name] = free[_unnumbered(name)].popleft()
+    if not renamed:
+        return
+    for v in plan.get("variables", []):
+        v["name"] = renamed.get(v["name"], v["name"])
+    for entry in manifest.get("tables", []):
+        entry["variable"] = renamed.get(entry["variable"], entry["variable"])
 
 
 def _move_embeddings_as_saved(model, optimizer, manifest: dict) -> None:
@@ -79,11 +122,15 @@ def _from_array(value, key: str) -> np.ndarray:
 
 
 def load_dense_state(model, optimizer, variables, arrays: dict, meta: dict) -> None:
-    mine = dict(_dense_variables(model, optimizer, variables))
-    check_dense_match({key: v.shape for key, v in mine.items()}, {key: a.shape for key, a in arrays.items()},
-                      shown=lambda key: key.split(".", 2)[-1])
-    for key, v in mine.items():
-        v.assign(_from_array(arrays[key], key))
+    # Keys ('model.3.dense/kernel') are matched without Keras's numbers: the index tells
+    # variables of one name apart, and a model built again in a process gets other numbers.
+    mine = {_unnumbered(key): (key, v) for key, v in _dense_variables(model, optimizer, variables)}
+    saved = {_unnumbered(key): key for key in arrays}
+    shown = {**{k: key for k, key in saved.items()}, **{k: key for k, (key, _) in mine.items()}}
+    check_dense_match({k: v.shape for k, (_, v) in mine.items()}, {k: arrays[key].shape for k, key in saved.items()},
+                      shown=lambda k: shown[k].split(".", 2)[-1])
+    for k, (key, v) in mine.items():
+        v.assign(_from_array(arrays[saved[k]], saved[k]))
     if "adaptive" in meta and getattr(optimizer, "_hs_adaptive", None) is not None:
         adaptive.load_state(optimizer, meta["adaptive"])  # at another world size: the global batch, re-chosen later
 

@@ -9,7 +9,7 @@
 """
 import pytest
 
-from tests.parallel.harness import rank_main, run_ranks
+from tests.parallel.harness import rank_main, run_ranks, run_scenarios
 from tests.parallel.step_clock import StepClock
 
 ROWS, DIM, FEATURES, DATA = 12, 3, 5, 96
@@ -351,8 +351,8 @@ def rank_batch_waits_for_the_routes():
         history.append(opt.adaptive.sizes())
         if opt.adaptive.steps >= 40:
             break
-    plans = json.loads(hybridsync.explain(file=io.StringIO(), as_json=True))  # (one per optimizer)
-    auto = next(v["auto"] for plan in plans for v in plan["variables"] if v["name"] == "emb.weight")
+    plans = json.loads(hybridsync.explain(file=io.StringIO(), as_json=True))  # (one per optimizer: this one last)
+    auto = next(v["auto"] for v in plans[-1]["variables"] if v["name"] == "emb.weight")
     settled_at = auto["switched_at_step"]
     judged = [j["step"] for j in opt.adaptive.decider.judgements]
     assert judged and min(judged) > settled_at, (settled_at, judged, auto.get("trials"))
@@ -367,10 +367,13 @@ def rank_batch_waits_for_the_routes():
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_noise_scale_rules_and_accumulation(np_):
+def test_noise_scale_rules_and_accumulation_and_the_batch_decided_only_once_sync_auto_has_settled(np_):
     """The statistics of a dense layer and a PS table within 20% of the truth; adaptation off is
-    bit-identical to plain training; the linear rule reaches the shards; accumulation averages."""
-    run_ranks(__file__, "rank_stats_and_rules", np_, timeout=300)
+    bit-identical to plain training; the linear rule reaches the shards; accumulation averages.
+    Then, in the same launch: no batch judged and no step timed while `sync: auto` measures and
+    tries routes; the batch grows afterwards, the same on every rank
+    (rank_batch_waits_for_the_routes)."""
+    run_scenarios(__file__, np_, "rank_stats_and_rules", "rank_batch_waits_for_the_routes", timeout=500)
 
 
 def test_single_rank_statistics_from_accumulation_micro_steps():
@@ -393,13 +396,6 @@ def test_loader_chooses_the_same_batch_everywhere_and_restarts_at_another_size(t
         assert len([e for e in counters if e["pid"] == rank]) >= 20, (rank, len(counters))
     assert {"noise_scale", "global_batch", "gain", "lr_factor"} <= set(counters[-1]["args"])
     assert max(e["args"]["global_batch"] for e in counters) > 12
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_the_batch_is_decided_only_once_sync_auto_has_settled_the_routes(np_):
-    """No batch judged and no step timed while `sync: auto` measures and tries routes; the batch
-    grows afterwards, the same on every rank (rank_batch_waits_for_the_routes)."""
-    run_ranks(__file__, "rank_batch_waits_for_the_routes", np_, timeout=300)
 
 
 if __name__ == "__main__":

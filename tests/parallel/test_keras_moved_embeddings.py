@@ -389,13 +389,15 @@ def test_moved_embedding_parity_at_one_rank():
 
 
 def test_moved_embedding_parity_what_stays_checkpoints_and_a_fresh_model_at_another_world_size(tmp_path):
-    """At 2 ranks: a fitted model saved, then parity, what stays a Keras variable, checkpoints. At
-    3 ranks: the checkpoint loaded into a fresh model, then parity. (The save and the load come
-    first in their launches: Keras names an optimizer's variables by how many it made before.)"""
+    """At 2 ranks: parity, what stays a Keras variable, checkpoints; then a fitted model saved. At
+    3 ranks: parity, then the checkpoint loaded into a fresh model. Each launch builds models and
+    optimizers before the save and the load, so Keras numbers their layers and optimizers
+    differently in the two processes ('adagrad_2/...' saved, 'adagrad_4/...' loading): the load
+    matches them without the numbers."""
     (tmp_path / "rules").mkdir()
-    run_scenarios(__file__, 2, ("rank_save_fitted", str(tmp_path)),
-                  ("rank_parity_what_stays_and_checkpoints", str(tmp_path / "rules")), timeout=400)
-    run_scenarios(__file__, 3, ("rank_load_into_fresh_model", str(tmp_path)), "rank_parity", timeout=400)
+    run_scenarios(__file__, 2, ("rank_parity_what_stays_and_checkpoints", str(tmp_path / "rules")),
+                  ("rank_save_fitted", str(tmp_path)), timeout=400)
+    run_scenarios(__file__, 3, "rank_parity", ("rank_load_into_fresh_model", str(tmp_path)), timeout=400)
 
 
 if __name__ == "__main__":

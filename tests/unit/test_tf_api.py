@@ -234,3 +234,30 @@ def test_a_config_storage_other_than_a_keras_ps_layers_is_an_error(config):
     model = keras.Model(ids, keras.layers.Dense(1, name="head")(x))
     with pytest.raises(hybridsync.ConfigError, match=r"storage: variable 'kst.*': a Keras PS layer's table exists"):
         fit_once(htf.DistributedOptimizer(keras.optimizers.SGD(0.1), config=config), model)
+
+
+def test_a_checkpoints_keras_names_are_matched_without_the_numbers_keras_adds():
+    """A model built again in one process gets other Keras numbers ('sequential_1/dense_1/...',
+    'adagrad_1/...'): the checkpoint's names map onto this model's in order, names that match
+    stay, and a name that reads differently without its numbers maps to nothing."""
+    from hybridsync.tensorflow import checkpointing
+
+    assert checkpointing._unnumbered("adagrad_2/sequential_1_dense_12_kernel_accumulator") == \
+        "adagrad/sequential_dense_kernel_accumulator"
+    assert checkpointing._unnumbered("model.3.block_2/conv_3x3/kernel") == "model.3.block/conv_3x3/kernel"
+
+    def build():
+        model = keras.Sequential([keras.layers.Embedding(10, 4), keras.layers.Dense(3), keras.layers.Dense(2)])
+        model.build((None, 2))
+        return model
+
+    saved_model, model = build(), build()
+    saved = [v.path for v in saved_model.trainable_variables]
+    mine = [v.path for v in model.trainable_variables]
+    assert saved != mine  # (Keras numbered the second model's layers)
+    manifest = {"plan": {"variables": [{"name": n, "auto": {"route": "ps"}} for n in saved] +
+                         [{"name": "other/kernel"}]},
+                "tables": [{"variable": saved[0]}, {"variable": "other/kernel"}]}
+    checkpointing._rename_as_saved(model, manifest)
+    assert [v["name"] for v in manifest["plan"]["variables"]] == mine + ["other/kernel"]
+    assert [t["variable"] for t in manifest["tables"]] == [mine[0], "other/kernel"]
