@@ -4,7 +4,6 @@ hybridsync.checkpoint refreshes a replicated table's variable after a load."""
 from __future__ import annotations
 
 import re
-from collections import defaultdict, deque
 
 import ml_dtypes  # (TensorFlow's own dependency: its bfloat16 arrays are ml_dtypes')
 import numpy as np
@@ -55,30 +54,28 @@ def _unnumbered(name: str) -> str:
 
 
 def _rename_as_saved(model, manifest: dict) -> None:
-    """The checkpoint's variable names (its plan's and its tables') that this model has under
-    other Keras numbers become this model's, in place: each saved name absent here takes the
-    next name of this model, in order, that reads the same without numbers and that the
-    checkpoint does not have. Names that match stay; what matches nothing is reported later, as
-    before."""
+    """The checkpoint's variable names become this model's, in place, where Keras numbered them
+    differently: only if the saved plan's variables and this model's trainable variables are the
+    same sequence once the numbers are dropped, position by position (a name that merely exists
+    in both may belong to another layer now). The plan's names, the tables' and those the
+    adaptive batch's statistics are kept under all follow. Otherwise nothing is renamed, and
+    what differs is reported later, as before."""
     plan = manifest.get("plan") or {}
-    saved_names = [v["name"] for v in plan.get("variables", [])]
+    saved = [v["name"] for v in plan.get("variables", [])]
     mine = [table_variable_name(v) if getattr(v, "_hybridsync_table", None) is not None else variable_name(v)
             for v in model.trainable_variables]
-    saved_set, mine_set = set(saved_names), set(mine)
-    free = defaultdict(deque)
-    for name in mine:
-        if name not in saved_set:
-            free[_unnumbered(name)].append(name)
-    renamed = {}
-    for name in saved_names:
-        if name not in mine_set and free[_unnumbered(name)]:
-            renamed[name] = free[_unnumbered(name)].popleft()
-    if not renamed:
+    if saved == mine or [_unnumbered(n) for n in saved] != [_unnumbered(n) for n in mine]:
         return
+    renamed = dict(zip(saved, mine))
     for v in plan.get("variables", []):
-        v["name"] = renamed.get(v["name"], v["name"])
+        v["name"] = renamed[v["name"]]
     for entry in manifest.get("tables", []):
         entry["variable"] = renamed.get(entry["variable"], entry["variable"])
+    state = ((manifest.get("dense") or {}).get("meta") or {}).get("adaptive") or {}
+    for part, keyed in (("stats", "by_variable"), ("stats", "steady"), ("rows", "counts"), ("rows", "duplicates")):
+        names = (state.get(part) or {}).get(keyed)
+        if names:
+            state[part][keyed] = {renamed.get(name, name): value for name, value in names.items()}
 
 
 def _move_embeddings_as_saved(model, optimizer, manifest: dict) -> None:

@@ -238,8 +238,11 @@ def test_a_config_storage_other_than_a_keras_ps_layers_is_an_error(config):
 
 def test_a_checkpoints_keras_names_are_matched_without_the_numbers_keras_adds():
     """A model built again in one process gets other Keras numbers ('sequential_1/dense_1/...',
-    'adagrad_1/...'): the checkpoint's names map onto this model's in order, names that match
-    stay, and a name that reads differently without its numbers maps to nothing."""
+    'adagrad_1/...'): the checkpoint's names map onto this model's position by position -- its
+    plan, its tables and the adaptive batch's statistics -- even where a saved name exists here
+    on another layer; where the sequences differ beyond the numbers nothing is renamed."""
+    import copy
+
     from hybridsync.tensorflow import checkpointing
 
     assert checkpointing._unnumbered("adagrad_2/sequential_1_dense_12_kernel_accumulator") == \
@@ -255,9 +258,34 @@ def test_a_checkpoints_keras_names_are_matched_without_the_numbers_keras_adds():
     saved = [v.path for v in saved_model.trainable_variables]
     mine = [v.path for v in model.trainable_variables]
     assert saved != mine  # (Keras numbered the second model's layers)
-    manifest = {"plan": {"variables": [{"name": n, "auto": {"route": "ps"}} for n in saved] +
-                         [{"name": "other/kernel"}]},
-                "tables": [{"variable": saved[0]}, {"variable": "other/kernel"}]}
+
+    def manifest_of(names):
+        return {"plan": {"variables": [{"name": n, "auto": {"route": "ps"}} for n in names]},
+                "tables": [{"variable": names[0]}],
+                "dense": {"meta": {"adaptive": {"stats": {"by_variable": {n: k for k, n in enumerate(names)},
+                                                          "steady": {names[1]: 1}},
+                                                "rows": {"counts": {names[0]: {}}, "duplicates": {names[0]: 2.0}}}}}}
+
+    manifest = manifest_of(saved)
     checkpointing._rename_as_saved(model, manifest)
-    assert [v["name"] for v in manifest["plan"]["variables"]] == mine + ["other/kernel"]
-    assert [t["variable"] for t in manifest["tables"]] == [mine[0], "other/kernel"]
+    assert [v["name"] for v in manifest["plan"]["variables"]] == mine
+    assert [t["variable"] for t in manifest["tables"]] == [mine[0]]
+    state = manifest["dense"]["meta"]["adaptive"]
+    assert state["stats"]["by_variable"] == {n: k for k, n in enumerate(mine)}
+    assert state["stats"]["steady"] == {mine[1]: 1} and state["rows"]["duplicates"] == {mine[0]: 2.0}
+
+    # The saving process had built more layers first: its second Dense has the name this model's
+    # first Dense has. Position decides, not the name.
+    layers = [name.split("/")[1] for name in mine]  # embedding, dense, dense, dense', dense'
+    as_saved = {layers[1]: layers[3], layers[3]: "dense_999"}
+    shifted = [name.replace(f"/{layers[i]}/", f"/{as_saved.get(layers[i], layers[i])}/") for i, name in enumerate(mine)]
+    assert shifted[1] == mine[3] and shifted != mine
+    manifest = manifest_of(shifted)
+    checkpointing._rename_as_saved(model, manifest)
+    assert [v["name"] for v in manifest["plan"]["variables"]] == mine
+
+    # Another model (one variable more): nothing renamed, the load reports what differs.
+    manifest = manifest_of(saved + ["sequential/dense_9/kernel"])
+    before = copy.deepcopy(manifest)
+    checkpointing._rename_as_saved(model, manifest)
+    assert manifest == before
