@@ -696,7 +696,9 @@ DynamicState Client::dynamic_state(int table) const {
   impl_->settle();
   const Table& t = impl_->table_at(table);
   if (!t.spec.dynamic.on) throw PSError("table '" + t.spec.name + "' is not dynamic");
-  return t.dynamic ? t.dynamic->state(*t.shard) : DynamicState{t.spec.dim, {}, {}, {}, {}, {}, {}, {}, {}};
+  if (!t.dynamic) return DynamicState{t.spec.dim, {}, {}, {}, {}, {}, {}, {}, {}};
+  t.dynamic->drop_released();  // (the state walks the disk's entries)
+  return t.dynamic->state(*t.shard);
 }
 
 DynamicState Client::dynamic_range(int table, bool pending, int64_t begin, int64_t n, bool rows) const {
@@ -711,6 +713,7 @@ DynamicState Client::dynamic_range(int table, bool pending, int64_t begin, int64
                   ") are outside this shard's " + std::to_string(size) + (pending ? " pending ids" : " stored rows"));
   }
   if (!t.dynamic) return DynamicState{t.spec.dim, {}, {}, {}, {}, {}, {}, {}, {}};
+  t.dynamic->drop_released();  // (the range walks the disk's entries)
   return t.dynamic->range(*t.shard, pending, begin, n, rows && !pending, rows && !pending);
 }
 

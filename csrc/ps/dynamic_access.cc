@@ -233,6 +233,7 @@ void detail::ClientState::serve_dynamic(int source, const Request& request, Read
     write_reply_head(w, request.kind, request.seq, errors);
     if (errors.empty()) {
       DynamicStore& store = *t->dynamic;
+      store.drop_released();  // (the range walks the disk's entries)
       const int64_t total = part == kPending ? store.pending() : store.stored();
       const int64_t from = std::clamp<int64_t>(begin, 0, total), n = std::clamp<int64_t>(count, 0, total - from);
       const DynamicState s = store.range(*t->shard, part == kPending, from, n, rows, slots);

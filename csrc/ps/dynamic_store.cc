@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 
 #include "seeded.h"
 #include "update_rule.h"
@@ -135,6 +136,7 @@ int64_t DynamicStore::append_row(std::unique_ptr<Shard>& arena, int64_t id, uint
   last_.push_back(last);
   if (disk_) {
     tick_.push_back(now_);
+    disk_entry_.push_back(-1);
     ++added_since_spill_;
   }
   return pos;
@@ -161,20 +163,33 @@ int64_t DynamicStore::add_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_
   return pos;
 }
 
-void DynamicStore::remove_row(Shard& arena, int64_t pos) {
+void DynamicStore::remove_row(Shard& arena, int64_t pos, std::vector<int64_t>* orphans) {
+  if (disk_ && disk_entry_[static_cast<size_t>(pos)] >= 0) orphans->push_back(disk_entry_[static_cast<size_t>(pos)]);
   const int64_t moved = rows_.erase_at(pos);
   if (moved >= 0) {
     arena.copy_row(moved, pos);
     counts_[pos] = counts_[moved];
     last_[pos] = last_[moved];
-    if (disk_) tick_[pos] = tick_[moved];
+    if (disk_) {
+      tick_[pos] = tick_[moved];
+      disk_entry_[pos] = disk_entry_[moved];
+    }
   }
   counts_.pop_back();
   last_.pop_back();
-  if (disk_) tick_.pop_back();
+  if (disk_) {
+    tick_.pop_back();
+    disk_entry_.pop_back();
+  }
 }
 
 void DynamicStore::remove_rows(Shard& arena, std::vector<int64_t> positions) {
+  std::vector<int64_t> orphans;  // released disk entries of rows removed for good
+  if (disk_) {
+    for (const int64_t p : positions) {
+      if (disk_entry_[static_cast<size_t>(p)] >= 0) orphans.push_back(disk_entry_[static_cast<size_t>(p)]);
+    }
+  }
   const auto moves = rows_.erase_many(std::move(positions));
   const auto row_bytes = static_cast<size_t>(arena.row_size()), slot_bytes = static_cast<size_t>(dim_) * sizeof(float);
   constexpr size_t ahead = 8;
@@ -191,20 +206,43 @@ void DynamicStore::remove_rows(Shard& arena, std::vector<int64_t> positions) {
     for (int k = 0; k < arena.num_slots(); ++k) std::memcpy(arena.row_of(k, to), arena.row_of(k, from), slot_bytes);
     counts_[static_cast<size_t>(to)] = counts_[static_cast<size_t>(from)];
     last_[static_cast<size_t>(to)] = last_[static_cast<size_t>(from)];
-    if (disk_) tick_[static_cast<size_t>(to)] = tick_[static_cast<size_t>(from)];
+    if (disk_) {
+      tick_[static_cast<size_t>(to)] = tick_[static_cast<size_t>(from)];
+      disk_entry_[static_cast<size_t>(to)] = disk_entry_[static_cast<size_t>(from)];
+    }
   }
   counts_.resize(static_cast<size_t>(rows_.size()));
   last_.resize(static_cast<size_t>(rows_.size()));
-  if (disk_) tick_.resize(static_cast<size_t>(rows_.size()));
+  if (disk_) {
+    tick_.resize(static_cast<size_t>(rows_.size()));
+    disk_entry_.resize(static_cast<size_t>(rows_.size()));
+    if (!orphans.empty()) remove_on_disk(std::move(orphans));
+  }
 }
 
 void DynamicStore::remove_on_disk(std::vector<int64_t> entries) {
   for (const auto& [from, to] : disk_->remove(std::move(entries))) {
     disk_counts_[static_cast<size_t>(to)] = disk_counts_[static_cast<size_t>(from)];
     disk_last_[static_cast<size_t>(to)] = disk_last_[static_cast<size_t>(from)];
+    if (disk_->released(to)) {  // (its row, in memory, follows it)
+      const int64_t owner = rows_.find(disk_->key(to));
+      if (owner < 0) throw std::logic_error("table '" + table_ + "': a released disk entry has no row (a bug)");
+      disk_entry_[static_cast<size_t>(owner)] = to;
+    }
   }
-  disk_counts_.resize(static_cast<size_t>(disk_->size()));
-  disk_last_.resize(static_cast<size_t>(disk_->size()));
+  disk_counts_.resize(static_cast<size_t>(disk_->entries()));
+  disk_last_.resize(static_cast<size_t>(disk_->entries()));
+}
+
+void DynamicStore::drop_released() {
+  if (!disk_ || disk_->released_count() == 0) return;
+  std::vector<int64_t> entries;
+  for (int64_t& e : disk_entry_) {
+    if (e < 0) continue;
+    entries.push_back(e);
+    e = -1;
+  }
+  remove_on_disk(std::move(entries));
 }
 
 bool DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
@@ -232,21 +270,29 @@ bool DynamicStore::spill(Shard& arena, int64_t incoming, SpillMode mode) {
       [&](int64_t p) { return static_cast<int64_t>(last_[static_cast<size_t>(p)]); },
       [&](int64_t p) { return rows_.id(p); });
   if (victims.empty()) return false;
-  std::vector<int64_t> ids;
+  std::vector<int64_t> ids, entries;  // entries: a row read back from disk goes to its entry again
   std::vector<char> records(victims.size() * static_cast<size_t>(arena.record_size()));
   for (size_t v = 0; v < victims.size(); ++v) {
     ids.push_back(rows_.id(victims[v]));
+    entries.push_back(disk_entry_[static_cast<size_t>(victims[v])]);
     arena.get_record(victims[v], records.data() + v * arena.record_size());
   }
   try {
-    disk_->add(ids.data(), static_cast<int64_t>(ids.size()), records.data());  // all or nothing
+    disk_->store(ids.data(), entries.data(), static_cast<int64_t>(ids.size()), records.data());  // all or nothing
   } catch (const PSError&) {
     if (mode == SpillMode::kMust) throw;
     return false;  // (nothing was added: the rows stay in memory)
   }
-  for (const int64_t p : victims) {
-    disk_counts_.push_back(counts_[static_cast<size_t>(p)]);
-    disk_last_.push_back(last_[static_cast<size_t>(p)]);
+  for (size_t v = 0; v < victims.size(); ++v) {
+    const auto p = static_cast<size_t>(victims[v]);
+    if (entries[v] >= 0) {
+      disk_counts_[static_cast<size_t>(entries[v])] = counts_[p];
+      disk_last_[static_cast<size_t>(entries[v])] = last_[p];
+      disk_entry_[p] = -1;  // (its entry holds the row now: not an orphan of the removal below)
+    } else {
+      disk_counts_.push_back(counts_[p]);
+      disk_last_.push_back(last_[p]);
+    }
   }
   remove_rows(arena, std::move(victims));
   added_since_spill_ = 0;
@@ -305,10 +351,11 @@ void DynamicStore::load(std::unique_ptr<Shard>& arena, const int64_t* ids, int64
     const auto e = static_cast<size_t>(found[k]);
     const int64_t pos = append_row(arena, disk_->key(found[k]), disk_counts_[e], disk_last_[e]);
     arena->set_record(pos, records.data() + k * size);
+    disk_entry_[static_cast<size_t>(pos)] = found[k];
   }
   loads_ += static_cast<int64_t>(found.size());
   const bool loaded = !found.empty();
-  remove_on_disk(std::move(found));
+  disk_->release(found.data(), static_cast<int64_t>(found.size()));
   const auto nowhere = static_cast<int64_t>(std::count(entry.begin(), entry.end(), int64_t{-1}));
   if (unstored_.size() + nowhere > kUnstoredMax) unstored_.clear();
   for (size_t k = 0; nowhere <= kUnstoredMax && k < entry.size(); ++k) {
@@ -342,7 +389,9 @@ void DynamicStore::prefetch(std::unique_ptr<Shard>& arena, const int64_t* ids, i
 }
 
 void DynamicStore::new_rule(Shard& arena) {
-  if (disk_) disk_->relayout(arena.row_size(), arena.fresh_slots());
+  if (!disk_) return;
+  drop_released();
+  disk_->relayout(arena.row_size(), arena.fresh_slots());
 }
 
 void DynamicStore::rescale_accumulators(Shard& arena, float factor) {
@@ -369,23 +418,28 @@ std::vector<int64_t>& DynamicStore::touch_list(int32_t round) {
 void DynamicStore::expire(Shard& arena, int32_t now) {
   while (!touched_.empty() && touched_first_ <= now - spec_.ttl_steps - 1) {
     const auto round = static_cast<int32_t>(touched_first_);
-    std::vector<int64_t> on_disk;  // entries, removed together below
+    std::vector<int64_t> on_disk, orphans;  // entries, removed together below
+    // An id may be listed twice for one round (a write() after the round's step lists the ids it
+    // creates): the second finds the first's entry, removed only below.
     for (const int64_t id : touched_.front()) {  // an id touched again since is listed again later
       const int64_t pos = rows_.find(id);
       if (pos >= 0 && last_[pos] == round) {
-        remove_row(arena, pos);
+        remove_row(arena, pos, &orphans);  // (with its released entry, if any)
         ++counters_.last_expired;
         continue;
       }
       const int64_t e = pos < 0 && disk_ ? disk_->find(id) : -1;
-      if (e >= 0 && disk_last_[static_cast<size_t>(e)] == round) {
+      if (e >= 0 && !disk_->released(e) && disk_last_[static_cast<size_t>(e)] == round) {
         on_disk.push_back(e);
-        ++counters_.last_expired;
         continue;
       }
       const int64_t p = pending_.find(id);
       if (p >= 0 && pending_last_[p] == round) remove_pending(p);
     }
+    std::sort(on_disk.begin(), on_disk.end());
+    on_disk.erase(std::unique(on_disk.begin(), on_disk.end()), on_disk.end());
+    counters_.last_expired += static_cast<int64_t>(on_disk.size());
+    on_disk.insert(on_disk.end(), orphans.begin(), orphans.end());
     if (!on_disk.empty()) remove_on_disk(std::move(on_disk));
     touched_.pop_front();
     ++touched_first_;
@@ -394,6 +448,7 @@ void DynamicStore::expire(Shard& arena, int32_t now) {
 
 int64_t DynamicStore::evict_to(Shard& arena, int64_t target, int32_t now) {
   // Victims: rows not touched this round, in memory or on disk alike (entries R.. are the disk's).
+  drop_released();  // (so that every disk entry holds a row)
   const int64_t held = rows_.size(), n = stored();
   auto count = [&](int64_t e) -> int64_t {
     return e < held ? counts_[static_cast<size_t>(e)] : disk_counts_[static_cast<size_t>(e - held)];
@@ -659,6 +714,7 @@ void DynamicStore::clear() {
   fresh_rows_.clear();
   unstored_.clear();
   tick_.clear();
+  disk_entry_.clear();
   added_since_spill_ = 0;
   last_spill_round_ = -1;
   if (disk_) {
@@ -707,6 +763,9 @@ DynamicState DynamicStore::range(const Shard& arena, bool pending, int64_t begin
   }
   if (disk_from >= to) return s;
   const int64_t first = static_cast<int64_t>(disk_from - held), count = static_cast<int64_t>(to - disk_from);
+  if (disk_->released_count() > 0) {
+    throw std::logic_error("table '" + table_ + "': its stored rows were read with released disk entries (a bug)");
+  }
   std::vector<int64_t> entries(static_cast<size_t>(count));
   for (int64_t k = 0; k < count; ++k) {
     entries[static_cast<size_t>(k)] = first + k;
@@ -766,7 +825,7 @@ DynamicStats DynamicStore::stats(const Shard& arena) const {
                 listed * static_cast<int64_t>(sizeof(int64_t));
   if (disk_) {
     s.map_bytes += disk_->index_bytes() + static_cast<int64_t>((disk_counts_.capacity() + disk_last_.capacity()) * 4 +
-                                                               tick_.capacity() * 4);
+                                                               tick_.capacity() * 4 + disk_entry_.capacity() * 8);
   }
   s.row_bytes = rows_.size() * arena.record_size();  // (in memory; rows on disk cost only their index)
   return s;

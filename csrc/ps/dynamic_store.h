@@ -73,6 +73,7 @@ class DynamicStore {
   // One push round (see the top of this file): `ids` distinct, `grads` summed and scaled.
   void step(std::unique_ptr<Shard>& arena, const int64_t* ids, int64_t n, const float* grads);
 
+  // state() and range() need every disk entry to hold a row: drop_released() first.
   DynamicState state(const Shard& arena) const;
   // Entries [begin, begin + n) of the stored rows (pending: false; with their rows and slots as
   // asked) or of the pending ids, in storage order: a one-sided reader's chunk.
@@ -96,6 +97,10 @@ class DynamicStore {
   void clear();
   // Rows stored (in both tiers), in memory, pending.
   int64_t stored() const { return rows_.size() + (disk_ ? disk_->size() : 0); }
+  // Disk tier: removes the entries of rows read back into memory (see DiskTier::release), so
+  // that every disk entry holds a row: before anything walks the entries by index (range(),
+  // state(), eviction, a new rule). Changes no row.
+  void drop_released();
   int64_t resident() const { return rows_.size(); }
   int64_t pending() const { return pending_.size(); }
   const DiskTier* disk() const { return disk_.get(); }
@@ -112,7 +117,8 @@ class DynamicStore {
   int64_t append_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last);
   // A new stored row at the end of the arena (initial value, fresh slots); its position.
   int64_t add_row(std::unique_ptr<Shard>& arena, int64_t id, uint32_t count, int32_t last);
-  void remove_row(Shard& arena, int64_t pos);
+  // orphans: gets the row's released disk entry (to be removed with the row), if it has one.
+  void remove_row(Shard& arena, int64_t pos, std::vector<int64_t>* orphans);
   // Removes the rows at `positions` in one pass (see IdMap::erase_many).
   void remove_rows(Shard& arena, std::vector<int64_t> positions);
   void remove_pending(int64_t pos);
@@ -134,7 +140,7 @@ class DynamicStore {
     ++now_;
     spill(arena, 0);
   }
-  // Removes disk entries, keeping their counters in step.
+  // Removes disk entries (released or not), keeping their counters and rows' entries in step.
   void remove_on_disk(std::vector<int64_t> entries);
   void grow(Shard& arena, int64_t rows);
   // A float32 row as a 16-bit arena would store it (rounded and back).
@@ -148,6 +154,9 @@ class DynamicStore {
   std::vector<uint32_t> counts_;
   std::vector<int32_t> last_;
   std::vector<uint32_t> tick_;         // disk tier: per arena row, the operation that last needed it
+  // Disk tier: per arena row, the released disk entry it was read back from (-1: none), which
+  // it goes to again when it spills, and which goes with it when it is removed.
+  std::vector<int64_t> disk_entry_;
   std::unique_ptr<DiskTier> disk_;     // stored rows not in memory (entries keyed by id), or null
   std::vector<uint32_t> disk_counts_;  // per disk entry
   std::vector<int32_t> disk_last_;
@@ -229,7 +238,10 @@ void DynamicStore::restore(std::unique_ptr<Shard>& arena, const DynamicState& s,
     auto file = [&](int64_t id, int32_t last) {
       if (now - last <= spec_.ttl_steps && last <= now) touch_list(last).push_back(id);  // older ones never expire
     };
-    for (int64_t p = 0; p < stored(); ++p) file(rows_.id(p), last_[p]);
+    for (int64_t p = 0; p < rows_.size(); ++p) file(rows_.id(p), last_[p]);
+    for (int64_t e = 0; disk_ && e < disk_->entries(); ++e) {  // (a released entry's row is in memory)
+      if (!disk_->released(e)) file(disk_->key(e), disk_last_[static_cast<size_t>(e)]);
+    }
     for (int64_t p = 0; p < pending_.size(); ++p) file(pending_.id(p), pending_last_[p]);
   }
 }

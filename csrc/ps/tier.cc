@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <numeric>
+#include <stdexcept>
 
 #include "hybridsync/ps.h"
 
@@ -84,6 +85,11 @@ void DiskTier::fail(const std::string& what, int error) const {
                 (error ? std::string(": ") + std::strerror(error) : std::string()));
 }
 
+void DiskTier::bug(const std::string& what) const {
+  // (std::logic_error, not PSError: a push round takes a PSError for a full disk and goes on)
+  throw std::logic_error("table '" + table_ + "': disk tier " + path_ + ": " + what + " (a bug)");
+}
+
 void DiskTier::check() const {
   struct stat st;
   if (fstat(fd_, &st) != 0) fail("cannot be read", errno);
@@ -125,7 +131,11 @@ const char* DiskTier::mapping(int64_t bytes) const {
 void DiskTier::read_slots(const int64_t* entries, int64_t n, char* buf) const {
   if (n == 0) return;
   int64_t last = 0;
-  for (int64_t i = 0; i < n; ++i) last = std::max(last, slot_[static_cast<size_t>(entries[i])]);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = slot_[static_cast<size_t>(entries[i])];
+    if (slot < 0) bug("entry " + std::to_string(entries[i]) + " was read after its row left the file");
+    last = std::max(last, slot);
+  }
   // A file cut short under the table is an error before any byte of it is read.
   struct stat st;
   if (fstat(fd_, &st) != 0) fail("cannot be read", errno);
@@ -187,8 +197,14 @@ int DiskTier::append(const char* payloads, int64_t n) {
   return error;
 }
 
-void DiskTier::add(const int64_t* keys, int64_t n, const char* payloads) {
+void DiskTier::store(const int64_t* keys, const int64_t* entries, int64_t n, const char* payloads) {
   if (n == 0) return;
+  for (int64_t i = 0; entries && i < n; ++i) {
+    const int64_t e = entries[i];
+    if (e >= 0 && (e >= this->entries() || !released(e) || keys_.id(e) != keys[i])) {
+      bug("key " + std::to_string(keys[i]) + " was stored to entry " + std::to_string(e) + ", not its released one");
+    }
+  }
   // Holes outnumbering the rows (and a few MiB): compact first, so the file stays within about
   // twice what it holds and each compaction moves no more rows than the holes it removes.
   const int64_t holes = end_ - size();
@@ -200,22 +216,49 @@ void DiskTier::add(const int64_t* keys, int64_t n, const char* payloads) {
     error = append(payloads, n);
   }
   if (error) fail("could not take " + megabytes(n * slot_bytes_) + " (" + std::to_string(n) + " rows)", error);
-  keys_.insert_many(keys, n);
-  for (int64_t i = 0; i < n; ++i) slot_.push_back(end_++);
+  if (!entries) {
+    keys_.insert_many(keys, n);
+    for (int64_t i = 0; i < n; ++i) slot_.push_back(end_++);
+  } else {
+    std::vector<int64_t> fresh, fresh_slots;  // new entries' keys, in order, and their slots
+    for (int64_t i = 0; i < n; ++i) {
+      if (entries[i] >= 0) continue;
+      fresh.push_back(keys[i]);
+      fresh_slots.push_back(end_ + i);
+    }
+    // (first: if the index cannot grow, nothing else has changed)
+    keys_.insert_many(fresh.data(), static_cast<int64_t>(fresh.size()));
+    slot_.insert(slot_.end(), fresh_slots.begin(), fresh_slots.end());
+    for (int64_t i = 0; i < n; ++i) {
+      if (entries[i] < 0) continue;
+      slot_[static_cast<size_t>(entries[i])] = end_ + i;
+      --released_;
+    }
+    end_ += n;
+  }
   bytes_written_ += n * slot_bytes_;
   if (tracer_) tracer_->record("tier write", start, n);
 }
 
 void DiskTier::compact() {
   const int64_t held = size();
-  if (held == 0) {
+  if (held == 0 && released_ == 0) {
     clear();
+    return;
+  }
+  if (held == 0) {  // (released entries only: they keep their keys, the file its space back)
+    end_ = 0;
+    if (ftruncate(fd_, 0) != 0) {  // (best effort: a longer file only wastes space)
+    }
     return;
   }
   if (end_ == held) return;  // no holes
   const int64_t start = tracer_ ? tracer_->start() : 0;
-  std::vector<int64_t> order(static_cast<size_t>(held));
-  std::iota(order.begin(), order.end(), 0);
+  std::vector<int64_t> order;  // entries holding a row, by slot
+  order.reserve(static_cast<size_t>(held));
+  for (int64_t e = 0; e < entries(); ++e) {
+    if (slot_[static_cast<size_t>(e)] >= 0) order.push_back(e);
+  }
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return slot_[a] < slot_[b]; });
   // Entry order[k] goes to slot k (<= where it is). Chunk by chunk: a chunk is read whole before
   // it is written, and its writes land below every later entry's slot, so a failure anywhere
@@ -242,7 +285,29 @@ void DiskTier::compact() {
   if (tracer_) tracer_->record("tier compact", start, moved);
 }
 
+void DiskTier::release(const int64_t* entries, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (entries[i] < 0 || entries[i] >= this->entries()) {
+      bug("has no entry " + std::to_string(entries[i]) + " to release");
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t& slot = slot_[static_cast<size_t>(entries[i])];
+    if (slot < 0) bug("entry " + std::to_string(entries[i]) + " was released twice");
+    slot = -1;
+    ++released_;
+  }
+}
+
 std::vector<std::pair<int64_t, int64_t>> DiskTier::remove(std::vector<int64_t> entries) {
+  std::sort(entries.begin(), entries.end());  // (an entry named twice is removed once)
+  entries.erase(std::unique(entries.begin(), entries.end()), entries.end());
+  for (const int64_t e : entries) {
+    if (e < 0 || e >= this->entries()) {
+      bug("has no entry " + std::to_string(e) + " to remove");
+    }
+  }
+  for (const int64_t e : entries) released_ -= slot_[static_cast<size_t>(e)] < 0 ? 1 : 0;
   auto moves = keys_.erase_many(std::move(entries));
   for (const auto& [from, to] : moves) slot_[static_cast<size_t>(to)] = slot_[static_cast<size_t>(from)];
   slot_.resize(static_cast<size_t>(keys_.size()));
@@ -253,6 +318,7 @@ std::vector<std::pair<int64_t, int64_t>> DiskTier::remove(std::vector<int64_t> e
 void DiskTier::clear() {
   keys_.clear();
   slot_.clear();
+  released_ = 0;
   end_ = 0;
   if (ftruncate(fd_, 0) != 0) fail("cannot be emptied", errno);
 }
@@ -263,6 +329,7 @@ void DiskTier::reset(int64_t slot_bytes) {
 }
 
 void DiskTier::relayout(int64_t row_bytes, const std::vector<char>& tail) {
+  if (released_ > 0) bug("was relaid with released entries");
   const int64_t held = size(), old_size = slot_bytes_, size = row_bytes + static_cast<int64_t>(tail.size());
   if (held == 0) {
     reset(size);

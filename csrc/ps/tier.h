@@ -5,9 +5,12 @@
 // written (a fixed table's seeded initial values) cost no disk.
 //
 // The file is written like a log: rows going to disk are appended in one write, and a row read
-// back leaves a hole. When the holes outnumber the rows held (and a few MiB at least), the
-// next add() first compacts the file in place, in large sequential reads and writes, and gives
-// the space back; a write that finds the disk full compacts first too, if there are holes.
+// back leaves a hole. A dynamic table's row read back may keep its entry (release(): key and
+// index stay, the slot is a hole) and take a new slot in it when it goes to disk again
+// (store()); an entry is either released or holds a row. When the holes outnumber the rows held
+// (and a few MiB at least), the next write first compacts the file in place, in large
+// sequential reads and writes, and gives the space back; a write that finds the disk full
+// compacts first too, if there are holes.
 // Small writes into scattered slots are what a disk tier must avoid: each costs a system call
 // and, in a page cache of large folios, a walk over the whole folio (measured: 36 us per 128-byte
 // write into a file written in large pieces, against 0.02 us per row appended). Reads copy
@@ -55,27 +58,44 @@ class DiskTier {
   int64_t slot_bytes() const { return slot_bytes_; }
   void rename(std::string table) { table_ = std::move(table); }
 
-  // Entries (rows held) 0 .. size-1; each has a key and a slot.
-  int64_t size() const { return keys_.size(); }
+  // Entries 0 .. entries()-1; each has a key, and a slot unless it is released (see release()).
+  int64_t entries() const { return keys_.size(); }
+  // Rows the file holds: entries not released.
+  int64_t size() const { return keys_.size() - released_; }
   int64_t find(int64_t key) const { return keys_.find(key); }
   void find_many(const int64_t* keys, int64_t n, int64_t* out) const { keys_.find_many(keys, n, out); }
   int64_t key(int64_t entry) const { return keys_.id(entry); }
   const std::vector<int64_t>& keys() const { return keys_.ids(); }
 
-  // Reads the slots of entries[i] into buf + i * slot_bytes.
+  // Reads the slots of entries[i] (not released) into buf + i * slot_bytes.
   void read(const int64_t* entries, int64_t n, char* buf) const;
-  // Adds keys[i] (absent) with the slot contents payloads + i * slot_bytes: new entries size()
-  // .. size()+n-1, in order. All or nothing.
-  void add(const int64_t* keys, int64_t n, const char* payloads);
-  // Removes entries (their slots become holes); returns the moves (from, to) of entries that
-  // filled the gaps, in order (see IdMap::erase_many).
+  // Adds keys[i] (absent) with the slot contents payloads + i * slot_bytes: new entries
+  // entries() .. entries()+n-1, in order. All or nothing.
+  void add(const int64_t* keys, int64_t n, const char* payloads) { store(keys, nullptr, n, payloads); }
+  // As add(), where entries[i] >= 0 names a released entry of keys[i], which holds a row again
+  // (its index unchanged); the others (-1) are new entries, appended in order. All or nothing.
+  void store(const int64_t* keys, const int64_t* entries, int64_t n, const char* payloads);
+  // Entries whose rows were read back and now live elsewhere (a dynamic table's memory): each
+  // keeps its key and index, its slot becomes a hole. A row read back often goes to disk again,
+  // and store() then gives its entry a slot without touching the index; removing the entry and
+  // adding it again costs several cache misses each in an index of the table's size.
+  void release(const int64_t* entries, int64_t n);
+  bool released(int64_t entry) const { return slot_[static_cast<size_t>(entry)] < 0; }
+  // Whether the file holds key's row (an entry not released).
+  bool holds(int64_t key) const {
+    const int64_t e = keys_.find(key);
+    return e >= 0 && !released(e);
+  }
+  int64_t released_count() const { return released_; }
+  // Removes entries, released or not (slots become holes); returns the moves (from, to) of
+  // entries that filled the gaps, in order (see IdMap::erase_many).
   std::vector<std::pair<int64_t, int64_t>> remove(std::vector<int64_t> entries);
   // Removes every entry and gives the file's space back.
   void clear();
   // An empty tier with another slot size (a new optimizer: its slots differ).
   void reset(int64_t slot_bytes);
   // Every record keeps its first `row_bytes` (the row) and gets `tail` after them (a new
-  // optimizer's fresh slots); entries keep their keys and positions.
+  // optimizer's fresh slots); entries keep their keys and positions. None may be released.
   void relayout(int64_t row_bytes, const std::vector<char>& tail);
 
   // Every record, edited in place: edit(records, n) gets n whole records at a time (slot_bytes
@@ -101,6 +121,7 @@ class DiskTier {
 
  private:
   [[noreturn]] void fail(const std::string& what, int error) const;
+  [[noreturn]] void bug(const std::string& what) const;  // an inconsistency of the caller's
   // Appends n records at the end; 0 or the errno of a failed write (the end is restored).
   int append(const char* payloads, int64_t n);
   // Reads the slots of entries[i] into buf + i * slot_bytes, without tracing or counting.
@@ -117,7 +138,8 @@ class DiskTier {
   int64_t slot_bytes_;
   Tracer* tracer_;
   IdMap keys_;                 // key -> entry
-  std::vector<int64_t> slot_;  // entry -> its slot in the file
+  std::vector<int64_t> slot_;  // entry -> its slot in the file (-1: released)
+  int64_t released_ = 0;
   int64_t end_ = 0;            // slots the file spans; slots not held by an entry are holes
   int64_t compactions_ = 0;
   mutable int64_t bytes_read_ = 0;

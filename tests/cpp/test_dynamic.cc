@@ -394,7 +394,7 @@ TEST(a_prefetchs_positions_and_ids_it_found_stored_nowhere_read_as_lookups_do) {
       both(ids);
     }
     const std::vector<int64_t> admitted = {5, 6, 7};
-    for (const int64_t id : admitted) CHECK(store.disk()->find(id) >= 0);  // (spilled: a lookup must go to disk)
+    for (const int64_t id : admitted) CHECK(store.disk()->holds(id));  // (spilled: a lookup must go to disk)
     std::vector<float> got(9), expected(9);
     store.read(*arena, admitted.data(), 3, got.data(), -1);
     reference.read(*reference_arena, admitted.data(), 3, expected.data(), -1);
@@ -411,7 +411,7 @@ TEST(a_prefetchs_positions_and_ids_it_found_stored_nowhere_read_as_lookups_do) {
     CHECK(memory - store.resident() >= 4 && arena->rule().step() % 8 != 0);
     std::vector<int64_t> back_from_disk;
     for (int64_t id = 1000; id < 1200 && back_from_disk.size() < 2; ++id) {
-      if (store.disk()->find(id) >= 0) back_from_disk.push_back(id);
+      if (store.disk()->holds(id)) back_from_disk.push_back(id);
     }
     CHECK(back_from_disk.size() == 2);
     const int64_t in_memory = next - 1;
@@ -442,7 +442,196 @@ TEST(a_prefetchs_positions_and_ids_it_found_stored_nowhere_read_as_lookups_do) {
     std::vector<float> back(6);
     store.read(*arena, written.data(), 2, back.data(), -1);
     CHECK(back == values);
-    CHECK(store.disk()->find(9001) >= 0);  // (read back from disk, not from memory)
+    CHECK(store.disk()->holds(9001));  // (read back from disk, not from memory)
+  }
+  rmdir(dir.c_str());
+}
+
+TEST(rows_read_back_and_spilled_again_reuse_their_disk_entries_and_train_as_all_in_memory) {
+  // A row read back from disk keeps its (released) disk entry and goes to it again when it
+  // spills; a row removed from memory for good (evicted, expired) takes its entry along. Against
+  // the same table all in memory, under Adagrad: ids coming back from disk again and again,
+  // rescaled accumulators (every record on disk rewritten, the file compacted), the whole state
+  // compared every few rounds (it walks the disk's entries), and either LRU eviction at capacity
+  // (it walks them too) or expiry after a few rounds (rows in memory, read back or not, and on
+  // disk). An entry left behind by a removed row fails the state's check (released entries
+  // remain) or a later read of the id (a released entry is never read).
+  const int64_t dim = 32;
+  char tmpl[] = "/tmp/hybridsync-reuse-test-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::map<std::string, double> hp = {{"lr", 0.1}};
+  const int64_t record = Shard("dyn", 1, dim, make_update_rule("adagrad", hp)).record_size();
+  // memory rows, capacity (0: none, else LRU), ttl_steps, old ids drawn from the newest `window`
+  // seen; bursts: 3 rounds in 10 bring 150 new ids (spills), the others 10, so that rows read
+  // back in calm rounds stay in memory until they expire.
+  auto run = [&](int64_t memory, int64_t capacity, int64_t ttl, size_t window, bool bursts) {
+    const DynamicSpec spec = dyn(capacity, 1, capacity > 0 ? "lru" : "none", ttl);
+    DynamicStore store("dyn", spec, capacity, dim, memory, std::make_unique<DiskTier>("dyn", dir, 0, record, nullptr));
+    DynamicStore reference("dyn", spec, capacity, dim);
+    auto arena = arena_for(store, dim, "adagrad", hp);
+    auto reference_arena = arena_for(reference, dim, "adagrad", hp);
+    std::mt19937_64 gen(3);
+    std::vector<int64_t> seen;
+    int64_t next = 1, probe = -1, probe_entry = -1;
+    auto same_state = [&] {
+      store.drop_released();
+      CHECK(store.disk()->released_count() == 0);
+      const DynamicState got = store.state(*arena), want = reference.state(*reference_arena);
+      std::map<int64_t, std::vector<float>> got_rows, want_rows;
+      for (const auto* st : {&got, &want}) {
+        auto& rows = st == &got ? got_rows : want_rows;
+        for (size_t i = 0; i < st->ids.size(); ++i) {
+          const auto at = static_cast<int64_t>(i) * dim;
+          std::vector<float> r(st->rows.begin() + at, st->rows.begin() + at + dim);
+          for (const auto& slot : st->slots) r.insert(r.end(), slot.begin() + at, slot.begin() + at + dim);
+          r.push_back(static_cast<float>(st->counts[i]));
+          r.push_back(static_cast<float>(st->last_touch[i]));
+          rows[st->ids[i]] = r;
+        }
+      }
+      CHECK(!got_rows.empty() && got_rows == want_rows);
+    };
+    for (int64_t round = 1; round <= 400; ++round) {
+      std::vector<int64_t> ids;
+      const int64_t fresh = !bursts ? 40 : round % 10 < 3 ? 150 : 10;
+      for (int64_t i = 0; i < fresh; ++i) ids.push_back(next++);
+      for (int64_t i = 0; i < 30 && !seen.empty(); ++i) {  // old ids: many on disk, some read back before
+        const size_t from = seen.size() > window ? seen.size() - window : 0;
+        const int64_t old = seen[from + static_cast<size_t>(gen() % (seen.size() - from))];
+        if (std::find(ids.begin(), ids.end(), old) == ids.end()) ids.push_back(old);
+      }
+      seen.insert(seen.end(), ids.begin(), ids.begin() + fresh);
+      if (round == 12 && capacity > 0) {  // (before any eviction: no entry moves)
+        for (const int64_t id : seen) {
+          if (store.disk()->holds(id) && std::find(ids.begin(), ids.end(), id) == ids.end()) {
+            probe = id;
+            break;
+          }
+        }
+        CHECK(probe >= 0);
+        ids.push_back(probe);
+        probe_entry = store.disk()->find(probe);
+      }
+      std::vector<int64_t> pull = ids;  // (a pull's ids repeat across ranks)
+      pull.insert(pull.end(), ids.begin(), ids.begin() + 10);
+      store.prefetch(arena, pull.data(), static_cast<int64_t>(pull.size()));
+      std::vector<float> grads(ids.size() * static_cast<size_t>(dim));
+      for (float& g : grads) g = static_cast<float>(static_cast<int64_t>(gen() % 200) - 100) / 64;
+      store.step(arena, ids.data(), static_cast<int64_t>(ids.size()), grads.data());
+      reference.step(reference_arena, ids.data(), static_cast<int64_t>(ids.size()), grads.data());
+      CHECK(store.stored() == reference.stored());
+      CHECK(store.resident() + store.disk()->size() == store.stored());
+      if (probe >= 0 && round == 12) {  // read back: its entry released, kept
+        CHECK(store.disk()->find(probe) == probe_entry && store.disk()->released(probe_entry));
+      }
+      if (probe >= 0 && round == 18) {  // spilled again, to the same entry
+        CHECK(store.disk()->holds(probe) && store.disk()->find(probe) == probe_entry);
+      }
+      if (round % 50 == 0) {
+        store.rescale_accumulators(*arena, 0.5f);
+        reference.rescale_accumulators(*reference_arena, 0.5f);
+      }
+      if (round % 20 == 0) same_state();
+      std::vector<float> got(ids.size() * static_cast<size_t>(dim)), want(got.size());
+      store.read(*arena, ids.data(), static_cast<int64_t>(ids.size()), got.data(), 0);
+      reference.read(*reference_arena, ids.data(), static_cast<int64_t>(ids.size()), want.data(), 0);
+      CHECK(got == want);
+    }
+    same_state();
+    CHECK(store.loads() > 1000);
+    return std::make_pair(store.stats(*arena), store.disk()->compactions());
+  };
+  const auto [evicting, evicting_compactions] = run(120, 900, 0, 700, false);
+  CHECK(evicting.evicted > 0 && evicting_compactions > 0);
+  const auto [expiring, expiring_compactions] = run(300, 0, 3, 400, true);
+  CHECK(expiring.expired > 0);
+  (void)expiring_compactions;
+  rmdir(dir.c_str());
+}
+
+TEST(an_id_listed_twice_for_a_round_and_rows_restored_onto_disk_expire_as_all_in_memory) {
+  // Expiry with a disk tier, against the same table all in memory. (1) An id a write() creates
+  // after the round's step that left it pending is listed twice for that round; its row spills,
+  // a pull reads it back (its disk entry released), and the round that expires it must remove
+  // it once (the second listing finds the released entry). (2) A shard restored with a small
+  // memory holds most rows on disk, and they expire at the rounds their last touches say.
+  const int64_t dim = 2, ttl = 2;
+  char tmpl[] = "/tmp/hybridsync-expiry-test-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const int64_t record = Shard("dyn", 1, dim, make_update_rule("sgd", {{"lr", 0.1}})).record_size();
+  auto same = [&](DynamicStore& store, Shard& arena, DynamicStore& reference, Shard& reference_arena) {
+    store.drop_released();
+    CHECK(store.disk()->released_count() == 0);
+    CHECK(store.stored() == reference.stored());
+    CHECK(store.stats(arena).expired == reference.stats(reference_arena).expired);
+    const DynamicState got = store.state(arena), want = reference.state(reference_arena);
+    std::map<int64_t, std::pair<int64_t, std::vector<float>>> a, b;
+    for (size_t i = 0; i < got.ids.size(); ++i) {
+      a[got.ids[i]] = {got.last_touch[i], {got.rows.begin() + i * dim, got.rows.begin() + (i + 1) * dim}};
+    }
+    for (size_t i = 0; i < want.ids.size(); ++i) {
+      b[want.ids[i]] = {want.last_touch[i], {want.rows.begin() + i * dim, want.rows.begin() + (i + 1) * dim}};
+    }
+    CHECK(a == b);
+  };
+  {
+    const DynamicSpec spec = dyn(0, 2, "none", ttl);  // (admitted at the second touch)
+    DynamicStore store("dyn", spec, 0, dim, 4, std::make_unique<DiskTier>("dyn", dir, 0, record, nullptr));
+    DynamicStore reference("dyn", spec, 0, dim);
+    auto arena = arena_for(store, dim, "sgd", {{"lr", 0.1}});
+    auto reference_arena = arena_for(reference, dim, "sgd", {{"lr", 0.1}});
+    auto both_step = [&](const std::vector<int64_t>& ids) {
+      store.prefetch(arena, ids.data(), static_cast<int64_t>(ids.size()));
+      touch(store, arena, ids, dim);
+      touch(reference, reference_arena, ids, dim);
+    };
+    auto both_write = [&](const std::vector<int64_t>& ids) {
+      const std::vector<float> values(ids.size() * dim, 0.25f);
+      store.write(arena, ids.data(), static_cast<int64_t>(ids.size()), values.data(), -1);
+      reference.write(reference_arena, ids.data(), static_cast<int64_t>(ids.size()), values.data(), -1);
+    };
+    const int64_t x = 42;
+    both_step({x});                                   // round 1: x pending, listed for round 1
+    both_write({x});                                  // created, listed for round 1 again
+    both_write({100, 101, 102, 103, 104, 105});       // rows of round 1 too
+    both_step({100, 101, 102, 103, 104, 105, 106});   // round 2: x spills
+    CHECK(store.disk()->holds(x));
+    store.prefetch(arena, &x, 1);                     // read back, not pushed: its entry released
+    CHECK(store.disk()->find(x) >= 0 && !store.disk()->holds(x) && store.resident() > 0);
+    both_step({104});                                 // round 3 (rows in memory: nothing spills)
+    CHECK(store.disk()->find(x) >= 0 && !store.disk()->holds(x));
+    both_step({105});                                 // round 4 expires round 1: x among them
+    CHECK(store.stats(*arena).expired > 0);
+    same(store, *arena, reference, *reference_arena);
+  }
+  {
+    const DynamicSpec spec = dyn(0, 1, "none", 3);
+    DynamicStore saved("dyn", spec, 0, dim);
+    auto saved_arena = arena_for(saved, dim, "sgd", {{"lr", 0.1}});
+    for (int64_t round = 0; round < 4; ++round) {  // rows last touched at rounds 1 .. 4
+      std::vector<int64_t> ids;
+      for (int64_t i = 0; i < 30; ++i) ids.push_back(1000 * (round + 1) + i);
+      touch(saved, saved_arena, ids, dim);
+    }
+    const DynamicState state = saved.state(*saved_arena);
+    DynamicStore store("dyn", spec, 0, dim, 8, std::make_unique<DiskTier>("dyn", dir, 0, record, nullptr));
+    DynamicStore reference("dyn", spec, 0, dim);
+    auto arena = arena_for(store, dim, "sgd", {{"lr", 0.1}});
+    auto reference_arena = arena_for(reference, dim, "sgd", {{"lr", 0.1}});
+    arena->rule().set_step(4);
+    reference_arena->rule().set_step(4);
+    store.restore(arena, state, [](int64_t) { return true; });
+    reference.restore(reference_arena, state, [](int64_t) { return true; });
+    CHECK(store.disk()->size() > 100 && store.stored() == 120);
+    for (int64_t round = 5; round <= 8; ++round) {  // rounds 5 .. 8 expire rounds 1 .. 4's rows
+      const std::vector<int64_t> ids = {round};
+      store.prefetch(arena, ids.data(), 1);
+      touch(store, arena, ids, dim);
+      touch(reference, reference_arena, ids, dim);
+      CHECK(store.stored() == reference.stored());
+    }
+    CHECK(reference.stored() <= 4);  // (all 120 restored rows expired)
+    same(store, *arena, reference, *reference_arena);
   }
   rmdir(dir.c_str());
 }

@@ -48,10 +48,14 @@ int64_t file_size(const std::string& path) {
 }
 
 // Every entry of the tier reads back as `expected` says, through the mapping and through pread.
+// Released entries (see DiskTier::release) hold no row and are not read.
 void check_contents(DiskTier& tier, const std::map<int64_t, std::vector<char>>& expected) {
   CHECK(tier.size() == static_cast<int64_t>(expected.size()));
-  std::vector<int64_t> entries(static_cast<size_t>(tier.size()));
-  for (int64_t e = 0; e < tier.size(); ++e) entries[static_cast<size_t>(e)] = e;
+  std::vector<int64_t> entries;
+  for (int64_t e = 0; e < tier.entries(); ++e) {
+    if (!tier.released(e)) entries.push_back(e);
+  }
+  CHECK(static_cast<int64_t>(entries.size()) == tier.size());
   std::shuffle(entries.begin(), entries.end(), std::mt19937_64(entries.size()));
   const int64_t bytes = tier.slot_bytes();
   for (const bool mapped : {true, false}) {
@@ -118,6 +122,92 @@ TEST(disk_tier_matches_a_map_under_random_adds_removes_and_compactions) {
   }());
   CHECK(tier.size() == 0 && tier.span() == 0 && file_size(tier.path()) == 0);  // (an empty tier is an empty file)
   CHECK(tier.bytes_written() == written);
+}
+
+TEST(released_entries_keep_their_keys_and_indices_and_take_rows_again_without_a_new_entry) {
+  // A dynamic table's row read back into memory releases its entry (the key and index stay, the
+  // slot becomes a hole); when the row goes to disk again, store() gives the same entry a slot.
+  // Against a map of the rows held and a map of key -> entry: random adds, releases, stores
+  // that reuse released entries beside new keys, removes of both kinds, compactions.
+  const ScratchDir scratch;
+  const int64_t bytes = 2048;  // (the automatic compaction's 4 MiB of holes come soon)
+  DiskTier tier("t", scratch.path, 0, bytes, nullptr);
+  std::map<int64_t, std::vector<char>> held;  // key -> record, rows the file holds
+  std::map<int64_t, int64_t> entry_of;        // every key with an entry, released or not
+  std::mt19937_64 rng(11);
+  int64_t next_key = 0, version = 0;
+  auto check_entries = [&] {
+    CHECK(tier.entries() == static_cast<int64_t>(entry_of.size()));
+    CHECK(tier.released_count() == tier.entries() - tier.size());
+    for (const auto& [key, e] : entry_of) {
+      CHECK(tier.find(key) == e && tier.key(e) == key);
+      CHECK(tier.released(e) == (held.count(key) == 0) && tier.holds(key) == (held.count(key) == 1));
+    }
+    check_contents(tier, held);
+  };
+  for (int round = 0; round < 80; ++round) {
+    // Release a random share of the rows held (read back into memory).
+    std::vector<int64_t> released;
+    for (const auto& [key, e] : entry_of) {
+      if (held.count(key) && rng() % 3 == 0) released.push_back(e);
+    }
+    tier.release(released.data(), static_cast<int64_t>(released.size()));
+    for (const int64_t e : released) held.erase(tier.key(e));
+    // Store some released keys again (new versions), mixed with new keys, in one call.
+    std::vector<int64_t> keys, entries;
+    std::vector<char> payloads;
+    for (const auto& [key, e] : entry_of) {
+      if (!held.count(key) && rng() % 2 == 0) {
+        keys.push_back(key);
+        entries.push_back(e);
+      }
+    }
+    for (int64_t i = static_cast<int64_t>(rng() % 60); i > 0; --i) {
+      keys.push_back(next_key++ * (rng() % 2 ? 1 : -1));
+      entries.push_back(-1);
+    }
+    std::shuffle(keys.begin(), keys.end(), std::mt19937_64(round));  // (the pairs stay together below)
+    std::shuffle(entries.begin(), entries.end(), std::mt19937_64(round));
+    const int64_t first_new = tier.entries();
+    for (const int64_t key : keys) {
+      const std::vector<char> r = record_of(key, ++version, bytes);
+      payloads.insert(payloads.end(), r.begin(), r.end());
+      held[key] = r;
+    }
+    tier.store(keys.data(), entries.data(), static_cast<int64_t>(keys.size()), payloads.data());
+    int64_t appended = 0;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (entries[i] < 0) entry_of[keys[i]] = first_new + appended++;  // (new entries in order)
+    }
+    check_entries();
+    // Remove a few entries of either kind (rows evicted or expired, on disk or in memory).
+    std::vector<int64_t> victims;
+    for (int64_t e = 0; e < tier.entries(); ++e) {
+      if (rng() % 7 == 0) victims.push_back(e);
+    }
+    for (const int64_t e : victims) {
+      held.erase(tier.key(e));
+      entry_of.erase(tier.key(e));
+    }
+    for (const auto& [from, to] : tier.remove(victims)) entry_of[tier.key(to)] = to;
+    check_entries();
+    if (round % 25 == 24) {
+      tier.compact();
+      CHECK(tier.span() == tier.size());
+      check_entries();
+    }
+  }
+  CHECK(tier.compactions() > 1);  // (automatic ones too)
+  // Every row read back: the file is empty, the entries stay; compaction gives its space back.
+  std::vector<int64_t> all;
+  for (const auto& [key, e] : entry_of) {
+    if (held.count(key)) all.push_back(e);
+  }
+  tier.release(all.data(), static_cast<int64_t>(all.size()));
+  held.clear();
+  tier.compact();
+  CHECK(tier.size() == 0 && tier.span() == 0 && file_size(tier.path()) == 0);
+  check_entries();
 }
 
 TEST(a_disk_tier_compaction_moves_rows_once_and_appends_stay_sequential) {
