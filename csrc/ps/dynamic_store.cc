@@ -447,9 +447,9 @@ void DynamicStore::expire(Shard& arena, int32_t now) {
 }
 
 int64_t DynamicStore::evict_to(Shard& arena, int64_t target, int32_t now) {
-  // Victims: rows not touched this round, in memory or on disk alike (entries R.. are the disk's).
-  drop_released();  // (so that every disk entry holds a row)
-  const int64_t held = rows_.size(), n = stored();
+  // Victims: rows not touched this round, in memory or on disk alike (entries R.. are the disk's;
+  // a released one's row is in memory, so it is no candidate: its row is, and takes it along).
+  const int64_t held = rows_.size(), n = held + (disk_ ? disk_->entries() : 0);
   auto count = [&](int64_t e) -> int64_t {
     return e < held ? counts_[static_cast<size_t>(e)] : disk_counts_[static_cast<size_t>(e - held)];
   };
@@ -457,8 +457,8 @@ int64_t DynamicStore::evict_to(Shard& arena, int64_t target, int32_t now) {
     return e < held ? last_[static_cast<size_t>(e)] : disk_last_[static_cast<size_t>(e - held)];
   };
   auto id = [&](int64_t e) { return e < held ? rows_.id(e) : disk_->key(e - held); };
-  std::vector<int64_t> victims =
-      least(n, n - target, spec_.evict == "lfu", [&](int64_t e) { return last(e) != now; }, count, last, id);
+  auto eligible = [&](int64_t e) { return (e < held || !disk_->released(e - held)) && last(e) != now; };
+  std::vector<int64_t> victims = least(n, stored() - target, spec_.evict == "lfu", eligible, count, last, id);
   const auto removed = static_cast<int64_t>(victims.size());
   std::vector<int64_t> in_memory, on_disk;
   for (const int64_t e : victims) (e < held ? in_memory : on_disk).push_back(e < held ? e : e - held);

@@ -99,7 +99,7 @@ class DynamicStore {
   int64_t stored() const { return rows_.size() + (disk_ ? disk_->size() : 0); }
   // Disk tier: removes the entries of rows read back into memory (see DiskTier::release), so
   // that every disk entry holds a row: before anything walks the entries by index (range(),
-  // state(), eviction, a new rule). Changes no row.
+  // state(), a new rule). Changes no row.
   void drop_released();
   int64_t resident() const { return rows_.size(); }
   int64_t pending() const { return pending_.size(); }
